@@ -1,0 +1,781 @@
+//! The configuration: the TOML file's shape, its defaults, and the rules it must obey.
+//!
+//! This crate owns the *contract* of `nthbouncer serve --config FILE` (SPEC §10): every key,
+//! its default, and a validation that names the key and the rule broken. The admin API accepts
+//! the same [`PoolSpec`] as JSON, so a pool reads the same whether it came from the file or the
+//! API. It must not know about HTTP serving, storage, or the governor's internals: it hands out
+//! plain values, and the server turns them into runtime state.
+
+#![forbid(unsafe_code)]
+
+pub mod keys;
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// A configuration problem, naming the key and the rule it breaks.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{key}: {rule}")]
+pub struct ConfigError {
+    /// Dotted path of the offending key, e.g. `pools[0].concurrency.limit`.
+    pub key: String,
+    /// What is wrong, for a human.
+    pub rule: String,
+}
+
+impl ConfigError {
+    pub fn new(key: impl Into<String>, rule: impl Into<String>) -> Self {
+        ConfigError {
+            key: key.into(),
+            rule: rule.into(),
+        }
+    }
+}
+
+/// The whole file.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub server: ServerSpec,
+    #[serde(default)]
+    pub pools: Vec<PoolSpec>,
+}
+
+/// `[server]`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerSpec {
+    pub listen: String,
+    pub api_host: String,
+    pub pool_domain: String,
+    /// Base of every `pollUrl`; default `http://{api_host}:{port}`.
+    pub public_url: Option<String>,
+    pub data_dir: PathBuf,
+    /// `"sqlite"` (embedded default).
+    pub store: String,
+    /// `"in-process"` (default).
+    pub coordination: String,
+    /// Bearer token of the admin API (`env:NAME` allowed). Unset: the admin API answers 401.
+    pub admin_token: Option<String>,
+    pub trusted_proxies: Vec<String>,
+    pub allow_private_webhooks: bool,
+    pub max_destinations_per_pool: u32,
+    /// Largest caller body the proxy forwards.
+    pub max_body_bytes: u64,
+    /// How long a client may take to send its request head (slowloris guard).
+    pub header_read_timeout_ms: u64,
+    /// How long a pooled upstream connection may sit idle; keep it below typical upstream
+    /// keep-alive timeouts (Node's default is 5 s) so we never write to a connection the
+    /// upstream is closing.
+    pub upstream_idle_timeout_ms: u64,
+    /// How long to wait for upstream TCP+TLS connect.
+    pub upstream_connect_timeout_ms: u64,
+    /// On SIGTERM, how long in-flight requests may take to finish.
+    pub shutdown_grace_ms: u64,
+    /// Newest access-log entries kept per pool.
+    pub access_log_keep: u64,
+}
+
+impl Default for ServerSpec {
+    fn default() -> Self {
+        ServerSpec {
+            listen: "127.0.0.1:8080".into(),
+            api_host: "api.localhost".into(),
+            pool_domain: "localhost".into(),
+            public_url: None,
+            data_dir: PathBuf::from("nthbouncer-data"),
+            store: "sqlite".into(),
+            coordination: "in-process".into(),
+            admin_token: None,
+            trusted_proxies: Vec::new(),
+            allow_private_webhooks: false,
+            max_destinations_per_pool: 10,
+            max_body_bytes: 10 * 1024 * 1024,
+            header_read_timeout_ms: 10_000,
+            upstream_idle_timeout_ms: 4_000,
+            upstream_connect_timeout_ms: 5_000,
+            shutdown_grace_ms: 30_000,
+            access_log_keep: 10_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PoolKind {
+    #[default]
+    Proxy,
+    Database,
+}
+
+/// One `[[pools]]` table (and the admin API's pool body).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PoolSpec {
+    pub name: String,
+    #[serde(default)]
+    pub kind: PoolKind,
+    pub upstream: String,
+    #[serde(default)]
+    pub custom_domains: Vec<String>,
+    /// Managed credentials set on every upstream request (values may be `env:NAME`).
+    #[serde(default)]
+    pub upstream_headers: BTreeMap<String, String>,
+    /// Plaintext keys or `sha256:<hex>` hashes.
+    #[serde(default)]
+    pub keys: Vec<String>,
+    #[serde(default)]
+    pub auth: AuthSpec,
+    #[serde(default)]
+    pub concurrency: ConcurrencySpec,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AuthMethod {
+    /// `X-Nthpool-Key: <key>`
+    Header,
+    /// `Authorization: Bearer <key>`
+    Bearer,
+    /// `Authorization: Nthbouncer <key>`
+    Nthbouncer,
+}
+
+/// `[pools.auth]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthSpec {
+    pub accept: Vec<AuthMethod>,
+}
+
+impl Default for AuthSpec {
+    fn default() -> Self {
+        AuthSpec {
+            accept: vec![AuthMethod::Header],
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ProxyWait {
+    /// Proxy requests wait up to `queue_timeout_ms` by default.
+    #[default]
+    Open,
+    /// Proxy requests fail fast unless they ask for a wait budget.
+    FailFast,
+}
+
+/// `[pools.concurrency]`: the governor's settings (SPEC §3).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct ConcurrencySpec {
+    pub limit: u32,
+    pub queue_size: u32,
+    pub queue_timeout_ms: u64,
+    pub proxy_wait: ProxyWait,
+    pub rpm: u32,
+    pub request_timeout_ms: u64,
+    pub lease_term_ms: u64,
+    pub renew_interval_ms: u64,
+    pub adaptive: bool,
+    pub min_limit: u32,
+    pub fair_share: bool,
+}
+
+impl Default for ConcurrencySpec {
+    fn default() -> Self {
+        ConcurrencySpec {
+            limit: 10,
+            queue_size: 1000,
+            queue_timeout_ms: 30_000,
+            proxy_wait: ProxyWait::Open,
+            rpm: 0,
+            request_timeout_ms: 120_000,
+            lease_term_ms: 30_000,
+            renew_interval_ms: 10_000,
+            adaptive: true,
+            min_limit: 1,
+            fair_share: true,
+        }
+    }
+}
+
+/// Limits on settings, documented in the README's configuration reference.
+pub mod limits {
+    pub const MAX_LIMIT: u32 = 100_000;
+    pub const MAX_QUEUE_SIZE: u32 = 1_000_000;
+    pub const MAX_QUEUE_TIMEOUT_MS: u64 = 3_600_000;
+    pub const MAX_REQUEST_TIMEOUT_MS: u64 = 86_400_000;
+    pub const MIN_LEASE_TERM_MS: u64 = 100;
+    pub const MAX_KEYS_PER_POOL: usize = 10_000;
+}
+
+impl Config {
+    /// Parses and validates a TOML document. Errors name the key and the rule.
+    pub fn from_toml_str(text: &str) -> Result<Config, ConfigError> {
+        let de = toml::Deserializer::new(text);
+        let config: Config = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            let key = if path == "." || path.is_empty() {
+                "(file)".to_string()
+            } else {
+                path
+            };
+            ConfigError::new(
+                key,
+                inner.message().to_string() + &location(text, inner.span()),
+            )
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Reads, parses and validates a file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            ConfigError::new("(file)", format!("cannot read {}: {e}", path.display()))
+        })?;
+        Config::from_toml_str(&text)
+    }
+
+    /// Checks every rule; the first broken one is returned.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.server.validate()?;
+        let mut names = HashSet::new();
+        let mut domains = HashSet::new();
+        for (i, pool) in self.pools.iter().enumerate() {
+            let at = format!("pools[{i}]");
+            pool.validate(&at)?;
+            if !names.insert(pool.name.as_str()) {
+                return Err(ConfigError::new(
+                    format!("{at}.name"),
+                    format!("duplicate pool name {:?}", pool.name),
+                ));
+            }
+            for d in &pool.custom_domains {
+                let d = d.to_ascii_lowercase();
+                if d == self.server.api_host.to_ascii_lowercase() {
+                    return Err(ConfigError::new(
+                        format!("{at}.custom_domains"),
+                        format!("{d:?} is the API host"),
+                    ));
+                }
+                if !domains.insert(d.clone()) {
+                    return Err(ConfigError::new(
+                        format!("{at}.custom_domains"),
+                        format!("{d:?} is claimed by two pools"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn location(text: &str, span: Option<std::ops::Range<usize>>) -> String {
+    match span {
+        Some(span) if span.start <= text.len() => {
+            let line = text[..span.start].matches('\n').count() + 1;
+            format!(" (line {line})")
+        }
+        _ => String::new(),
+    }
+}
+
+impl ServerSpec {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.listen_addr()?;
+        check_hostname("server.api_host", &self.api_host)?;
+        check_hostname("server.pool_domain", &self.pool_domain)?;
+        if let Some(url) = &self.public_url {
+            parse_http_url("server.public_url", url)?;
+        }
+        if self.store != "sqlite" {
+            let rule = if self.store.starts_with("postgres://")
+                || self.store.starts_with("postgresql://")
+            {
+                "the PostgreSQL store is not available in this version; use \"sqlite\""
+            } else {
+                "must be \"sqlite\""
+            };
+            return Err(ConfigError::new("server.store", rule));
+        }
+        if self.coordination != "in-process" {
+            let rule = if self.coordination.starts_with("redis://") {
+                "Redis coordination is not available in this version; use \"in-process\""
+            } else {
+                "must be \"in-process\""
+            };
+            return Err(ConfigError::new("server.coordination", rule));
+        }
+        if self.admin_token.is_some() {
+            let token = self.admin_token()?.unwrap_or_default();
+            if token.len() < 16 {
+                return Err(ConfigError::new(
+                    "server.admin_token",
+                    "must be at least 16 characters",
+                ));
+            }
+        }
+        for (i, p) in self.trusted_proxies.iter().enumerate() {
+            parse_cidr(p).ok_or_else(|| {
+                ConfigError::new(
+                    format!("server.trusted_proxies[{i}]"),
+                    format!("{p:?} is not an IP address or CIDR"),
+                )
+            })?;
+        }
+        positive("server.max_body_bytes", self.max_body_bytes)?;
+        positive("server.header_read_timeout_ms", self.header_read_timeout_ms)?;
+        positive(
+            "server.upstream_idle_timeout_ms",
+            self.upstream_idle_timeout_ms,
+        )?;
+        positive(
+            "server.upstream_connect_timeout_ms",
+            self.upstream_connect_timeout_ms,
+        )?;
+        positive("server.access_log_keep", self.access_log_keep)?;
+        if self.max_destinations_per_pool == 0 {
+            return Err(ConfigError::new(
+                "server.max_destinations_per_pool",
+                "must be at least 1",
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn listen_addr(&self) -> Result<SocketAddr, ConfigError> {
+        self.listen.parse().map_err(|_| {
+            ConfigError::new(
+                "server.listen",
+                format!("{:?} is not an address like 127.0.0.1:8080", self.listen),
+            )
+        })
+    }
+
+    /// The admin token with `env:` resolved.
+    pub fn admin_token(&self) -> Result<Option<String>, ConfigError> {
+        self.admin_token
+            .as_deref()
+            .map(|t| resolve_secret("server.admin_token", t))
+            .transpose()
+    }
+
+    pub fn trusted_proxy_nets(&self) -> Vec<ipnet::IpNet> {
+        self.trusted_proxies
+            .iter()
+            .filter_map(|p| parse_cidr(p))
+            .collect()
+    }
+
+    /// `public_url`, or `http://{api_host}:{port}`.
+    pub fn public_url(&self, port: u16) -> String {
+        match &self.public_url {
+            Some(u) => u.trim_end_matches('/').to_string(),
+            None => format!("http://{}:{port}", self.api_host),
+        }
+    }
+}
+
+fn positive(key: &str, v: u64) -> Result<(), ConfigError> {
+    if v == 0 {
+        Err(ConfigError::new(key, "must be greater than 0"))
+    } else {
+        Ok(())
+    }
+}
+
+fn parse_cidr(s: &str) -> Option<ipnet::IpNet> {
+    s.parse::<ipnet::IpNet>()
+        .ok()
+        .or_else(|| s.parse::<std::net::IpAddr>().ok().map(ipnet::IpNet::from))
+}
+
+/// Resolves `env:NAME` to the variable's value; other strings are returned as they are.
+pub fn resolve_secret(key: &str, value: &str) -> Result<String, ConfigError> {
+    match value.strip_prefix("env:") {
+        Some(name) => std::env::var(name)
+            .map_err(|_| ConfigError::new(key, format!("environment variable {name} is not set"))),
+        None => Ok(value.to_string()),
+    }
+}
+
+/// Pool names: `^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$`.
+pub fn valid_pool_name(name: &str) -> bool {
+    let b = name.as_bytes();
+    let ok = |c: &u8| c.is_ascii_lowercase() || c.is_ascii_digit();
+    !b.is_empty()
+        && b.len() <= 63
+        && b.first().is_some_and(ok)
+        && b.last().is_some_and(ok)
+        && b.iter().all(|c| ok(c) || *c == b'-')
+}
+
+fn check_hostname(key: &str, host: &str) -> Result<(), ConfigError> {
+    let valid = !host.is_empty()
+        && host.len() <= 253
+        && host.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label
+                    .bytes()
+                    .all(|c| c.is_ascii_alphanumeric() || c == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        });
+    if valid {
+        Ok(())
+    } else {
+        Err(ConfigError::new(
+            key,
+            format!("{host:?} is not a valid host name"),
+        ))
+    }
+}
+
+/// An absolute `http`/`https` URL with a host.
+pub fn parse_http_url(key: &str, url: &str) -> Result<http::Uri, ConfigError> {
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|_| ConfigError::new(key, format!("{url:?} is not a URL")))?;
+    match uri.scheme_str() {
+        Some("http") | Some("https") => {}
+        _ => {
+            return Err(ConfigError::new(
+                key,
+                format!("{url:?} must start with http:// or https://"),
+            ))
+        }
+    }
+    if uri.host().is_none_or(str::is_empty) {
+        return Err(ConfigError::new(key, format!("{url:?} has no host")));
+    }
+    Ok(uri)
+}
+
+impl PoolSpec {
+    /// Checks the pool's own rules; `at` prefixes key paths (e.g. `pools[0]`).
+    pub fn validate(&self, at: &str) -> Result<(), ConfigError> {
+        if !valid_pool_name(&self.name) {
+            return Err(ConfigError::new(
+                format!("{at}.name"),
+                format!(
+                    "{:?} must match ^[a-z0-9]([a-z0-9-]{{0,61}}[a-z0-9])?$",
+                    self.name
+                ),
+            ));
+        }
+        if self.kind == PoolKind::Database {
+            return Err(ConfigError::new(
+                format!("{at}.kind"),
+                "database pools are not available in this version",
+            ));
+        }
+        parse_http_url(&format!("{at}.upstream"), &self.upstream)?;
+        for (i, d) in self.custom_domains.iter().enumerate() {
+            check_hostname(&format!("{at}.custom_domains[{i}]"), d)?;
+        }
+        for (name, value) in &self.upstream_headers {
+            let key = format!("{at}.upstream_headers.{name}");
+            http::HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| ConfigError::new(&key, "is not a valid header name"))?;
+            let resolved = resolve_secret(&key, value)?;
+            http::HeaderValue::from_str(&resolved)
+                .map_err(|_| ConfigError::new(&key, "is not a valid header value"))?;
+        }
+        if self.keys.len() > limits::MAX_KEYS_PER_POOL {
+            return Err(ConfigError::new(
+                format!("{at}.keys"),
+                format!("at most {} keys per pool", limits::MAX_KEYS_PER_POOL),
+            ));
+        }
+        for i in 0..self.keys.len() {
+            self.key_digest(at, i)?;
+        }
+        if self.auth.accept.is_empty() {
+            return Err(ConfigError::new(
+                format!("{at}.auth.accept"),
+                "must name at least one of header, bearer, nthbouncer",
+            ));
+        }
+        self.concurrency.validate(&format!("{at}.concurrency"))
+    }
+
+    /// The digest of key `i` (plaintext hashed, `sha256:` parsed, `env:` resolved).
+    pub fn key_digest(&self, at: &str, i: usize) -> Result<[u8; 32], ConfigError> {
+        let key = format!("{at}.keys[{i}]");
+        let raw = self
+            .keys
+            .get(i)
+            .ok_or_else(|| ConfigError::new(&key, "no such key"))?;
+        let value = resolve_secret(&key, raw)?;
+        if value.starts_with("sha256:") {
+            return keys::parse_hash(&value).ok_or_else(|| {
+                ConfigError::new(&key, "sha256: must be followed by 64 hex characters")
+            });
+        }
+        keys::check_format(&value).map_err(|e| {
+            ConfigError::new(
+                &key,
+                match e {
+                    keys::KeyFormatError::Malformed => {
+                        "an nb_live_ key must have 38 base62 characters after the prefix"
+                    }
+                    keys::KeyFormatError::Checksum => {
+                        "the nb_live_ key's checksum does not match (mistyped?)"
+                    }
+                    keys::KeyFormatError::Legacy => {
+                        "a key must be 16-256 printable characters, or sha256:<hex>"
+                    }
+                },
+            )
+        })?;
+        Ok(keys::digest(&value))
+    }
+
+    /// Every key digest; call after `validate`.
+    pub fn key_digests(&self, at: &str) -> Result<Vec<[u8; 32]>, ConfigError> {
+        (0..self.keys.len())
+            .map(|i| self.key_digest(at, i))
+            .collect()
+    }
+
+    /// Managed upstream headers with secrets resolved.
+    pub fn resolved_upstream_headers(
+        &self,
+        at: &str,
+    ) -> Result<Vec<(String, String)>, ConfigError> {
+        self.upstream_headers
+            .iter()
+            .map(|(k, v)| {
+                Ok((
+                    k.clone(),
+                    resolve_secret(&format!("{at}.upstream_headers.{k}"), v)?,
+                ))
+            })
+            .collect()
+    }
+
+    /// The spec as shown on read: header values masked (unless an `env:` reference), plaintext
+    /// keys replaced by a shortened hash.
+    pub fn masked(&self) -> PoolSpec {
+        let mut out = self.clone();
+        for v in out.upstream_headers.values_mut() {
+            if !v.starts_with("env:") {
+                *v = mask(v);
+            }
+        }
+        out.keys = self
+            .keys
+            .iter()
+            .map(|k| {
+                let hash = if k.starts_with("sha256:") {
+                    k.clone()
+                } else {
+                    format!("sha256:{}", keys::hash_hex(k))
+                };
+                format!("{}…", &hash[..hash.len().min(19)])
+            })
+            .collect();
+        out
+    }
+
+    /// The spec as stored: plaintext keys replaced by their `sha256:` hash.
+    pub fn with_hashed_keys(&self) -> PoolSpec {
+        let mut out = self.clone();
+        out.keys = self
+            .keys
+            .iter()
+            .map(|k| {
+                if k.starts_with("sha256:") || k.starts_with("env:") {
+                    k.clone()
+                } else {
+                    format!("sha256:{}", keys::hash_hex(k))
+                }
+            })
+            .collect();
+        out
+    }
+}
+
+/// Shows a secret's first 4 characters at most, never the whole.
+pub fn mask(secret: &str) -> String {
+    let shown: String = secret.chars().take(4).collect();
+    if secret.chars().count() <= 8 {
+        "****".to_string()
+    } else {
+        format!("{shown}****")
+    }
+}
+
+impl ConcurrencySpec {
+    pub fn validate(&self, at: &str) -> Result<(), ConfigError> {
+        let k = |name: &str| format!("{at}.{name}");
+        if self.limit == 0 || self.limit > limits::MAX_LIMIT {
+            return Err(ConfigError::new(
+                k("limit"),
+                format!(
+                    "must be between 1 and {} (got {})",
+                    limits::MAX_LIMIT,
+                    self.limit
+                ),
+            ));
+        }
+        if self.queue_size > limits::MAX_QUEUE_SIZE {
+            return Err(ConfigError::new(
+                k("queue_size"),
+                format!("must be at most {}", limits::MAX_QUEUE_SIZE),
+            ));
+        }
+        if self.queue_timeout_ms > limits::MAX_QUEUE_TIMEOUT_MS {
+            return Err(ConfigError::new(
+                k("queue_timeout_ms"),
+                format!("must be at most {}", limits::MAX_QUEUE_TIMEOUT_MS),
+            ));
+        }
+        if self.request_timeout_ms == 0 || self.request_timeout_ms > limits::MAX_REQUEST_TIMEOUT_MS
+        {
+            return Err(ConfigError::new(
+                k("request_timeout_ms"),
+                format!("must be between 1 and {}", limits::MAX_REQUEST_TIMEOUT_MS),
+            ));
+        }
+        if self.lease_term_ms < limits::MIN_LEASE_TERM_MS {
+            return Err(ConfigError::new(
+                k("lease_term_ms"),
+                format!("must be at least {}", limits::MIN_LEASE_TERM_MS),
+            ));
+        }
+        if self.renew_interval_ms == 0 || self.renew_interval_ms >= self.lease_term_ms {
+            return Err(ConfigError::new(
+                k("renew_interval_ms"),
+                format!(
+                    "must be greater than 0 and less than lease_term_ms ({})",
+                    self.lease_term_ms
+                ),
+            ));
+        }
+        if self.min_limit == 0 || self.min_limit > self.limit {
+            return Err(ConfigError::new(
+                k("min_limit"),
+                format!("must be between 1 and limit ({})", self.limit),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn err(text: &str) -> ConfigError {
+        Config::from_toml_str(text).unwrap_err()
+    }
+
+    #[test]
+    fn empty_file_gives_defaults() {
+        let c = Config::from_toml_str("").unwrap();
+        assert_eq!(c.server.listen, "127.0.0.1:8080");
+        assert_eq!(c.server.api_host, "api.localhost");
+        assert!(c.pools.is_empty());
+    }
+
+    #[test]
+    fn a_full_pool_parses_with_defaults_filled_in() {
+        let c = Config::from_toml_str(
+            r#"
+            [[pools]]
+            name = "demo"
+            upstream = "http://127.0.0.1:9000"
+            keys = ["legacy-key-0123456789"]
+            [pools.upstream_headers]
+            authorization = "Bearer sk-123"
+            [pools.concurrency]
+            limit = 3
+            "#,
+        )
+        .unwrap();
+        let p = &c.pools[0];
+        assert_eq!(p.concurrency.limit, 3);
+        assert_eq!(p.concurrency.queue_size, 1000);
+        assert_eq!(p.auth.accept, vec![AuthMethod::Header]);
+        assert_eq!(p.key_digests("pools[0]").unwrap().len(), 1);
+    }
+
+    #[test]
+    fn errors_name_the_key_and_rule() {
+        let e = err(
+            "[[pools]]\nname = \"x\"\nupstream = \"http://a\"\n[pools.concurrency]\nlimit = 0\n",
+        );
+        assert_eq!(e.key, "pools[0].concurrency.limit");
+        assert!(e.rule.contains("between 1"), "{e}");
+
+        let e = err("[[pools]]\nname = \"Bad_Name\"\nupstream = \"http://a\"\n");
+        assert_eq!(e.key, "pools[0].name");
+
+        let e = err("[[pools]]\nname = \"x\"\nupstream = \"ftp://a\"\n");
+        assert_eq!(e.key, "pools[0].upstream");
+
+        let e = err("[server]\nlisten = \"nowhere\"\n");
+        assert_eq!(e.key, "server.listen");
+
+        let e = err(
+            "[[pools]]\nname = \"x\"\nupstream = \"http://a\"\n[pools.concurrency]\nlimt = 3\n",
+        );
+        assert!(e.key.starts_with("pools[0].concurrency"), "{e}");
+        assert!(e.rule.contains("unknown field"), "{e}");
+
+        let e = err("[[pools]]\nname = \"x\"\nupstream = \"http://a\"\nkeys = [\"env:NTHBOUNCER_TEST_SURELY_UNSET\"]\n");
+        assert_eq!(e.key, "pools[0].keys[0]");
+        assert!(e.rule.contains("NTHBOUNCER_TEST_SURELY_UNSET"));
+
+        let e = err("[[pools]]\nname = \"x\"\nupstream = \"http://a\"\n[[pools]]\nname = \"x\"\nupstream = \"http://b\"\n");
+        assert_eq!(e.key, "pools[1].name");
+
+        let e = err("[[pools]]\nname = \"x\"\nupstream = \"http://a\"\n[pools.concurrency]\nlimit = \"many\"\n");
+        assert_eq!(e.key, "pools[0].concurrency.limit");
+    }
+
+    #[test]
+    fn masking_never_shows_a_secret_whole() {
+        let spec = PoolSpec {
+            name: "p".into(),
+            kind: PoolKind::Proxy,
+            upstream: "http://a".into(),
+            custom_domains: vec![],
+            upstream_headers: [(
+                "authorization".to_string(),
+                "Bearer sk-very-secret".to_string(),
+            )]
+            .into(),
+            keys: vec!["legacy-key-0123456789".into()],
+            auth: AuthSpec::default(),
+            concurrency: ConcurrencySpec::default(),
+        };
+        let m = spec.masked();
+        let shown = serde_json::to_string(&m).unwrap();
+        assert!(!shown.contains("sk-very-secret"));
+        assert!(!shown.contains("legacy-key-0123456789"));
+        assert!(spec.with_hashed_keys().keys[0].starts_with("sha256:"));
+    }
+
+    #[test]
+    fn pool_names() {
+        assert!(valid_pool_name("demo"));
+        assert!(valid_pool_name("prod-acme-1"));
+        assert!(!valid_pool_name("-x"));
+        assert!(!valid_pool_name("x-"));
+        assert!(!valid_pool_name("UPPER"));
+        assert!(!valid_pool_name(""));
+        assert!(!valid_pool_name(&"a".repeat(64)));
+    }
+}

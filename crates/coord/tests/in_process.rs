@@ -1,0 +1,536 @@
+//! The in-process gate at its public boundary (the `PoolGate` trait), with a `ManualClock`
+//! wherever time matters. Real tokio time appears only in the stress test's tiny holds and as a
+//! safety timeout so a broken gate fails instead of hanging.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use nthbouncer_coord::in_process::InProcessCoordination;
+use nthbouncer_coord::{
+    AcquireRequest, Clock, Coordination, Grant, ManualClock, Outcome, PoolGate, PoolSettings,
+    Priority, Refusal, RefusalReason, RenewError, SlotKind, SystemClock,
+};
+use rand::Rng;
+use tokio::task::JoinHandle;
+
+const T0: u64 = 1_700_000_000_000;
+
+fn manual() -> (Arc<ManualClock>, InProcessCoordination) {
+    let clock = Arc::new(ManualClock::new(T0));
+    let coord = InProcessCoordination::new(clock.clone());
+    (clock, coord)
+}
+
+fn req(wait_ms: u64, kind: SlotKind) -> AcquireRequest {
+    AcquireRequest {
+        fairness_key: 1,
+        priority: Priority::Normal,
+        wait_ms,
+        kind,
+    }
+}
+
+fn limit(n: u32) -> PoolSettings {
+    PoolSettings {
+        limit: n,
+        ..PoolSettings::default()
+    }
+}
+
+/// Lets spawned tasks (waiters, the ticker) run until `cond` holds; fails instead of hanging.
+async fn until<F, Fut>(what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let waited = tokio::time::timeout(Duration::from_secs(10), async {
+        while !cond().await {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    assert!(waited.is_ok(), "timed out waiting for {what}");
+}
+
+async fn queued(gate: &Arc<dyn PoolGate>, n: u32) {
+    until(&format!("{n} queued"), || async {
+        gate.snapshot().await.queued == n
+    })
+    .await;
+}
+
+/// Awaits a spawned task; fails instead of hanging if it never finishes.
+async fn join<T>(task: JoinHandle<T>) -> T {
+    tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("task did not finish in time")
+        .expect("task panicked")
+}
+
+/// Gives every ready task a few turns.
+async fn settle() {
+    for _ in 0..20 {
+        tokio::task::yield_now().await;
+    }
+}
+
+fn spawn_acquire(
+    gate: &Arc<dyn PoolGate>,
+    r: AcquireRequest,
+) -> JoinHandle<Result<Grant, Refusal>> {
+    let gate = gate.clone();
+    tokio::spawn(async move { gate.acquire(r).await })
+}
+
+#[tokio::test]
+async fn immediate_grant_and_fail_fast_refusal() {
+    let (_clock, coord) = manual();
+    let gate = coord.open(
+        "p",
+        PoolSettings {
+            limit: 1,
+            request_timeout_ms: 50_000,
+            ..PoolSettings::default()
+        },
+    );
+    let g = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
+    assert_eq!(g.slot_id.to_string().len(), 32);
+    assert_eq!(
+        (g.lease_deadline, g.request_deadline),
+        (T0 + 30_000, T0 + 50_000)
+    );
+    assert_eq!((g.term_ms, g.renew_interval_ms), (30_000, 10_000));
+    assert_eq!(
+        (
+            g.headers.remaining_slots,
+            g.headers.effective_limit,
+            g.headers.queued_ms
+        ),
+        (0, 1, 0)
+    );
+
+    match gate.acquire(req(0, SlotKind::Lease)).await {
+        Err(Refusal::TooManyRequests {
+            reason,
+            retry_after_ms,
+            headers,
+        }) => {
+            assert_eq!(reason, RefusalReason::NoSlot);
+            assert_eq!(retry_after_ms, None);
+            assert_eq!(
+                (
+                    headers.remaining_slots,
+                    headers.effective_limit,
+                    headers.rpm_remaining
+                ),
+                (0, 1, None)
+            );
+        }
+        other => panic!("expected 429, got {other:?}"),
+    }
+    assert!(gate.release(g.slot_id, None).await);
+    assert!(
+        !gate.release(g.slot_id, None).await,
+        "release is idempotent"
+    );
+}
+
+#[tokio::test]
+async fn waiters_are_granted_in_fifo_order_as_slots_free() {
+    let (clock, coord) = manual();
+    let gate = coord.open("p", limit(1));
+    let first = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
+    let mut waiters = Vec::new();
+    for i in 0..5u32 {
+        waiters.push(spawn_acquire(&gate, req(60_000, SlotKind::Exchange)));
+        queued(&gate, i + 1).await;
+    }
+    let mut holder = first.slot_id;
+    for (i, waiter) in waiters.into_iter().enumerate() {
+        clock.advance(100);
+        assert!(gate.release(holder, None).await);
+        let g = join(waiter).await.unwrap();
+        // Each waited from its arrival (all at T0) until its turn came, on the gate's clock.
+        assert_eq!(g.headers.queued_ms, 100 * (i as u64 + 1));
+        holder = g.slot_id;
+    }
+    let s = gate.snapshot().await;
+    assert_eq!((s.in_flight, s.queued), (1, 0));
+}
+
+#[tokio::test]
+async fn wait_budget_spent_is_queue_timeout() {
+    let (clock, coord) = manual();
+    let gate = coord.open("p", limit(1));
+    let _held = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
+    let waiter = spawn_acquire(&gate, req(1_000, SlotKind::Exchange));
+    queued(&gate, 1).await;
+    clock.advance(999);
+    settle().await;
+    assert!(!waiter.is_finished());
+    clock.advance(1);
+    match join(waiter).await {
+        Err(Refusal::QueueTimeout { headers }) => assert_eq!(headers.queued_ms, 1_000),
+        other => panic!("expected queue timeout, got {other:?}"),
+    }
+    let s = gate.snapshot().await;
+    assert_eq!((s.in_flight, s.queued), (1, 0));
+}
+
+#[tokio::test]
+async fn dropped_acquire_leaves_the_queue_and_the_next_waiter_gets_the_slot() {
+    let (_clock, coord) = manual();
+    let gate = coord.open("p", limit(1));
+    let held = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
+    let a = spawn_acquire(&gate, req(60_000, SlotKind::Exchange));
+    queued(&gate, 1).await;
+    let b = spawn_acquire(&gate, req(60_000, SlotKind::Exchange));
+    queued(&gate, 2).await;
+    a.abort();
+    queued(&gate, 1).await;
+    assert!(gate.release(held.slot_id, None).await);
+    let g = join(b).await.unwrap();
+    let s = gate.snapshot().await;
+    assert_eq!((s.in_flight, s.queued), (1, 0));
+    assert!(gate.release(g.slot_id, None).await);
+    assert_eq!(gate.snapshot().await.in_flight, 0);
+}
+
+#[tokio::test]
+async fn dropping_an_acquire_whose_grant_raced_in_frees_the_slot() {
+    let (_clock, coord) = manual();
+    let gate = coord.open("p", limit(1));
+    let held = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
+    let mut pending = Box::pin(gate.acquire(req(60_000, SlotKind::Exchange)));
+    // Poll once: it parks in the queue.
+    tokio::select! {
+        biased;
+        _ = &mut pending => panic!("should be queued"),
+        () = std::future::ready(()) => {}
+    }
+    assert_eq!(gate.snapshot().await.queued, 1);
+    // The slot is handed to the parked future, which is never polled again...
+    assert!(gate.release(held.slot_id, None).await);
+    assert_eq!(gate.snapshot().await.in_flight, 1);
+    // ...and is dropped: the grant must not leak.
+    drop(pending);
+    let s = gate.snapshot().await;
+    assert_eq!((s.in_flight, s.queued), (0, 0));
+}
+
+#[tokio::test]
+async fn unrenewed_lease_is_reclaimed_after_one_term_and_goes_to_a_waiter() {
+    let (clock, coord) = manual();
+    let gate = coord.open("p", limit(1));
+    let lease = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
+    assert_eq!(lease.lease_deadline, T0 + 30_000);
+    let waiter = spawn_acquire(&gate, req(60_000, SlotKind::Lease));
+    queued(&gate, 1).await;
+
+    clock.advance(29_999);
+    settle().await;
+    assert!(!waiter.is_finished());
+    clock.advance(1);
+    let g = join(waiter).await.unwrap();
+    assert_eq!(g.headers.queued_ms, 30_000);
+    assert_eq!(gate.renew(lease.slot_id).await, Err(RenewError::NotFound));
+    assert!(!gate.release(lease.slot_id, None).await);
+    assert_eq!(gate.snapshot().await.in_flight, 1);
+}
+
+#[tokio::test]
+async fn renewing_keeps_a_lease_alive_until_the_cap() {
+    let (clock, coord) = manual();
+    let settings = PoolSettings {
+        limit: 1,
+        request_timeout_ms: 45_000,
+        ..PoolSettings::default()
+    };
+    let gate = coord.open("p", settings);
+    let lease = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
+    clock.advance(10_000);
+    assert_eq!(gate.renew(lease.slot_id).await, Ok(T0 + 40_000));
+    clock.advance(10_000);
+    assert_eq!(gate.renew(lease.slot_id).await, Ok(T0 + 45_000));
+    assert_eq!(gate.renew(lease.slot_id).await, Err(RenewError::Capped));
+    // Past the first term the renewed slot is still held.
+    clock.advance(15_000);
+    settle().await;
+    assert_eq!(gate.snapshot().await.in_flight, 1);
+    // At the request deadline it is reclaimed.
+    clock.advance(10_000);
+    until("reclaim at the request deadline", || async {
+        gate.snapshot().await.in_flight == 0
+    })
+    .await;
+
+    // An exchange slot's lease is its request deadline: nothing to renew.
+    let exchange = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
+    assert_eq!(exchange.lease_deadline, exchange.request_deadline);
+    assert_eq!(gate.renew(exchange.slot_id).await, Err(RenewError::Capped));
+}
+
+#[tokio::test]
+async fn throttle_report_pauses_and_the_ticker_resumes_at_the_pause_end() {
+    let (clock, coord) = manual();
+    let gate = coord.open("p", limit(4));
+    let a = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
+    let throttle = Outcome {
+        status: Some(429),
+        retry_after_ms: Some(2_000),
+        ..Outcome::default()
+    };
+    assert!(gate.release(a.slot_id, Some(throttle)).await);
+    let s = gate.snapshot().await;
+    assert_eq!((s.effective_limit, s.paused_until), (2, Some(T0 + 2_000)));
+    assert_eq!(
+        s.last_throttle.unwrap().cause,
+        "status 429, retry-after 2000ms"
+    );
+
+    match gate.acquire(req(0, SlotKind::Exchange)).await {
+        Err(Refusal::TooManyRequests {
+            reason,
+            retry_after_ms,
+            ..
+        }) => {
+            assert_eq!(
+                (reason, retry_after_ms),
+                (RefusalReason::Paused, Some(2_000))
+            );
+        }
+        other => panic!("expected paused, got {other:?}"),
+    }
+    let waiter = spawn_acquire(&gate, req(10_000, SlotKind::Exchange));
+    queued(&gate, 1).await;
+    clock.advance(1_999);
+    settle().await;
+    assert!(!waiter.is_finished());
+    clock.advance(1);
+    let g = join(waiter).await.unwrap();
+    assert_eq!(g.headers.effective_limit, 2);
+}
+
+#[tokio::test]
+async fn rpm_waiter_is_admitted_when_the_window_frees() {
+    let (clock, coord) = manual();
+    let gate = coord.open(
+        "p",
+        PoolSettings {
+            rpm: 1,
+            ..PoolSettings::default()
+        },
+    );
+    let a = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
+    assert_eq!(a.headers.rpm_remaining, Some(0));
+    assert!(gate.release(a.slot_id, None).await);
+    let waiter = spawn_acquire(&gate, req(120_000, SlotKind::Exchange));
+    queued(&gate, 1).await;
+    clock.advance(59_999);
+    settle().await;
+    assert!(!waiter.is_finished());
+    clock.advance(1);
+    let g = join(waiter).await.unwrap();
+    assert_eq!(
+        (g.headers.queued_ms, g.headers.rpm_remaining),
+        (60_000, Some(0))
+    );
+}
+
+#[tokio::test]
+async fn raising_the_limit_admits_waiters_at_once() {
+    let (_clock, coord) = manual();
+    let gate = coord.open("p", limit(1));
+    let _held = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
+    let w1 = spawn_acquire(&gate, req(60_000, SlotKind::Exchange));
+    let w2 = spawn_acquire(&gate, req(60_000, SlotKind::Exchange));
+    queued(&gate, 2).await;
+    gate.reconfigure(limit(3)).await;
+    join(w1).await.unwrap();
+    join(w2).await.unwrap();
+    assert_eq!(gate.snapshot().await.in_flight, 3);
+}
+
+#[tokio::test]
+async fn priority_and_fairness_pass_through() {
+    let (_clock, coord) = manual();
+    let gate = coord.open("p", limit(1));
+    let held = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
+    let low = spawn_acquire(
+        &gate,
+        AcquireRequest {
+            fairness_key: 1,
+            priority: Priority::Low,
+            wait_ms: 60_000,
+            kind: SlotKind::Exchange,
+        },
+    );
+    queued(&gate, 1).await;
+    let high = spawn_acquire(
+        &gate,
+        AcquireRequest {
+            fairness_key: 2,
+            priority: Priority::High,
+            wait_ms: 60_000,
+            kind: SlotKind::Exchange,
+        },
+    );
+    queued(&gate, 2).await;
+    assert!(gate.release(held.slot_id, None).await);
+    let g = join(high).await.unwrap();
+    assert!(!low.is_finished());
+    assert!(gate.release(g.slot_id, None).await);
+    join(low).await.unwrap();
+}
+
+#[tokio::test]
+async fn close_refuses_waiters_and_stops_the_ticker() {
+    let (clock, coord) = manual();
+    let clock_refs = Arc::strong_count(&clock);
+    let gate = coord.open("p", limit(1));
+    let held = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
+    // The gate and its ticker each hold the clock.
+    until("ticker running", || async {
+        Arc::strong_count(&clock) == clock_refs + 2
+    })
+    .await;
+    let waiter = spawn_acquire(&gate, req(60_000, SlotKind::Exchange));
+    queued(&gate, 1).await;
+    gate.close().await;
+    assert_eq!(join(waiter).await.unwrap_err(), Refusal::PoolClosed);
+    assert_eq!(
+        gate.acquire(req(0, SlotKind::Exchange)).await.unwrap_err(),
+        Refusal::PoolClosed
+    );
+    until("ticker stopped", || async {
+        Arc::strong_count(&clock) == clock_refs + 1
+    })
+    .await;
+    assert_eq!(gate.snapshot().await.queued, 0);
+    // Holders may still release into a closed gate.
+    assert!(gate.release(held.slot_id, None).await);
+}
+
+#[tokio::test]
+async fn dropping_the_gate_stops_its_ticker() {
+    let (clock, coord) = manual();
+    let clock_refs = Arc::strong_count(&clock);
+    let gate = coord.open("p", limit(1));
+    let _lease = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
+    until("ticker running", || async {
+        Arc::strong_count(&clock) == clock_refs + 2
+    })
+    .await;
+    drop(gate);
+    until("ticker gone", || async {
+        Arc::strong_count(&clock) == clock_refs
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn gates_opened_outside_a_runtime_start_their_ticker_on_first_use() {
+    let clock = Arc::new(ManualClock::new(T0));
+    let coord = InProcessCoordination::new(clock.clone());
+    let gate = std::thread::spawn(move || coord.open("p", limit(1)))
+        .join()
+        .unwrap();
+    let _lease = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
+    clock.advance(30_000);
+    until("reclaim by the lazily started ticker", || async {
+        gate.snapshot().await.in_flight == 0
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stress_many_tasks_never_exceed_the_limit_and_leave_nothing_behind() {
+    const LIMIT: u32 = 3;
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock::new());
+    let coord = InProcessCoordination::new(clock);
+    let gate = coord.open(
+        "p",
+        PoolSettings {
+            limit: LIMIT,
+            ..PoolSettings::default()
+        },
+    );
+    let holding = Arc::new(AtomicU32::new(0));
+    let max_holding = Arc::new(AtomicU32::new(0));
+    let granted = Arc::new(AtomicU32::new(0));
+
+    let mut tasks = Vec::new();
+    for i in 0..200u64 {
+        let gate = gate.clone();
+        let holding = holding.clone();
+        let max_holding = max_holding.clone();
+        let granted = granted.clone();
+        let (key, priority, give_up_ms, hold_us) = {
+            let mut rng = rand::thread_rng();
+            let priority = [Priority::High, Priority::Normal, Priority::Low][rng.gen_range(0..3)];
+            // One in five callers gives up after a moment (its acquire future is dropped).
+            let give_up_ms = rng.gen_bool(0.2).then(|| rng.gen_range(0..3));
+            (
+                rng.gen_range(0..5),
+                priority,
+                give_up_ms,
+                rng.gen_range(0..1_500),
+            )
+        };
+        tasks.push(tokio::spawn(async move {
+            let r = AcquireRequest {
+                fairness_key: key,
+                priority,
+                wait_ms: 30_000,
+                kind: SlotKind::Exchange,
+            };
+            let got = match give_up_ms {
+                Some(ms) => {
+                    match tokio::time::timeout(Duration::from_millis(ms), gate.acquire(r)).await {
+                        Ok(got) => got,
+                        Err(_) => return,
+                    }
+                }
+                None => gate.acquire(r).await,
+            };
+            let g = got.unwrap_or_else(|refusal| panic!("task {i} refused: {refusal:?}"));
+            let now = holding.fetch_add(1, Ordering::SeqCst) + 1;
+            max_holding.fetch_max(now, Ordering::SeqCst);
+            granted.fetch_add(1, Ordering::SeqCst);
+            if hold_us > 0 {
+                tokio::time::sleep(Duration::from_micros(hold_us)).await;
+            } else {
+                tokio::task::yield_now().await;
+            }
+            holding.fetch_sub(1, Ordering::SeqCst);
+            assert!(
+                gate.release(
+                    g.slot_id,
+                    Some(Outcome {
+                        status: Some(200),
+                        ..Outcome::default()
+                    })
+                )
+                .await
+            );
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let max = max_holding.load(Ordering::SeqCst);
+    assert!(max <= LIMIT, "{max} holders at once");
+    assert!(
+        granted.load(Ordering::SeqCst) >= 100,
+        "most callers should get a slot"
+    );
+    let s = gate.snapshot().await;
+    assert_eq!((s.in_flight, s.queued), (0, 0));
+    assert_eq!(
+        s.admitted_total,
+        u64::from(granted.load(Ordering::SeqCst)) + u64::from(s.in_flight)
+    );
+}

@@ -1,0 +1,546 @@
+//! The pure admission core of one pool: slots, leases, the wait queue, the RPM gate and adaptive
+//! learning (SPEC §3).
+//!
+//! This crate owns the *rules* of admission and nothing else. It does no IO, spawns no threads
+//! and never reads a clock: every time-dependent method takes `now` (epoch milliseconds) from the
+//! caller, so it is deterministic and tested without sleeping. It must not know about HTTP, async
+//! runtimes, keys or storage; `nthbouncer-coord` wraps it in an async, locked shell and owns the
+//! wake-ups that [`Governor::next_wakeup`] asks for.
+//!
+//! One [`Governor`] per pool. The caller drives it:
+//! - [`Governor::try_acquire`] admits at once, parks the ticket, or refuses;
+//! - after anything that may free capacity (release, reclaim, reconfigure, observe, a wake-up)
+//!   the caller loops [`Governor::dispatch`] until it returns `None`, handing each grant to its
+//!   waiter;
+//! - [`Governor::reclaim_expired`] frees slots whose lease ran out, one per call.
+//!
+//! Invariants: no admission ever makes `in_flight` exceed the effective limit; the queue never
+//! holds a waiter that could be admitted once the caller has drained `dispatch`; FIFO order holds
+//! within one fairness key and priority class; accounting is exact (only admissions count
+//! against RPM).
+//!
+//! Module map: `queue` (who is served next), `leases` (holders and expiry order), `rpm` (the
+//! rolling window), `adaptive` (what upstream answers teach). This file composes them.
+
+#![forbid(unsafe_code)]
+
+mod adaptive;
+mod leases;
+mod queue;
+mod rpm;
+
+use adaptive::{Adaptive, Bounds};
+use leases::{Held, Leases};
+use queue::WaitQueue;
+use rpm::RpmWindow;
+
+/// A waiter's class: a freed slot goes to the oldest waiter of the highest class present.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Priority {
+    High,
+    #[default]
+    Normal,
+    Low,
+}
+
+impl Priority {
+    /// Parses `high`, `normal` or `low`, ignoring ASCII case.
+    pub fn parse(s: &str) -> Option<Self> {
+        [Priority::High, Priority::Normal, Priority::Low]
+            .into_iter()
+            .find(|p| p.as_str().eq_ignore_ascii_case(s))
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::High => "high",
+            Priority::Normal => "normal",
+            Priority::Low => "low",
+        }
+    }
+}
+
+/// The governor's part of a pool's `concurrency.*` settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolSettings {
+    /// Most slots held at once (hard ceiling).
+    pub limit: u32,
+    /// Most callers waiting; 0 means nobody waits.
+    pub queue_size: u32,
+    /// Admissions per rolling minute; 0 = no RPM gate.
+    pub rpm: u32,
+    /// A slot's hard cap from grant (`requestDeadline`).
+    pub request_timeout_ms: u64,
+    /// Lease term for lock holders, and the extension one renew grants.
+    pub lease_term_ms: u64,
+    /// Advised renew period (reported to lock holders; the governor does not enforce it).
+    pub renew_interval_ms: u64,
+    /// Learn the limit and RPM from upstream outcomes.
+    pub adaptive: bool,
+    /// Floor for the learned limit (clamped to `limit`).
+    pub min_limit: u32,
+    /// Round-robin between fairness keys within a priority class.
+    pub fair_share: bool,
+}
+
+impl Default for PoolSettings {
+    fn default() -> Self {
+        PoolSettings {
+            limit: 10,
+            queue_size: 1000,
+            rpm: 0,
+            request_timeout_ms: 120_000,
+            lease_term_ms: 30_000,
+            renew_interval_ms: 10_000,
+            adaptive: true,
+            min_limit: 1,
+            fair_share: true,
+        }
+    }
+}
+
+/// Pre-parsed upstream rate-limit figures (any header dialect), durations relative to the answer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RateInfo {
+    pub limit: Option<u64>,
+    pub remaining: Option<u64>,
+    pub reset_ms: Option<u64>,
+    pub token_limit: Option<u64>,
+    pub token_remaining: Option<u64>,
+    pub token_reset_ms: Option<u64>,
+}
+
+/// One upstream outcome, observed by the proxy or reported on lock release.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Outcome {
+    /// Final upstream HTTP status.
+    pub status: Option<u16>,
+    /// Number of upstream 429s the caller saw.
+    pub throttled: u32,
+    pub retry_after_ms: Option<u64>,
+    pub rate: Option<RateInfo>,
+}
+
+/// Why a ticket was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RefusalReason {
+    /// No free slot and the caller may not wait.
+    NoSlot,
+    /// The caller may wait but the queue is full.
+    QueueFull,
+    /// The RPM budget of the rolling minute is spent.
+    Rpm,
+    /// Admission is paused after an upstream throttle.
+    Paused,
+}
+
+impl RefusalReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RefusalReason::NoSlot => "no_slot",
+            RefusalReason::QueueFull => "queue_full",
+            RefusalReason::Rpm => "rpm",
+            RefusalReason::Paused => "paused",
+        }
+    }
+}
+
+/// The last upstream throttle and why it counted as one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Throttle {
+    /// Epoch ms.
+    pub at: u64,
+    pub cause: String,
+}
+
+/// Live pool state.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    pub in_flight: u32,
+    pub queued: u32,
+    pub queued_high: u32,
+    pub queued_normal: u32,
+    pub queued_low: u32,
+    pub effective_limit: u32,
+    pub configured_limit: u32,
+    pub learned_limit: Option<u32>,
+    pub learned_rpm: Option<u32>,
+    /// Present only when an RPM gate is in force.
+    pub rpm_remaining: Option<u32>,
+    /// Present only while admission is paused.
+    pub paused_until: Option<u64>,
+    pub last_throttle: Option<Throttle>,
+    pub admitted_total: u64,
+    pub refused_total: u64,
+}
+
+/// One admission request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ticket {
+    /// Chosen by the caller; must not be queued or held already.
+    pub id: u128,
+    pub fairness_key: u64,
+    pub priority: Priority,
+    /// Initial lease length from grant time (capped by the request deadline).
+    pub lease_ms: u64,
+}
+
+/// A grant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Admitted {
+    pub id: u128,
+    pub lease_deadline: u64,
+    pub request_deadline: u64,
+    /// Free slots after this admission.
+    pub remaining_slots: u32,
+    pub effective_limit: u32,
+    pub rpm_remaining: Option<u32>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TryAcquire {
+    Admitted(Admitted),
+    /// Parked; a later [`Governor::dispatch`] returns its grant.
+    Queued,
+    Refused {
+        reason: RefusalReason,
+        retry_after_ms: Option<u64>,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RenewRefusal {
+    /// Not held (released, reclaimed, or its lease already ran out).
+    NotFound,
+    /// The lease already reaches the request deadline.
+    Capped,
+}
+
+/// The admission state of one pool. See the crate docs for how a caller drives it.
+#[derive(Clone, Debug)]
+pub struct Governor {
+    settings: PoolSettings,
+    queue: WaitQueue,
+    leases: Leases,
+    rpm: RpmWindow,
+    adaptive: Adaptive,
+    /// Exponentially weighted mean of slot hold times (release - grant), for `Retry-After`.
+    hold_ewma_ms: Option<u64>,
+    admitted_total: u64,
+    refused_total: u64,
+    /// Latest `now` seen. Time used internally never steps back, so the RPM window stays
+    /// ordered even if a caller's clock does.
+    clock: u64,
+}
+
+fn saturating_u32(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+impl Governor {
+    pub fn new(settings: PoolSettings) -> Self {
+        Governor {
+            queue: WaitQueue::new(settings.fair_share),
+            settings,
+            leases: Leases::default(),
+            rpm: RpmWindow::default(),
+            adaptive: Adaptive::default(),
+            hold_ewma_ms: None,
+            admitted_total: 0,
+            refused_total: 0,
+            clock: 0,
+        }
+    }
+
+    pub fn settings(&self) -> &PoolSettings {
+        &self.settings
+    }
+
+    /// Applies new settings. Holders and waiters stay (a lower limit or queue size takes effect
+    /// for new admissions; nobody is evicted). The caller then loops [`Governor::dispatch`], since
+    /// a higher limit may admit waiters at once.
+    pub fn reconfigure(&mut self, settings: PoolSettings, now: u64) {
+        self.tick(now);
+        self.queue.set_fair_share(settings.fair_share);
+        self.settings = settings;
+        if self.settings.adaptive {
+            self.adaptive.rebound(self.bounds());
+        } else {
+            self.adaptive.forget();
+        }
+        if self.rpm_limit().is_none() {
+            // Timestamps are kept only while a gate is in force (memory stays bounded by it).
+            self.rpm.clear();
+        }
+    }
+
+    /// Admits at once only if nobody waits (no overtaking), a slot is free, the RPM gate allows
+    /// and admission is not paused. Otherwise parks the ticket when `may_wait` and the queue has
+    /// room, or refuses with the reason that blocks (paused, then RPM, then no slot).
+    pub fn try_acquire(&mut self, now: u64, ticket: Ticket, may_wait: bool) -> TryAcquire {
+        let now = self.tick(now);
+        if self.queue.contains(ticket.id) || self.leases.contains(ticket.id) {
+            // A reused id would corrupt the books; refusing is the only safe answer.
+            self.refused_total += 1;
+            return TryAcquire::Refused {
+                reason: RefusalReason::NoSlot,
+                retry_after_ms: None,
+            };
+        }
+        let blocker = self.blocker(now);
+        if blocker.is_none() && self.queue.is_empty() {
+            return TryAcquire::Admitted(self.admit(now, ticket.id, ticket.lease_ms));
+        }
+        let room = u64::try_from(self.queue.len()).unwrap_or(u64::MAX)
+            < u64::from(self.settings.queue_size);
+        if may_wait && room {
+            self.queue.push(
+                ticket.id,
+                ticket.fairness_key,
+                ticket.priority,
+                ticket.lease_ms,
+            );
+            return TryAcquire::Queued;
+        }
+        self.refused_total += 1;
+        // With a non-empty queue and nothing else blocking, the waiters ahead are what blocks.
+        let blocking = blocker.unwrap_or(RefusalReason::NoSlot);
+        if may_wait {
+            let retry = self.retry_estimate(now, RefusalReason::QueueFull);
+            let retry = match (retry, self.retry_estimate(now, blocking)) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                (a, b) => a.or(b),
+            };
+            TryAcquire::Refused {
+                reason: RefusalReason::QueueFull,
+                retry_after_ms: retry,
+            }
+        } else {
+            TryAcquire::Refused {
+                reason: blocking,
+                retry_after_ms: self.retry_estimate(now, blocking),
+            }
+        }
+    }
+
+    /// Admits the next waiter if capacity, RPM and pause allow.
+    pub fn dispatch(&mut self, now: u64) -> Option<Admitted> {
+        let now = self.tick(now);
+        if self.queue.is_empty() || self.blocker(now).is_some() {
+            return None;
+        }
+        let waiter = self.queue.pop()?;
+        Some(self.admit(now, waiter.id, waiter.lease_ms))
+    }
+
+    /// Removes a waiter; `true` iff it was queued.
+    pub fn cancel(&mut self, id: u128) -> bool {
+        self.queue.cancel(id)
+    }
+
+    /// Frees a slot; `true` iff `id` held one.
+    pub fn release(&mut self, now: u64, id: u128) -> bool {
+        let now = self.tick(now);
+        let Some(held) = self.leases.release(id) else {
+            return false;
+        };
+        let sample = now.saturating_sub(held.granted_at);
+        // Weight 1/4 for the newest sample: follows a change of upstream latency within a few
+        // requests without jumping on one outlier.
+        self.hold_ewma_ms = Some(match self.hold_ewma_ms {
+            None => sample,
+            Some(mean) => mean - mean / 4 + sample / 4,
+        });
+        true
+    }
+
+    /// Extends a lease by `lease_term_ms` from `now`, never past the request deadline. A lease
+    /// already at its request deadline is `Capped`; one whose deadline has passed is reclaimed
+    /// here and `NotFound` (the caller should then dispatch, as after a release).
+    pub fn renew(&mut self, now: u64, id: u128) -> Result<u64, RenewRefusal> {
+        let now = self.tick(now);
+        self.leases.renew(now, id, self.settings.lease_term_ms)
+    }
+
+    /// Frees one slot whose lease deadline is `<= now` and returns its id; call until `None`.
+    /// Reclaimed holds do not feed the hold-time estimate: they measure an abandoned client, not
+    /// the upstream.
+    pub fn reclaim_expired(&mut self, now: u64) -> Option<u128> {
+        let now = self.tick(now);
+        self.leases.pop_expired(now)
+    }
+
+    /// Adaptive learning input; ignored unless `settings.adaptive`.
+    pub fn observe(&mut self, now: u64, outcome: &Outcome) {
+        let now = self.tick(now);
+        if self.settings.adaptive {
+            let bounds = self.bounds();
+            self.adaptive.observe(now, outcome, bounds);
+        }
+    }
+
+    /// The earliest time at which state can change without a call: a lease expiry, or — while
+    /// waiters exist — the end of a pause or the moment the RPM window lets the next one in.
+    /// `Some(t <= now)` means "act now" (e.g. waiters are admissible and `dispatch` is due).
+    pub fn next_wakeup(&self, now: u64) -> Option<u64> {
+        let now = self.at(now);
+        let lease = self.leases.next_expiry();
+        let waiters = if self.queue.is_empty() {
+            None
+        } else {
+            match self.blocker(now) {
+                None => Some(now),
+                Some(RefusalReason::Paused) => self.adaptive.paused_until(now),
+                Some(RefusalReason::Rpm) => self
+                    .rpm_limit()
+                    .and_then(|rpm| self.rpm.next_free(now, rpm)),
+                // A slot frees on release (a call) or on lease expiry (covered above).
+                Some(RefusalReason::NoSlot | RefusalReason::QueueFull) => None,
+            }
+        };
+        match (lease, waiters) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// `(remaining slots, effective limit, rpm remaining)` for the `x-nthpool-*` headers.
+    pub fn headers(&self, now: u64) -> (u32, u32, Option<u32>) {
+        let now = self.at(now);
+        let effective = self.effective_limit();
+        (
+            effective.saturating_sub(self.in_flight()),
+            effective,
+            self.rpm_remaining(now),
+        )
+    }
+
+    pub fn snapshot(&self, now: u64) -> Snapshot {
+        let now = self.at(now);
+        Snapshot {
+            in_flight: self.in_flight(),
+            queued: self.queued(),
+            queued_high: saturating_u32(self.queue.len_of(Priority::High)),
+            queued_normal: saturating_u32(self.queue.len_of(Priority::Normal)),
+            queued_low: saturating_u32(self.queue.len_of(Priority::Low)),
+            effective_limit: self.effective_limit(),
+            configured_limit: self.settings.limit,
+            learned_limit: self.adaptive.learned_limit(),
+            learned_rpm: self.adaptive.learned_rpm(),
+            rpm_remaining: self.rpm_remaining(now),
+            paused_until: self.adaptive.paused_until(now),
+            last_throttle: self.adaptive.last_throttle().cloned(),
+            admitted_total: self.admitted_total,
+            refused_total: self.refused_total,
+        }
+    }
+
+    pub fn in_flight(&self) -> u32 {
+        saturating_u32(self.leases.len())
+    }
+
+    pub fn queued(&self) -> u32 {
+        saturating_u32(self.queue.len())
+    }
+
+    pub fn is_queued(&self, id: u128) -> bool {
+        self.queue.contains(id)
+    }
+
+    pub fn holds(&self, id: u128) -> bool {
+        self.leases.contains(id)
+    }
+
+    // ---- internals ----
+
+    fn tick(&mut self, now: u64) -> u64 {
+        self.clock = self.clock.max(now);
+        self.clock
+    }
+
+    fn at(&self, now: u64) -> u64 {
+        self.clock.max(now)
+    }
+
+    fn bounds(&self) -> Bounds {
+        Bounds::of(&self.settings)
+    }
+
+    fn effective_limit(&self) -> u32 {
+        self.adaptive.effective_limit(self.bounds())
+    }
+
+    /// The RPM in force: the smaller of the configured (if any) and the learned (if any).
+    fn rpm_limit(&self) -> Option<u32> {
+        let configured = Some(self.settings.rpm).filter(|&r| r > 0);
+        match (configured, self.adaptive.learned_rpm()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    fn rpm_remaining(&self, now: u64) -> Option<u32> {
+        self.rpm_limit().map(|rpm| self.rpm.remaining(now, rpm))
+    }
+
+    /// What stops an admission at `now`, most fundamental first.
+    fn blocker(&self, now: u64) -> Option<RefusalReason> {
+        if self.adaptive.paused_until(now).is_some() {
+            Some(RefusalReason::Paused)
+        } else if self.rpm_remaining(now) == Some(0) {
+            Some(RefusalReason::Rpm)
+        } else if self.in_flight() >= self.effective_limit() {
+            Some(RefusalReason::NoSlot)
+        } else {
+            None
+        }
+    }
+
+    /// How long until retrying could plausibly succeed.
+    fn retry_estimate(&self, now: u64, reason: RefusalReason) -> Option<u64> {
+        match reason {
+            RefusalReason::Paused => self.adaptive.paused_until(now).map(|until| until - now),
+            RefusalReason::Rpm => self
+                .rpm_limit()
+                .and_then(|rpm| self.rpm.next_free(now, rpm))
+                .map(|t| t.saturating_sub(now)),
+            RefusalReason::NoSlot | RefusalReason::QueueFull => {
+                // Slots free at about `effective / mean hold` per ms; the caller would stand
+                // behind everyone queued.
+                let mean = self.hold_ewma_ms?;
+                let ahead = u64::from(self.queued()) + 1;
+                let slots = u64::from(self.effective_limit().max(1));
+                Some(mean.saturating_mul(ahead).div_ceil(slots).max(1))
+            }
+        }
+    }
+
+    fn admit(&mut self, now: u64, id: u128, lease_ms: u64) -> Admitted {
+        let request_deadline = now.saturating_add(self.settings.request_timeout_ms);
+        let lease_deadline = now.saturating_add(lease_ms).min(request_deadline);
+        self.leases.grant(
+            id,
+            Held {
+                lease_deadline,
+                request_deadline,
+                granted_at: now,
+            },
+        );
+        if self.rpm_limit().is_some() {
+            self.rpm.record(now);
+        }
+        self.admitted_total += 1;
+        let (remaining_slots, effective_limit, rpm_remaining) = self.headers(now);
+        Admitted {
+            id,
+            lease_deadline,
+            request_deadline,
+            remaining_slots,
+            effective_limit,
+            rpm_remaining,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

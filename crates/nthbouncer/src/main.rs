@@ -1,0 +1,279 @@
+//! The `nthbouncer` binary: parses the command line and wires the crates together.
+//! It owns no behaviour of its own beyond start-up, signals and printing.
+
+#![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand};
+use nthbouncer_config::{keys, Config, PoolSpec};
+
+#[derive(Parser)]
+#[command(
+    name = "nthbouncer",
+    version,
+    about = "A self-hosted concurrency governor for upstream APIs"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the gateway.
+    Serve {
+        /// TOML configuration file; without one, the defaults and the embedded store.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Also start an in-process sandbox origin and a `demo` pool in front of it, and print
+        /// ready-to-paste curl commands.
+        #[arg(long)]
+        demo: bool,
+    },
+    /// Run a local stand-in for a rate-limited origin (no network needed).
+    Sandbox {
+        #[arg(long, default_value = "127.0.0.1:9090")]
+        listen: String,
+        /// Hidden concurrency limit (0 = none).
+        #[arg(long, default_value_t = 8)]
+        limit: u32,
+        /// Hidden requests-per-minute limit (0 = none).
+        #[arg(long, default_value_t = 0)]
+        rpm: u32,
+        /// Fixed latency of every answer.
+        #[arg(long, default_value_t = 50)]
+        latency_ms: u64,
+        /// Extra random latency, uniform in 0..=N ms.
+        #[arg(long, default_value_t = 0)]
+        jitter_ms: u64,
+    },
+    /// Print a new pool key and its sha256 hash (or a webhook secret).
+    Keygen {
+        #[arg(long)]
+        webhook_secret: bool,
+    },
+    /// Validate a config file and print the resolved pools.
+    CheckConfig { file: PathBuf },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Keygen { webhook_secret } => {
+            if webhook_secret {
+                println!("{}", keys::generate_webhook_secret());
+            } else {
+                let key = keys::generate_key();
+                println!("{key}");
+                println!("sha256:{}", keys::hash_hex(&key));
+            }
+            ExitCode::SUCCESS
+        }
+        Command::CheckConfig { file } => check_config(&file),
+        Command::Serve { config, demo } => run(serve(config, demo)),
+        Command::Sandbox {
+            listen,
+            limit,
+            rpm,
+            latency_ms,
+            jitter_ms,
+        } => run(sandbox(listen, limit, rpm, latency_ms, jitter_ms)),
+    }
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .init();
+}
+
+fn run(fut: impl std::future::Future<Output = Result<(), String>>) -> ExitCode {
+    init_tracing();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(fut) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn check_config(file: &std::path::Path) -> ExitCode {
+    let config = match Config::load(file) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{}: {e}", file.display());
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Err(e) = nthbouncer_server::check_config(&config) {
+        eprintln!("{}: {e}", file.display());
+        return ExitCode::FAILURE;
+    }
+    println!("{}: ok, {} pool(s)", file.display(), config.pools.len());
+    for p in &config.pools {
+        let shown = serde_json::to_string(&p.masked()).unwrap_or_default();
+        println!("{shown}");
+    }
+    ExitCode::SUCCESS
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+}
+
+async fn serve(config_path: Option<PathBuf>, demo: bool) -> Result<(), String> {
+    let mut config = match &config_path {
+        Some(path) => Config::load(path).map_err(|e| format!("{}: {e}", path.display()))?,
+        None => Config::default(),
+    };
+    let mut demo_lines = None;
+    if demo {
+        demo_lines = Some(add_demo(&mut config).await?);
+    }
+    let running = nthbouncer_server::start(config, nthbouncer_server::Options::default())
+        .await
+        .map_err(|e| e.to_string())?;
+    if let Some(print) = demo_lines {
+        print(running.addr.port());
+    }
+    let token = running.shutdown_token();
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        tracing::info!("signal received");
+        token.cancel();
+    });
+    running.wait().await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Starts an in-process sandbox and adds a `demo` pool in front of it. Returns the printer of
+/// the ready-to-paste commands (it needs the bound port).
+async fn add_demo(config: &mut Config) -> Result<Box<dyn FnOnce(u16)>, String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| format!("demo sandbox: {e}"))?;
+    let sandbox_addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let sandbox_cfg = nthbouncer_sandbox::SandboxConfig {
+        limit: 8,
+        rpm: 600,
+        latency_ms: 200,
+        ..Default::default()
+    };
+    let sandbox = nthbouncer_sandbox::Sandbox::new(sandbox_cfg);
+    tokio::spawn(nthbouncer_sandbox::serve(
+        listener,
+        sandbox,
+        std::future::pending(),
+    ));
+
+    let key = keys::generate_key();
+    if config.pools.iter().any(|p| p.name == "demo") {
+        return Err("--demo adds a pool named \"demo\", but the config already has one".into());
+    }
+    let mut spec: PoolSpec = serde_json::from_value(serde_json::json!({
+        "name": "demo",
+        "upstream": format!("http://{sandbox_addr}"),
+        "keys": [key.clone()],
+        "upstream_headers": { "authorization": "Bearer sandbox-managed-credential" },
+    }))
+    .map_err(|e| e.to_string())?;
+    spec.concurrency.limit = 4;
+    spec.concurrency.queue_timeout_ms = 10_000;
+    config.pools.push(spec);
+    let token = match config.server.admin_token()? {
+        Some(t) => t,
+        None => {
+            let t = keys::generate_key();
+            config.server.admin_token = Some(t.clone());
+            t
+        }
+    };
+    let api_host = config.server.api_host.clone();
+    let pool_domain = config.server.pool_domain.clone();
+    Ok(Box::new(move |port: u16| {
+        let pool = format!("http://demo.{pool_domain}:{port}");
+        let api = format!("http://{api_host}:{port}");
+        println!();
+        println!(
+            "nthbouncer demo: pool `demo` (limit 4) in front of a sandbox origin at {sandbox_addr}"
+        );
+        println!("  (hidden limits: 8 concurrent, 600 requests/minute, 200 ms latency)");
+        println!();
+        println!("  export KEY='{key}'");
+        println!("  export ADMIN='{token}'");
+        println!();
+        println!("  # a proxied call (the sandbox answers like an LLM API):");
+        println!("  curl -s {pool}/v1/chat/completions -H \"X-Nthpool-Key: $KEY\" -H 'content-type: application/json' \\");
+        println!("       -d '{{\"model\":\"demo\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'");
+        println!("  # a streamed answer holds its slot until it ends:");
+        println!("  curl -sN '{pool}/stream?chunks=5&interval_ms=300' -H \"X-Nthpool-Key: $KEY\"");
+        println!(
+            "  # what the upstream received (no X-Nthpool-Key, the managed credential instead):"
+        );
+        println!("  curl -s {pool}/echo -H \"X-Nthpool-Key: $KEY\"");
+        println!("  # 20 at once: at most 4 reach the origin, the rest queue in order:");
+        println!("  for i in $(seq 20); do curl -s -o /dev/null -w '%{{http_code}} ' {pool}/v1/chat/completions -H \"X-Nthpool-Key: $KEY\" -d '{{}}' & done; wait; echo");
+        println!("  # live governor state:");
+        println!("  curl -s {api}/admin/pools/demo/state -H \"Authorization: Bearer $ADMIN\"");
+        println!();
+    }))
+}
+
+async fn sandbox(
+    listen: String,
+    limit: u32,
+    rpm: u32,
+    latency_ms: u64,
+    jitter_ms: u64,
+) -> Result<(), String> {
+    let listener = tokio::net::TcpListener::bind(&listen)
+        .await
+        .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let cfg = nthbouncer_sandbox::SandboxConfig {
+        limit,
+        rpm,
+        latency_ms,
+        latency_jitter_ms: jitter_ms,
+        ..Default::default()
+    };
+    let sandbox: Arc<nthbouncer_sandbox::Sandbox> = nthbouncer_sandbox::Sandbox::new(cfg);
+    println!("sandbox origin on http://{addr} (limit {limit}, rpm {rpm}, latency {latency_ms}+0..{jitter_ms} ms)");
+    println!("  endpoints: POST /v1/chat/completions, /echo, GET /stream?chunks=N&interval_ms=M, /status/CODE, /healthz");
+    nthbouncer_sandbox::serve(listener, sandbox, shutdown_signal())
+        .await
+        .map_err(|e| e.to_string())
+}

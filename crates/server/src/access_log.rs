@@ -1,0 +1,131 @@
+//! The pool access log's write path: the hot path hands entries to a bounded channel and never
+//! waits; one writer task commits them in batches and trims each pool to its bound.
+//!
+//! When the channel is full (storage far slower than traffic), entries are dropped and counted
+//! (`nthbouncer_access_log_dropped_total`) rather than slowing admission.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use nthbouncer_store::{AccessLogEntry, Store};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+const CHANNEL_CAPACITY: usize = 65_536;
+const MAX_BATCH: usize = 1024;
+
+enum Msg {
+    Entry(AccessLogEntry),
+    /// Answered once everything queued before it is committed.
+    Flush(oneshot::Sender<()>),
+}
+
+#[derive(Clone)]
+pub struct AccessLog {
+    tx: mpsc::Sender<Msg>,
+}
+
+impl AccessLog {
+    /// Starts the writer. It ends once every `AccessLog` clone is dropped and the queue is drained.
+    pub fn start(store: Arc<dyn Store>, keep_per_pool: u64) -> (AccessLog, JoinHandle<()>) {
+        let (tx, rx) = mpsc::channel(CHANNEL_CAPACITY);
+        let task = tokio::spawn(writer(store, rx, keep_per_pool));
+        (AccessLog { tx }, task)
+    }
+
+    /// Queues an entry without waiting.
+    pub fn record(&self, entry: AccessLogEntry) {
+        if self.tx.try_send(Msg::Entry(entry)).is_err() {
+            metrics::counter!("nthbouncer_access_log_dropped_total").increment(1);
+        }
+    }
+
+    /// Waits until every entry recorded so far is committed (tests, shutdown).
+    pub async fn flush(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Msg::Flush(tx)).await.is_ok() {
+            let _ = rx.await;
+        }
+    }
+}
+
+/// One request's line, filled in as the request goes; [`LogLine::write`] queues it.
+pub struct LogLine<'a> {
+    pub log: &'a AccessLog,
+    pub pool: &'a str,
+    /// Epoch ms when the request arrived.
+    pub at: u64,
+    pub peer: SocketAddr,
+    pub route: String,
+}
+
+impl LogLine<'_> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn write(
+        self,
+        key_id: Option<&str>,
+        outcome: &str,
+        reason: Option<&str>,
+        status: http::StatusCode,
+        queued_ms: u64,
+        upstream_status: Option<u16>,
+        upstream_latency_ms: Option<u64>,
+    ) {
+        self.log.record(AccessLogEntry {
+            id: 0,
+            pool: self.pool.to_string(),
+            at: self.at,
+            key_id: key_id.map(str::to_string),
+            client_addr: self.peer.ip().to_string(),
+            route: self.route,
+            outcome: outcome.to_string(),
+            reason: reason.map(str::to_string),
+            status: status.as_u16(),
+            queued_ms,
+            upstream_status,
+            upstream_latency_ms,
+        });
+    }
+}
+
+async fn writer(store: Arc<dyn Store>, mut rx: mpsc::Receiver<Msg>, keep: u64) {
+    let mut msgs = Vec::with_capacity(MAX_BATCH);
+    let mut batch = Vec::with_capacity(MAX_BATCH);
+    let mut flushes = Vec::new();
+    // Appends since the last trim, per pool: trimming every batch would double the write load.
+    let mut since_trim: HashMap<String, u64> = HashMap::new();
+    let trim_every = (keep / 10).max(100);
+    while rx.recv_many(&mut msgs, MAX_BATCH).await > 0 {
+        for msg in msgs.drain(..) {
+            match msg {
+                Msg::Entry(e) => batch.push(e),
+                Msg::Flush(done) => flushes.push(done),
+            }
+        }
+        if batch.is_empty() {
+            flushes.drain(..).for_each(|f| {
+                let _ = f.send(());
+            });
+            continue;
+        }
+        if let Err(e) = store.append_access_log(&batch).await {
+            tracing::warn!(error = %e, entries = batch.len(), "access log batch lost");
+        }
+        for entry in &batch {
+            *since_trim.entry(entry.pool.clone()).or_default() += 1;
+        }
+        for (pool, n) in since_trim.iter_mut() {
+            if *n >= trim_every {
+                *n = 0;
+                if let Err(e) = store.trim_access_log(pool, keep).await {
+                    tracing::warn!(error = %e, pool = %pool, "access log trim failed");
+                }
+            }
+        }
+        batch.clear();
+        flushes.drain(..).for_each(|f| {
+            let _ = f.send(());
+        });
+    }
+}

@@ -1,0 +1,493 @@
+//! The admin API on the API host (SPEC §10): pools CRUD, pool keys, live governor state, the
+//! access log. Behind `Authorization: Bearer {admin_token}`, compared in constant time.
+//! Changes apply at once (the registry is swapped), without restart.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, Request, State};
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use bytes::Bytes;
+use nthbouncer_config::{keys, PoolSpec};
+use nthbouncer_store::{AccessLogEntry, AccessLogQuery, StoredKey};
+use serde::{Deserialize, Serialize};
+use subtle::ConstantTimeEq;
+use utoipa::ToSchema;
+
+use crate::error::ApiError;
+use crate::registry::{ManagedBy, PoolRuntime};
+use crate::state::{managed_by_config, AppState};
+
+type AppStateRef = State<Arc<AppState>>;
+
+/// Rejects requests without the admin bearer token.
+pub async fn require_admin(State(state): AppStateRef, req: Request, next: Next) -> Response {
+    let presented = req
+        .headers()
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .map(str::trim);
+    let ok = match (&state.admin_token, presented) {
+        (Some(expected), Some(given)) => bool::from(expected.as_bytes().ct_eq(given.as_bytes())),
+        _ => false,
+    };
+    if !ok {
+        let msg = if state.admin_token.is_none() {
+            "the admin API is disabled: set server.admin_token"
+        } else {
+            "missing or invalid admin token"
+        };
+        return ApiError::unauthorized(msg).into_response();
+    }
+    next.run(req).await
+}
+
+/// Parses a JSON body, naming the offending field on failure.
+pub fn parse_json<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let field = if path == "." {
+            "body".to_string()
+        } else {
+            path
+        };
+        ApiError::invalid(field, format!("invalid JSON body: {}", e.inner()))
+    })
+}
+
+fn pool_or_404(state: &AppState, name: &str) -> Result<Arc<PoolRuntime>, ApiError> {
+    state.pool(name).ok_or_else(ApiError::pool_not_found)
+}
+
+/// A pool as the admin API shows it: its settings (secrets masked) and who owns them.
+#[derive(Serialize, ToSchema)]
+pub struct PoolView {
+    #[serde(flatten)]
+    pub spec: PoolSpec,
+    #[serde(rename = "managedBy")]
+    pub managed_by: &'static str,
+    #[serde(rename = "createdAt")]
+    pub created_at: u64,
+    #[serde(rename = "updatedAt")]
+    pub updated_at: u64,
+}
+
+impl PoolView {
+    fn of(p: &PoolRuntime) -> PoolView {
+        PoolView {
+            spec: p.spec.masked(),
+            managed_by: p.managed_by.as_str(),
+            created_at: p.created_at,
+            updated_at: p.updated_at,
+        }
+    }
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct PoolList {
+    pub items: Vec<PoolView>,
+    pub next: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+pub struct PageQuery {
+    pub limit: Option<u32>,
+    pub cursor: Option<String>,
+}
+
+#[utoipa::path(get, path = "/admin/pools", tag = "admin",
+    params(("limit" = Option<u32>, Query, description = "page size, 1..=500 (default 100)"),
+           ("cursor" = Option<String>, Query, description = "the previous page's `next`")),
+    responses((status = 200, body = PoolList), (status = 401, description = "unauthorized")))]
+pub async fn list_pools(State(state): AppStateRef, Query(q): Query<PageQuery>) -> Json<PoolList> {
+    let limit = q.limit.unwrap_or(100).clamp(1, 500) as usize;
+    let registry = state.registry.load();
+    let mut names: Vec<&String> = registry
+        .pools
+        .keys()
+        .filter(|n| q.cursor.as_ref().is_none_or(|c| *n > c))
+        .collect();
+    names.sort();
+    let next = if names.len() > limit {
+        names.get(limit - 1).map(|n| n.to_string())
+    } else {
+        None
+    };
+    let items = names
+        .into_iter()
+        .take(limit)
+        .filter_map(|n| registry.pools.get(n))
+        .map(|p| PoolView::of(p))
+        .collect();
+    Json(PoolList { items, next })
+}
+
+#[utoipa::path(post, path = "/admin/pools", tag = "admin", request_body = PoolSpec,
+    responses((status = 201, body = PoolView), (status = 400, description = "invalid"), (status = 409, description = "conflict")))]
+pub async fn create_pool(
+    State(state): AppStateRef,
+    body: Bytes,
+) -> Result<(StatusCode, Json<PoolView>), ApiError> {
+    let spec: PoolSpec = parse_json(&body)?;
+    let pool = state.create_pool(spec).await?;
+    Ok((StatusCode::CREATED, Json(PoolView::of(&pool))))
+}
+
+#[utoipa::path(get, path = "/admin/pools/{pool}", tag = "admin",
+    responses((status = 200, body = PoolView), (status = 404, description = "pool_not_found")))]
+pub async fn get_pool(
+    State(state): AppStateRef,
+    Path(name): Path<String>,
+) -> Result<Json<PoolView>, ApiError> {
+    Ok(Json(PoolView::of(&*pool_or_404(&state, &name)?)))
+}
+
+#[utoipa::path(put, path = "/admin/pools/{pool}", tag = "admin", request_body = PoolSpec,
+    responses((status = 200, body = PoolView), (status = 400, description = "invalid"),
+              (status = 404, description = "pool_not_found"), (status = 409, description = "managed_by_config")))]
+pub async fn put_pool(
+    State(state): AppStateRef,
+    Path(name): Path<String>,
+    body: Bytes,
+) -> Result<Json<PoolView>, ApiError> {
+    // The name may be omitted from the body: the path names the pool.
+    let mut value: serde_json::Value = parse_json(&body)?;
+    if let Some(obj) = value.as_object_mut() {
+        obj.entry("name")
+            .or_insert_with(|| serde_json::Value::String(name.clone()));
+    }
+    let spec: PoolSpec = parse_json(&Bytes::from(value.to_string()))?;
+    Ok(Json(PoolView::of(&*state.update_pool(&name, spec).await?)))
+}
+
+#[utoipa::path(delete, path = "/admin/pools/{pool}", tag = "admin",
+    responses((status = 204, description = "deleted"), (status = 404, description = "pool_not_found"),
+              (status = 409, description = "managed_by_config")))]
+pub async fn delete_pool(
+    State(state): AppStateRef,
+    Path(name): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    state.delete_pool(&name).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize, ToSchema, Default)]
+#[serde(deny_unknown_fields)]
+pub struct NewKey {
+    pub label: Option<String>,
+    /// Epoch ms after which the key stops working.
+    #[serde(rename = "expiresAt")]
+    pub expires_at: Option<u64>,
+}
+
+/// A new key: the plaintext `key` is shown this once.
+#[derive(Serialize, ToSchema)]
+pub struct CreatedKey {
+    pub id: String,
+    pub key: String,
+    pub label: Option<String>,
+    #[serde(rename = "createdAt")]
+    pub created_at: u64,
+    #[serde(rename = "expiresAt")]
+    pub expires_at: Option<u64>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct KeyView {
+    pub id: String,
+    pub label: Option<String>,
+    #[serde(rename = "createdAt")]
+    pub created_at: u64,
+    #[serde(rename = "expiresAt")]
+    pub expires_at: Option<u64>,
+    #[serde(rename = "revokedAt")]
+    pub revoked_at: Option<u64>,
+    #[serde(rename = "managedBy")]
+    pub managed_by: &'static str,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct KeyList {
+    pub items: Vec<KeyView>,
+    pub next: Option<String>,
+}
+
+const MAX_LABEL_LEN: usize = 200;
+
+#[utoipa::path(post, path = "/admin/pools/{pool}/keys", tag = "admin", request_body = NewKey,
+    responses((status = 201, body = CreatedKey), (status = 400, description = "invalid"), (status = 404, description = "pool_not_found")))]
+pub async fn create_key(
+    State(state): AppStateRef,
+    Path(name): Path<String>,
+    body: Bytes,
+) -> Result<(StatusCode, Json<CreatedKey>), ApiError> {
+    let pool = pool_or_404(&state, &name)?;
+    let req: NewKey = if body.iter().all(u8::is_ascii_whitespace) {
+        NewKey::default()
+    } else {
+        parse_json(&body)?
+    };
+    if req
+        .label
+        .as_ref()
+        .is_some_and(|l| l.chars().count() > MAX_LABEL_LEN)
+    {
+        return Err(ApiError::invalid(
+            "label",
+            format!("label must be at most {MAX_LABEL_LEN} characters"),
+        ));
+    }
+    let now = state.now();
+    if req.expires_at.is_some_and(|at| at <= now) {
+        return Err(ApiError::invalid(
+            "expiresAt",
+            "expiresAt must be in the future (epoch milliseconds)",
+        ));
+    }
+    let key = keys::generate_key();
+    let digest = keys::digest(&key);
+    let stored = StoredKey {
+        id: keys::key_id_from_digest(&digest),
+        pool: pool.name.clone(),
+        hash: hex::encode(digest),
+        label: req.label.clone(),
+        created_at: now,
+        expires_at: req.expires_at,
+        revoked_at: None,
+    };
+    state.store.create_key(&stored).await?;
+    state.refresh_keys(&pool).await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(CreatedKey {
+            id: stored.id,
+            key,
+            label: req.label,
+            created_at: now,
+            expires_at: req.expires_at,
+        }),
+    ))
+}
+
+#[utoipa::path(get, path = "/admin/pools/{pool}/keys", tag = "admin",
+    responses((status = 200, body = KeyList), (status = 404, description = "pool_not_found")))]
+pub async fn list_keys(
+    State(state): AppStateRef,
+    Path(name): Path<String>,
+) -> Result<Json<KeyList>, ApiError> {
+    let pool = pool_or_404(&state, &name)?;
+    let index = pool.keys.load();
+    let mut items: Vec<KeyView> = index
+        .by_digest
+        .values()
+        .map(|e| KeyView {
+            id: e.id.to_string(),
+            label: e.label.clone(),
+            created_at: e.created_at,
+            expires_at: e.expires_at,
+            revoked_at: e.revoked_at,
+            managed_by: e.managed_by.as_str(),
+        })
+        .collect();
+    items.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+    Ok(Json(KeyList { items, next: None }))
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct Revoked {
+    pub id: String,
+    pub revoked: bool,
+}
+
+#[utoipa::path(delete, path = "/admin/pools/{pool}/keys/{id}", tag = "admin",
+    responses((status = 200, body = Revoked), (status = 404, description = "key_not_found"),
+              (status = 409, description = "managed_by_config")))]
+pub async fn revoke_key(
+    State(state): AppStateRef,
+    Path((name, id)): Path<(String, String)>,
+) -> Result<Json<Revoked>, ApiError> {
+    let pool = pool_or_404(&state, &name)?;
+    let managed = pool
+        .keys
+        .load()
+        .by_digest
+        .values()
+        .find(|e| *e.id == *id)
+        .map(|e| e.managed_by);
+    if managed == Some(ManagedBy::Config) {
+        return Err(managed_by_config(&name));
+    }
+    if !state.store.revoke_key(&pool.name, &id, state.now()).await? {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "key_not_found",
+            format!("no active key {id:?} in pool {name:?}"),
+        ));
+    }
+    state.refresh_keys(&pool).await?;
+    Ok(Json(Revoked { id, revoked: true }))
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct QueuedByClass {
+    pub high: u32,
+    pub normal: u32,
+    pub low: u32,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct LastThrottle {
+    pub at: u64,
+    pub cause: String,
+}
+
+/// Live governor state of a pool.
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolState {
+    pub in_flight: u32,
+    pub queued: u32,
+    pub queued_by_class: QueuedByClass,
+    pub effective_limit: u32,
+    pub configured_limit: u32,
+    pub learned_limit: Option<u32>,
+    pub learned_rpm: Option<u32>,
+    pub rpm_remaining: Option<u32>,
+    pub paused_until: Option<u64>,
+    pub last_throttle: Option<LastThrottle>,
+    pub admitted_total: u64,
+    pub refused_total: u64,
+}
+
+#[utoipa::path(get, path = "/admin/pools/{pool}/state", tag = "admin",
+    responses((status = 200, body = PoolState), (status = 404, description = "pool_not_found")))]
+pub async fn pool_state(
+    State(state): AppStateRef,
+    Path(name): Path<String>,
+) -> Result<Json<PoolState>, ApiError> {
+    let pool = pool_or_404(&state, &name)?;
+    let s = pool.gate.snapshot().await;
+    Ok(Json(PoolState {
+        in_flight: s.in_flight,
+        queued: s.queued,
+        queued_by_class: QueuedByClass {
+            high: s.queued_high,
+            normal: s.queued_normal,
+            low: s.queued_low,
+        },
+        effective_limit: s.effective_limit,
+        configured_limit: s.configured_limit,
+        learned_limit: s.learned_limit,
+        learned_rpm: s.learned_rpm,
+        rpm_remaining: s.rpm_remaining,
+        paused_until: s.paused_until,
+        last_throttle: s.last_throttle.map(|t| LastThrottle {
+            at: t.at,
+            cause: t.cause,
+        }),
+        admitted_total: s.admitted_total,
+        refused_total: s.refused_total,
+    }))
+}
+
+#[derive(Deserialize, Default)]
+pub struct AccessLogParams {
+    pub limit: Option<u32>,
+    pub cursor: Option<String>,
+    pub since: Option<u64>,
+    pub until: Option<u64>,
+    pub outcome: Option<String>,
+    #[serde(rename = "keyId")]
+    pub key_id: Option<String>,
+}
+
+/// One access-log line as the admin API shows it.
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AccessLogView {
+    pub id: u64,
+    pub at: u64,
+    pub key_id: Option<String>,
+    pub client_addr: String,
+    pub route: String,
+    pub outcome: String,
+    pub reason: Option<String>,
+    pub status: u16,
+    pub queued_ms: u64,
+    pub upstream_status: Option<u16>,
+    pub upstream_latency_ms: Option<u64>,
+}
+
+impl From<AccessLogEntry> for AccessLogView {
+    fn from(e: AccessLogEntry) -> Self {
+        AccessLogView {
+            id: e.id,
+            at: e.at,
+            key_id: e.key_id,
+            client_addr: e.client_addr,
+            route: e.route,
+            outcome: e.outcome,
+            reason: e.reason,
+            status: e.status,
+            queued_ms: e.queued_ms,
+            upstream_status: e.upstream_status,
+            upstream_latency_ms: e.upstream_latency_ms,
+        }
+    }
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct AccessLogPage {
+    pub items: Vec<AccessLogView>,
+    pub next: Option<String>,
+}
+
+#[utoipa::path(get, path = "/admin/pools/{pool}/access-log", tag = "admin",
+    params(("limit" = Option<u32>, Query, description = "page size, 1..=1000 (default 100)"),
+           ("cursor" = Option<String>, Query, description = "the previous page's `next`"),
+           ("since" = Option<u64>, Query, description = "epoch ms, inclusive"),
+           ("until" = Option<u64>, Query, description = "epoch ms, exclusive"),
+           ("outcome" = Option<String>, Query, description = "admitted, 401, 429, 504, …"),
+           ("keyId" = Option<String>, Query, description = "a key id")),
+    responses((status = 200, body = AccessLogPage), (status = 404, description = "pool_not_found")))]
+pub async fn access_log(
+    State(state): AppStateRef,
+    Path(name): Path<String>,
+    Query(q): Query<AccessLogParams>,
+) -> Result<Json<AccessLogPage>, ApiError> {
+    let pool = pool_or_404(&state, &name)?;
+    let limit = q.limit.unwrap_or(100).clamp(1, 1000);
+    let before =
+        match &q.cursor {
+            Some(c) => Some(c.parse::<u64>().map_err(|_| {
+                ApiError::invalid("cursor", "cursor must be a previous page's next")
+            })?),
+            None => None,
+        };
+    let query = AccessLogQuery {
+        before,
+        since: q.since,
+        until: q.until,
+        outcome: q.outcome,
+        key_id: q.key_id,
+        limit: limit + 1,
+    };
+    let mut entries = state.store.query_access_log(&pool.name, &query).await?;
+    let next = if entries.len() > limit as usize {
+        entries.truncate(limit as usize);
+        entries.last().map(|e| e.id.to_string())
+    } else {
+        None
+    };
+    Ok(Json(AccessLogPage {
+        items: entries.into_iter().map(AccessLogView::from).collect(),
+        next,
+    }))
+}

@@ -1,0 +1,237 @@
+//! Turning HTTP requests into admission requests and admission answers into HTTP (SPEC §3):
+//! the wait-budget rules, priority, the `x-nthpool-*` headers, and refusals as 429/504.
+//!
+//! The decisions themselves are the gate's; this module only translates.
+
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use nthbouncer_config::{ConcurrencySpec, ProxyWait};
+use nthbouncer_coord::{GateHeaders, Priority, Refusal};
+
+use crate::error::ApiError;
+
+pub const QUEUE_TIMEOUT_HEADER: &str = "x-nthpool-queue-timeout-ms";
+pub const NO_QUEUE_HEADER: &str = "x-nthpool-no-queue";
+pub const PRIORITY_HEADER: &str = "x-nthpool-priority";
+
+static REMAINING_SLOTS: HeaderName = HeaderName::from_static("x-nthpool-remaining-slots");
+static EFFECTIVE_LIMIT: HeaderName = HeaderName::from_static("x-nthpool-effective-limit");
+static QUEUED_MS: HeaderName = HeaderName::from_static("x-nthpool-queued-ms");
+static RPM_REMAINING: HeaderName = HeaderName::from_static("x-nthpool-rpm-remaining");
+
+/// Who is asking decides the default wait when the caller names none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Caller {
+    Proxy,
+    Lock,
+}
+
+/// The wait budget of a request in ms (0 = fail fast), per SPEC §3:
+/// `X-Nthpool-No-Queue` forces 0; the lock body's `waitMs` beats the header; the result is
+/// clamped to `queue_timeout_ms`; absent both, locks fail fast and proxy requests wait the
+/// queue timeout when `proxy_wait = "open"`.
+pub fn wait_budget(
+    headers: &HeaderMap,
+    spec: &ConcurrencySpec,
+    caller: Caller,
+    body_wait_ms: Option<u64>,
+) -> Result<u64, ApiError> {
+    if headers.contains_key(NO_QUEUE_HEADER) {
+        return Ok(0);
+    }
+    let asked = match body_wait_ms {
+        Some(w) => Some(w),
+        None => match headers.get(QUEUE_TIMEOUT_HEADER) {
+            Some(v) => Some(
+                v.to_str()
+                    .ok()
+                    .and_then(|s| s.trim().parse::<u64>().ok())
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            "X-Nthpool-Queue-Timeout-Ms",
+                            "X-Nthpool-Queue-Timeout-Ms must be a whole number of milliseconds",
+                        )
+                    })?,
+            ),
+            None => None,
+        },
+    };
+    Ok(match asked {
+        Some(w) => w.min(spec.queue_timeout_ms),
+        None => match (caller, spec.proxy_wait) {
+            (Caller::Proxy, ProxyWait::Open) => spec.queue_timeout_ms,
+            _ => 0,
+        },
+    })
+}
+
+/// `X-Nthpool-Priority: high|normal|low` (default normal).
+pub fn priority_from_headers(headers: &HeaderMap) -> Result<Priority, ApiError> {
+    match headers.get(PRIORITY_HEADER) {
+        None => Ok(Priority::Normal),
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|s| Priority::parse(s.trim()))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "X-Nthpool-Priority",
+                    "X-Nthpool-Priority must be high, normal or low",
+                )
+            }),
+    }
+}
+
+/// Writes the governor figures every admitted or refused answer carries.
+pub fn write_gate_headers(headers: &mut HeaderMap, gate: &GateHeaders) {
+    headers.insert(
+        REMAINING_SLOTS.clone(),
+        HeaderValue::from(gate.remaining_slots),
+    );
+    headers.insert(
+        EFFECTIVE_LIMIT.clone(),
+        HeaderValue::from(gate.effective_limit),
+    );
+    headers.insert(QUEUED_MS.clone(), HeaderValue::from(gate.queued_ms));
+    if let Some(rpm) = gate.rpm_remaining {
+        headers.insert(RPM_REMAINING.clone(), HeaderValue::from(rpm));
+    }
+}
+
+/// A refusal as the caller sees it.
+pub fn refusal_error(refusal: &Refusal) -> ApiError {
+    match refusal {
+        Refusal::TooManyRequests {
+            reason,
+            retry_after_ms,
+            headers,
+        } => {
+            let message = match reason {
+                nthbouncer_coord::RefusalReason::NoSlot => "no free slot and no wait budget",
+                nthbouncer_coord::RefusalReason::QueueFull => {
+                    "no free slot and the wait queue is full"
+                }
+                nthbouncer_coord::RefusalReason::Rpm => {
+                    "the pool's requests-per-minute budget is spent"
+                }
+                nthbouncer_coord::RefusalReason::Paused => {
+                    "admission is paused: the upstream asked us to back off"
+                }
+            };
+            let mut e = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "too_many_requests", message)
+                .with_gate(*headers);
+            // Seconds, rounded up; never 0, which would invite an immediate retry storm.
+            e.retry_after_s = retry_after_ms.map(|ms| ms.div_ceil(1000).max(1));
+            e
+        }
+        Refusal::QueueTimeout { headers } => ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "queue_timeout",
+            format!(
+                "no slot opened within the wait budget ({} ms waited)",
+                headers.queued_ms
+            ),
+        )
+        .with_gate(*headers),
+        Refusal::PoolClosed => ApiError::pool_not_found(),
+    }
+}
+
+/// The access-log outcome word for a refusal.
+pub fn refusal_outcome(refusal: &Refusal) -> &'static str {
+    match refusal {
+        Refusal::TooManyRequests { .. } => "429",
+        Refusal::QueueTimeout { .. } => "504",
+        Refusal::PoolClosed => "404",
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn spec(proxy_wait: ProxyWait) -> ConcurrencySpec {
+        ConcurrencySpec {
+            queue_timeout_ms: 5000,
+            proxy_wait,
+            ..ConcurrencySpec::default()
+        }
+    }
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(*k, HeaderValue::from_static(v));
+        }
+        h
+    }
+
+    #[test]
+    fn wait_budget_rules() {
+        let open = spec(ProxyWait::Open);
+        let ff = spec(ProxyWait::FailFast);
+        let none = headers(&[]);
+        // Defaults: proxy waits the queue timeout when open; locks fail fast.
+        assert_eq!(
+            wait_budget(&none, &open, Caller::Proxy, None).unwrap(),
+            5000
+        );
+        assert_eq!(wait_budget(&none, &ff, Caller::Proxy, None).unwrap(), 0);
+        assert_eq!(wait_budget(&none, &open, Caller::Lock, None).unwrap(), 0);
+        // The header, clamped.
+        let h = headers(&[(QUEUE_TIMEOUT_HEADER, "100")]);
+        assert_eq!(wait_budget(&h, &open, Caller::Lock, None).unwrap(), 100);
+        let h = headers(&[(QUEUE_TIMEOUT_HEADER, "999999")]);
+        assert_eq!(wait_budget(&h, &ff, Caller::Proxy, None).unwrap(), 5000);
+        // The body beats the header.
+        let h = headers(&[(QUEUE_TIMEOUT_HEADER, "100")]);
+        assert_eq!(
+            wait_budget(&h, &open, Caller::Lock, Some(300)).unwrap(),
+            300
+        );
+        // No-Queue beats everything.
+        let h = headers(&[(NO_QUEUE_HEADER, "1"), (QUEUE_TIMEOUT_HEADER, "100")]);
+        assert_eq!(wait_budget(&h, &open, Caller::Lock, Some(300)).unwrap(), 0);
+        assert_eq!(wait_budget(&h, &open, Caller::Proxy, None).unwrap(), 0);
+        // Garbage is a 400 naming the header.
+        let h = headers(&[(QUEUE_TIMEOUT_HEADER, "soon")]);
+        let e = wait_budget(&h, &open, Caller::Proxy, None).unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(e.field.as_deref(), Some("X-Nthpool-Queue-Timeout-Ms"));
+    }
+
+    #[test]
+    fn priorities() {
+        assert_eq!(
+            priority_from_headers(&headers(&[])).unwrap(),
+            Priority::Normal
+        );
+        assert_eq!(
+            priority_from_headers(&headers(&[(PRIORITY_HEADER, "HIGH")])).unwrap(),
+            Priority::High
+        );
+        assert!(priority_from_headers(&headers(&[(PRIORITY_HEADER, "urgent")])).is_err());
+    }
+
+    #[test]
+    fn retry_after_rounds_up_and_is_never_zero() {
+        let gate = GateHeaders {
+            remaining_slots: 0,
+            effective_limit: 1,
+            rpm_remaining: None,
+            queued_ms: 0,
+        };
+        let r = Refusal::TooManyRequests {
+            reason: nthbouncer_coord::RefusalReason::Rpm,
+            retry_after_ms: Some(1001),
+            headers: gate,
+        };
+        assert_eq!(refusal_error(&r).retry_after_s, Some(2));
+        let r = Refusal::TooManyRequests {
+            reason: nthbouncer_coord::RefusalReason::Rpm,
+            retry_after_ms: Some(0),
+            headers: gate,
+        };
+        assert_eq!(refusal_error(&r).retry_after_s, Some(1));
+    }
+}

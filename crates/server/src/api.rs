@@ -1,0 +1,144 @@
+//! The API host's router: health, readiness, metrics, the OpenAPI document, the admin API (and,
+//! as they land, the lock and job routes). Unknown routes answer `404 not_found` in JSON.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use utoipa::OpenApi;
+
+use crate::admin;
+use crate::error::ApiError;
+use crate::state::AppState;
+
+pub fn router(state: Arc<AppState>) -> Router {
+    let admin = Router::new()
+        .route(
+            "/admin/pools",
+            get(admin::list_pools).post(admin::create_pool),
+        )
+        .route(
+            "/admin/pools/{pool}",
+            get(admin::get_pool)
+                .put(admin::put_pool)
+                .delete(admin::delete_pool),
+        )
+        .route(
+            "/admin/pools/{pool}/keys",
+            get(admin::list_keys).post(admin::create_key),
+        )
+        .route("/admin/pools/{pool}/keys/{id}", delete(admin::revoke_key))
+        .route("/admin/pools/{pool}/state", get(admin::pool_state))
+        .route("/admin/pools/{pool}/access-log", get(admin::access_log))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            admin::require_admin,
+        ));
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi))
+        .route("/pools/{pool}/lock/acquire", post(crate::lock::acquire))
+        .route("/pools/{pool}/lock/{slot}/renew", post(crate::lock::renew))
+        .route(
+            "/pools/{pool}/lock/{slot}/release",
+            post(crate::lock::release),
+        )
+        .merge(admin)
+        .fallback(|| async { ApiError::not_found() })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "this route does not take that method",
+            )
+        })
+        .with_state(state)
+}
+
+#[utoipa::path(get, path = "/healthz", tag = "ops", responses((status = 200, description = "the process is alive")))]
+async fn healthz() -> Json<serde_json::Value> {
+    Json(serde_json::json!({ "status": "ok" }))
+}
+
+#[utoipa::path(get, path = "/readyz", tag = "ops",
+    responses((status = 200, description = "ready to serve"), (status = 503, description = "draining or storage down")))]
+async fn readyz(State(state): State<Arc<AppState>>) -> Response {
+    if state.draining.load(Ordering::Relaxed) {
+        return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "draining", "shutting down")
+            .into_response();
+    }
+    match state.store.ping().await {
+        Ok(()) => Json(serde_json::json!({ "status": "ready" })).into_response(),
+        Err(e) => ApiError::from(e).into_response(),
+    }
+}
+
+#[utoipa::path(get, path = "/metrics", tag = "ops", responses((status = 200, description = "Prometheus text format")))]
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let pools: Vec<_> = state.registry.load().pools.values().cloned().collect();
+    for pool in pools {
+        let snap = pool.gate.snapshot().await;
+        crate::metrics::set_pool_gauges(&pool.name, &snap);
+    }
+    (
+        [(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        crate::metrics::handle().render(),
+    )
+        .into_response()
+}
+
+async fn openapi() -> Json<utoipa::openapi::OpenApi> {
+    Json(ApiDoc::openapi())
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "nthbouncer",
+        description = "A self-hosted concurrency governor for upstream APIs. These are the API host's routes. \
+            On a pool host (`{pool}.{pool_domain}` or a custom domain) every request is proxied to the \
+            pool's upstream after pool-key authentication and admission (SPEC §4)."
+    ),
+    paths(
+        healthz,
+        readyz,
+        metrics,
+        crate::lock::acquire,
+        crate::lock::renew,
+        crate::lock::release,
+        admin::list_pools,
+        admin::create_pool,
+        admin::get_pool,
+        admin::put_pool,
+        admin::delete_pool,
+        admin::create_key,
+        admin::list_keys,
+        admin::revoke_key,
+        admin::pool_state,
+        admin::access_log,
+    ),
+    components(schemas(
+        nthbouncer_config::PoolSpec,
+        admin::PoolView,
+        admin::PoolList,
+        admin::NewKey,
+        admin::CreatedKey,
+        crate::lock::AcquireBody,
+        crate::lock::LockGrant,
+        crate::lock::Renewed,
+        crate::lock::ReleaseBody,
+        crate::lock::Released,
+        admin::KeyView,
+        admin::KeyList,
+        admin::Revoked,
+        admin::PoolState,
+        admin::AccessLogPage,
+    ))
+)]
+pub struct ApiDoc;

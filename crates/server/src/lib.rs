@@ -1,0 +1,33 @@
+//! The HTTP layer of nthbouncer: one listener, routing by `Host` to the API host (lock, admin,
+//! ops routes) or to a pool host (the proxy).
+//!
+//! Layout:
+//! - [`serve`]: binding, host dispatch, graceful shutdown; [`start`] is the entry point.
+//! - [`state`]: shared state and the operations that change the set of pools.
+//! - [`registry`]: the immutable, swap-on-write view of pools the hot path reads.
+//! - [`auth`]: pool-key authentication. [`admission`]: wait budgets, priorities, `x-nthpool-*`.
+//! - [`proxy`]: the proxy and upstream client. [`outcome`]: upstream answers → governor outcomes.
+//! - [`api`], [`admin`]: the API host's routes. [`access_log`], [`metrics`]: observability.
+//! - [`error`]: the one error type, which knows its status and JSON code.
+//!
+//! Admission decisions belong to the gate (`nthbouncer-coord`); durable state to the store
+//! (`nthbouncer-store`). This crate only translates HTTP to and from them.
+
+#![forbid(unsafe_code)]
+
+pub mod access_log;
+pub mod admin;
+pub mod admission;
+pub mod api;
+pub mod auth;
+pub mod error;
+pub mod lock;
+pub mod metrics;
+pub mod outcome;
+pub mod proxy;
+pub mod registry;
+pub mod serve;
+pub mod state;
+
+pub use serve::{check_config, start, Options, Running};
+pub use state::StartError;

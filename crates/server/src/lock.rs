@@ -1,0 +1,345 @@
+//! The lock API on the API host (SPEC §5; the seed on concurrency locks is normative): leased
+//! slots for callers that call the origin themselves, sharing the pool's limit, queue and RPM
+//! gate with proxy traffic.
+//!
+//! Acquire attempts are written to the access log; renew and release are not. The slot id is
+//! 128 random bits and lives in the pool's own gate, so another pool cannot name it.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{ConnectInfo, Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use bytes::Bytes;
+use nthbouncer_coord::{AcquireRequest, Outcome, Priority, RateInfo, RenewError, SlotId, SlotKind};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use crate::access_log::LogLine;
+use crate::admin::parse_json;
+use crate::admission::{self, Caller as AdmissionCaller};
+use crate::auth::{self, Caller};
+use crate::error::ApiError;
+use crate::registry::PoolRuntime;
+use crate::state::AppState;
+
+/// Largest acquire or release body.
+pub const MAX_LOCK_BODY_BYTES: usize = 64 * 1024;
+
+/// Optional acquire body.
+#[derive(Deserialize, Default, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AcquireBody {
+    /// Opt-in queue wait in ms, clamped to the pool's queue timeout; beats the header.
+    pub wait_ms: Option<u64>,
+    /// `high`, `normal` (default) or `low`; beats `X-Nthpool-Priority`.
+    pub priority: Option<String>,
+}
+
+/// The lock grant.
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LockGrant {
+    pub slot_id: String,
+    /// Epoch ms: renew before this.
+    pub lease_deadline: u64,
+    /// Epoch ms: the lease never extends past this.
+    pub request_deadline: u64,
+    pub term_ms: u64,
+    pub renew_interval_ms: u64,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Renewed {
+    pub lease_deadline: u64,
+}
+
+/// Pre-parsed rate fields of an outcome report.
+#[derive(Deserialize, Default, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RateBody {
+    pub limit: Option<u64>,
+    pub remaining: Option<u64>,
+    pub reset_ms: Option<u64>,
+    pub token_limit: Option<u64>,
+    pub token_remaining: Option<u64>,
+    pub token_reset_ms: Option<u64>,
+}
+
+/// A header value as reported: one string, or several.
+#[derive(Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum HeaderValues {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// Optional release body: the upstream outcome, feeding adaptive learning.
+#[derive(Deserialize, Default, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ReleaseBody {
+    /// Final upstream HTTP status (100-599).
+    pub status: Option<u16>,
+    /// Count of upstream 429s observed.
+    pub throttled: Option<u32>,
+    /// Upstream retry hint in ms.
+    pub retry_after_ms: Option<u64>,
+    /// Pre-parsed rate fields; win over `headers`.
+    pub rate: Option<RateBody>,
+    /// Raw upstream response headers to parse.
+    #[schema(value_type = Object)]
+    pub headers: Option<HashMap<String, HeaderValues>>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct Released {
+    pub released: bool,
+}
+
+async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    let too_large = || ApiError::payload_too_large(MAX_LOCK_BODY_BYTES as u64);
+    let declared = headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_LOCK_BODY_BYTES as u64) {
+        return Err(too_large());
+    }
+    axum::body::to_bytes(body, MAX_LOCK_BODY_BYTES)
+        .await
+        .map_err(|_| too_large())
+}
+
+fn is_empty(body: &Bytes) -> bool {
+    body.iter().all(u8::is_ascii_whitespace)
+}
+
+fn pool_and_caller(
+    state: &AppState,
+    name: &str,
+    headers: &HeaderMap,
+) -> Result<(Arc<PoolRuntime>, Caller), ApiError> {
+    let pool = state.pool(name).ok_or_else(ApiError::pool_not_found)?;
+    let caller = auth::authenticate(&pool, headers, state.now())
+        .map_err(|_| ApiError::unauthorized("missing or invalid pool key"))?;
+    Ok((pool, caller))
+}
+
+#[utoipa::path(post, path = "/pools/{pool}/lock/acquire", tag = "lock", request_body(content = AcquireBody, description = "optional"),
+    responses((status = 200, body = LockGrant, description = "granted, with x-nthpool-* headers"),
+              (status = 401, description = "unauthorized"), (status = 403, description = "unauthorized (IP allowlist)"),
+              (status = 404, description = "pool_not_found"), (status = 413, description = "payload_too_large"),
+              (status = 429, description = "too_many_requests, may carry Retry-After"), (status = 504, description = "queue_timeout")))]
+pub async fn acquire(
+    State(state): State<Arc<AppState>>,
+    Path(name): Path<String>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let Some(pool) = state.pool(&name) else {
+        return ApiError::pool_not_found().into_response();
+    };
+    let log = LogLine {
+        log: &state.access_log,
+        pool: &pool.name,
+        at: state.now(),
+        peer,
+        route: "lock acquire".into(),
+    };
+    let caller = match auth::authenticate(&pool, &headers, log.at) {
+        Ok(c) => c,
+        Err(failure) => {
+            pool.metrics.unauthorized.increment(1);
+            let e = ApiError::unauthorized("missing or invalid pool key");
+            log.write(None, "401", Some(failure.as_str()), e.status, 0, None, None);
+            return e.into_response();
+        }
+    };
+    let parsed = async {
+        let bytes = read_body(&headers, body).await?;
+        let req: AcquireBody = if is_empty(&bytes) {
+            AcquireBody::default()
+        } else {
+            parse_json(&bytes)?
+        };
+        let wait_ms = admission::wait_budget(
+            &headers,
+            &pool.concurrency,
+            AdmissionCaller::Lock,
+            req.wait_ms,
+        )?;
+        let priority = match &req.priority {
+            Some(p) => Priority::parse(p).ok_or_else(|| {
+                ApiError::invalid("priority", "priority must be high, normal or low")
+            })?,
+            None => admission::priority_from_headers(&headers)?,
+        };
+        Ok::<_, ApiError>((wait_ms, priority))
+    }
+    .await;
+    let (wait_ms, priority) = match parsed {
+        Ok(v) => v,
+        Err(e) => {
+            log.write(
+                Some(&caller.key_id),
+                &e.status.as_u16().to_string(),
+                None,
+                e.status,
+                0,
+                None,
+                None,
+            );
+            return e.into_response();
+        }
+    };
+    let request = AcquireRequest {
+        fairness_key: caller.fairness,
+        priority,
+        wait_ms,
+        kind: SlotKind::Lease,
+    };
+    match pool.gate.acquire(request).await {
+        Ok(grant) => {
+            pool.metrics.admitted_lock.increment(1);
+            pool.metrics
+                .queue_wait
+                .record(grant.headers.queued_ms as f64 / 1000.0);
+            log.write(
+                Some(&caller.key_id),
+                "admitted",
+                None,
+                StatusCode::OK,
+                grant.headers.queued_ms,
+                None,
+                None,
+            );
+            let mut resp = Json(LockGrant {
+                slot_id: grant.slot_id.to_string(),
+                lease_deadline: grant.lease_deadline,
+                request_deadline: grant.request_deadline,
+                term_ms: grant.term_ms,
+                renew_interval_ms: grant.renew_interval_ms,
+            })
+            .into_response();
+            admission::write_gate_headers(resp.headers_mut(), &grant.headers);
+            resp
+        }
+        Err(refusal) => {
+            let e = admission::refusal_error(&refusal);
+            match e.status {
+                StatusCode::GATEWAY_TIMEOUT => pool.metrics.refused_504.increment(1),
+                _ => pool.metrics.refused_429.increment(1),
+            }
+            let queued = e.gate.map(|g| g.queued_ms).unwrap_or(0);
+            log.write(
+                Some(&caller.key_id),
+                admission::refusal_outcome(&refusal),
+                None,
+                e.status,
+                queued,
+                None,
+                None,
+            );
+            e.into_response()
+        }
+    }
+}
+
+fn slot_not_found() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        "slot already released or reclaimed",
+    )
+}
+
+#[utoipa::path(post, path = "/pools/{pool}/lock/{slotId}/renew", tag = "lock",
+    responses((status = 200, body = Renewed), (status = 401, description = "unauthorized"),
+              (status = 404, description = "not_found: released or reclaimed"),
+              (status = 409, description = "capped: the lease reached requestDeadline; release it")))]
+pub async fn renew(
+    State(state): State<Arc<AppState>>,
+    Path((name, slot)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Result<Json<Renewed>, ApiError> {
+    let (pool, _caller) = pool_and_caller(&state, &name, &headers)?;
+    let slot = SlotId::parse(&slot).ok_or_else(slot_not_found)?;
+    match pool.gate.renew(slot).await {
+        Ok(lease_deadline) => Ok(Json(Renewed { lease_deadline })),
+        Err(RenewError::NotFound) => Err(slot_not_found()),
+        Err(RenewError::Capped) => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "capped",
+            "the slot reached its request deadline and cannot be renewed; release it",
+        )),
+    }
+}
+
+/// Turns a release report into a governor outcome: `rate` wins over `headers`.
+pub fn outcome_of(report: &ReleaseBody, now_ms: u64) -> Result<Outcome, ApiError> {
+    if let Some(s) = report.status {
+        if !(100..=599).contains(&s) {
+            return Err(ApiError::invalid(
+                "status",
+                "status must be an HTTP status code (100-599)",
+            ));
+        }
+    }
+    let parsed = report.headers.as_ref().map(|h| {
+        let pairs = h.iter().flat_map(|(k, v)| match v {
+            HeaderValues::One(s) => vec![(k.as_str(), s.as_str())],
+            HeaderValues::Many(list) => list.iter().map(|s| (k.as_str(), s.as_str())).collect(),
+        });
+        nthbouncer_ratelimit::parse(report.status.unwrap_or(0), pairs, now_ms)
+    });
+    let rate = match &report.rate {
+        Some(r) => Some(RateInfo {
+            limit: r.limit,
+            remaining: r.remaining,
+            reset_ms: r.reset_ms,
+            token_limit: r.token_limit,
+            token_remaining: r.token_remaining,
+            token_reset_ms: r.token_reset_ms,
+        }),
+        None => parsed.as_ref().and_then(crate::outcome::rate_info),
+    };
+    let header_throttled = parsed.as_ref().is_some_and(|p| p.throttled);
+    Ok(Outcome {
+        status: report.status,
+        throttled: report.throttled.unwrap_or(u32::from(header_throttled)),
+        retry_after_ms: report
+            .retry_after_ms
+            .or_else(|| parsed.as_ref().and_then(|p| p.retry_after_ms)),
+        rate,
+    })
+}
+
+#[utoipa::path(post, path = "/pools/{pool}/lock/{slotId}/release", tag = "lock", request_body(content = ReleaseBody, description = "optional outcome report"),
+    responses((status = 200, body = Released), (status = 400, description = "invalid"),
+              (status = 401, description = "unauthorized"), (status = 413, description = "payload_too_large")))]
+pub async fn release(
+    State(state): State<Arc<AppState>>,
+    Path((name, slot)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<Released>, ApiError> {
+    let (pool, _caller) = pool_and_caller(&state, &name, &headers)?;
+    let bytes = read_body(&headers, body).await?;
+    let outcome = if is_empty(&bytes) {
+        None
+    } else {
+        let report: ReleaseBody = parse_json(&bytes)?;
+        Some(outcome_of(&report, state.now())?)
+    };
+    let released = match SlotId::parse(&slot) {
+        Some(slot) => pool.gate.release(slot, outcome).await,
+        None => false,
+    };
+    Ok(Json(Released { released }))
+}

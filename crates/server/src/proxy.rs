@@ -1,0 +1,477 @@
+//! The proxy (SPEC §4): a pool host's requests, admitted by the pool's gate, forwarded to the
+//! upstream with the managed credentials, streamed both ways.
+//!
+//! It owns header hygiene (hop-by-hop and `X-Nthpool-*` never cross), the upstream client
+//! (keep-alive pool with an idle timer, rustls), and the rule that a response keeps its slot
+//! until its body has been sent or the client went away ([`SlotBody`]). It must not make
+//! admission decisions (the gate does) nor parse keys (auth does).
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use bytes::Bytes;
+use http::header::{self, HeaderName, HeaderValue};
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use http_body_util::{LengthLimitError, Limited};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use nthbouncer_config::ServerSpec;
+use nthbouncer_coord::{AcquireRequest, Outcome, PoolGate, SlotId, SlotKind};
+
+use crate::access_log::LogLine;
+use crate::admission::{self, Caller as AdmissionCaller};
+use crate::auth;
+use crate::error::ApiError;
+use crate::registry::PoolRuntime;
+use crate::state::AppState;
+
+pub type UpstreamClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Body>;
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Builds the shared upstream client: keep-alive pool whose idle connections are closed by a
+/// timer below typical upstream keep-alive timeouts, so we never write into a connection the
+/// upstream is about to close.
+pub fn build_client(server: &ServerSpec) -> Result<UpstreamClient, String> {
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(Duration::from_millis(
+        server.upstream_connect_timeout_ms,
+    )));
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_provider_and_webpki_roots(rustls::crypto::ring::default_provider())
+        .map_err(|e| e.to_string())?
+        .https_or_http()
+        .enable_http1()
+        .enable_http2()
+        .wrap_connector(http);
+    Ok(Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_millis(server.upstream_idle_timeout_ms))
+        .pool_timer(TokioTimer::new())
+        .pool_max_idle_per_host(1024)
+        .build(https))
+}
+
+/// Headers that belong to one connection (RFC 9110 §7.6.1) and never cross a proxy.
+static HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+];
+
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+
+/// Drops hop-by-hop headers, including every header the `Connection` header names.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named.iter().chain(HOP_BY_HOP.iter()) {
+        headers.remove(name);
+    }
+    headers.remove(header::UPGRADE);
+}
+
+/// Drops every `X-Nthpool-*` header: our control headers never reach the upstream.
+pub fn strip_nthpool_headers(headers: &mut HeaderMap) {
+    let ours: Vec<HeaderName> = headers
+        .keys()
+        .filter(|k| k.as_str().starts_with("x-nthpool-"))
+        .cloned()
+        .collect();
+    for name in ours {
+        headers.remove(name);
+    }
+}
+
+fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+fn chain_has<E: std::error::Error + 'static>(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(e) = cur {
+        if e.is::<E>() {
+            return true;
+        }
+        cur = e.source();
+    }
+    false
+}
+
+/// Frees a slot when dropped; carries the upstream outcome to adaptive learning.
+pub struct SlotGuard {
+    gate: Arc<dyn PoolGate>,
+    slot: SlotId,
+    pub outcome: Option<Outcome>,
+}
+
+impl SlotGuard {
+    pub fn new(gate: Arc<dyn PoolGate>, slot: SlotId) -> Self {
+        SlotGuard {
+            gate,
+            slot,
+            outcome: None,
+        }
+    }
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        let gate = self.gate.clone();
+        let slot = self.slot;
+        let outcome = self.outcome.take();
+        // Release is async at the seam (a Redis gate talks to Redis); dropping must not block.
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(async move {
+                    gate.release(slot, outcome).await;
+                });
+            }
+            Err(_) => tracing::error!(
+                "slot released outside the runtime; it will be reclaimed at its deadline"
+            ),
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// An upstream response body that holds its slot until the last frame has been handed to
+    /// the client, the client goes away (the body is dropped), or the request deadline passes.
+    pub struct SlotBody {
+        #[pin]
+        inner: Incoming,
+        #[pin]
+        deadline: tokio::time::Sleep,
+        guard: Option<SlotGuard>,
+    }
+}
+
+impl SlotBody {
+    pub fn new(inner: Incoming, guard: SlotGuard, deadline: tokio::time::Instant) -> Self {
+        SlotBody {
+            inner,
+            deadline: tokio::time::sleep_until(deadline),
+            guard: Some(guard),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("upstream response exceeded the request timeout")]
+struct DeadlineExceeded;
+
+impl HttpBody for SlotBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.project();
+        if this.guard.is_none() {
+            return Poll::Ready(None);
+        }
+        match this.inner.poll_frame(cx) {
+            Poll::Ready(None) => {
+                this.guard.take();
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.guard.take();
+                Poll::Ready(Some(Err(Box::new(e))))
+            }
+            Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
+            Poll::Pending => {
+                if this.deadline.poll(cx).is_ready() {
+                    this.guard.take();
+                    return Poll::Ready(Some(Err(Box::new(DeadlineExceeded))));
+                }
+                Poll::Pending
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.guard.is_none() || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Serves one request on a proxy pool's host.
+pub async fn handle(
+    state: Arc<AppState>,
+    pool: Arc<PoolRuntime>,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+    original_host: Option<HeaderValue>,
+) -> Response<Body> {
+    let (mut parts, body) = req.into_parts();
+    let log = LogLine {
+        log: &state.access_log,
+        pool: &pool.name,
+        at: state.now(),
+        peer,
+        route: format!("proxy {} {}", parts.method, parts.uri.path()),
+    };
+
+    let caller = match auth::authenticate(&pool, &parts.headers, log.at) {
+        Ok(c) => c,
+        Err(failure) => {
+            pool.metrics.unauthorized.increment(1);
+            let e = ApiError::unauthorized("missing or invalid pool key");
+            log.write(None, "401", Some(failure.as_str()), e.status, 0, None, None);
+            return axum::response::IntoResponse::into_response(e);
+        }
+    };
+    let key_id = caller.key_id.clone();
+    let max_body = state.server.max_body_bytes;
+    if content_length(&parts.headers).is_some_and(|len| len > max_body) {
+        let e = ApiError::payload_too_large(max_body);
+        log.write(Some(&key_id), "413", None, e.status, 0, None, None);
+        return axum::response::IntoResponse::into_response(e);
+    }
+    let admission = admission::wait_budget(
+        &parts.headers,
+        &pool.concurrency,
+        AdmissionCaller::Proxy,
+        None,
+    )
+    .and_then(|wait| Ok((wait, admission::priority_from_headers(&parts.headers)?)));
+    let (wait_ms, priority) = match admission {
+        Ok(v) => v,
+        Err(e) => {
+            log.write(Some(&key_id), "400", None, e.status, 0, None, None);
+            return axum::response::IntoResponse::into_response(e);
+        }
+    };
+
+    let request = AcquireRequest {
+        fairness_key: caller.fairness,
+        priority,
+        wait_ms,
+        kind: SlotKind::Exchange,
+    };
+    let grant = match pool.gate.acquire(request).await {
+        Ok(g) => g,
+        Err(refusal) => {
+            let e = admission::refusal_error(&refusal);
+            match e.status {
+                StatusCode::GATEWAY_TIMEOUT => pool.metrics.refused_504.increment(1),
+                _ => pool.metrics.refused_429.increment(1),
+            }
+            let queued = e.gate.map(|g| g.queued_ms).unwrap_or(0);
+            log.write(
+                Some(&key_id),
+                admission::refusal_outcome(&refusal),
+                None,
+                e.status,
+                queued,
+                None,
+                None,
+            );
+            return axum::response::IntoResponse::into_response(e);
+        }
+    };
+    pool.metrics.admitted_proxy.increment(1);
+    pool.metrics
+        .queue_wait
+        .record(grant.headers.queued_ms as f64 / 1000.0);
+    let mut guard = SlotGuard::new(pool.gate.clone(), grant.slot_id);
+    let deadline =
+        tokio::time::Instant::now() + Duration::from_millis(pool.concurrency.request_timeout_ms);
+
+    // The upstream request: our URL, our Host, the caller's method/headers/body minus what
+    // must not cross, plus the managed credentials.
+    let path_and_query = parts
+        .uri
+        .path_and_query()
+        .map(|pq| pq.as_str())
+        .unwrap_or("/");
+    let target = format!(
+        "{}://{}{}{}",
+        pool.upstream.scheme, pool.upstream.authority, pool.upstream.base_path, path_and_query
+    );
+    let uri: http::Uri = match target.parse() {
+        Ok(u) => u,
+        Err(_) => {
+            let e = ApiError::invalid("path", "the request path cannot be forwarded");
+            log.write(
+                Some(&key_id),
+                "400",
+                None,
+                e.status,
+                grant.headers.queued_ms,
+                None,
+                None,
+            );
+            return axum::response::IntoResponse::into_response(e);
+        }
+    };
+    let headers = &mut parts.headers;
+    strip_hop_by_hop(headers);
+    strip_nthpool_headers(headers);
+    if caller.used_authorization {
+        headers.remove(header::AUTHORIZATION);
+    }
+    let forwarded_for = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
+        Some(prior) => format!("{prior}, {}", peer.ip()),
+        None => peer.ip().to_string(),
+    };
+    if let Ok(v) = HeaderValue::from_str(&forwarded_for) {
+        headers.insert(X_FORWARDED_FOR.clone(), v);
+    }
+    headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
+    if let Some(h) = original_host {
+        headers.insert(X_FORWARDED_HOST.clone(), h);
+    }
+    // hyper-util only fills Host when absent: replace the caller's explicitly.
+    headers.insert(header::HOST, pool.upstream.host.clone());
+    for (name, value) in &pool.upstream_headers {
+        headers.insert(name.clone(), value.clone());
+    }
+    parts.uri = uri;
+    parts.version = http::Version::HTTP_11;
+    let upstream_req = Request::from_parts(parts, Body::new(Limited::new(body, max_body as usize)));
+
+    let started = Instant::now();
+    let sent = tokio::time::timeout_at(deadline, state.client.request(upstream_req)).await;
+    let latency_ms = started.elapsed().as_millis() as u64;
+    let resp = match sent {
+        Ok(Ok(resp)) => resp,
+        Ok(Err(err)) => {
+            let e = if chain_has::<LengthLimitError>(&err) {
+                ApiError::payload_too_large(max_body)
+            } else {
+                pool.metrics.upstream_errors.increment(1);
+                tracing::debug!(pool = %pool.name, error = %err, "upstream request failed");
+                let what = if err.is_connect() {
+                    "cannot connect to the upstream"
+                } else {
+                    "the upstream connection failed"
+                };
+                ApiError::new(StatusCode::BAD_GATEWAY, "upstream_unreachable", what)
+            }
+            .with_gate(grant.headers);
+            log.write(
+                Some(&key_id),
+                &e.status.as_u16().to_string(),
+                None,
+                e.status,
+                grant.headers.queued_ms,
+                None,
+                Some(latency_ms),
+            );
+            return axum::response::IntoResponse::into_response(e);
+        }
+        Err(_) => {
+            pool.metrics.upstream_errors.increment(1);
+            let e = ApiError::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "upstream_timeout",
+                format!(
+                    "the upstream did not answer within {} ms",
+                    pool.concurrency.request_timeout_ms
+                ),
+            )
+            .with_gate(grant.headers);
+            log.write(
+                Some(&key_id),
+                "504",
+                Some("upstream timeout"),
+                e.status,
+                grant.headers.queued_ms,
+                None,
+                Some(latency_ms),
+            );
+            return axum::response::IntoResponse::into_response(e);
+        }
+    };
+
+    pool.metrics
+        .upstream_latency
+        .record(latency_ms as f64 / 1000.0);
+    let (mut rparts, rbody) = resp.into_parts();
+    guard.outcome = Some(crate::outcome::from_response(
+        rparts.status.as_u16(),
+        &rparts.headers,
+        state.now(),
+    ));
+    strip_hop_by_hop(&mut rparts.headers);
+    admission::write_gate_headers(&mut rparts.headers, &grant.headers);
+    log.write(
+        Some(&key_id),
+        "admitted",
+        None,
+        rparts.status,
+        grant.headers.queued_ms,
+        Some(rparts.status.as_u16()),
+        Some(latency_ms),
+    );
+    Response::from_parts(rparts, Body::new(SlotBody::new(rbody, guard, deadline)))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_and_connection_named_headers_are_stripped() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, X-Secret-Hop"),
+        );
+        h.insert("x-secret-hop", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        h.insert(header::TE, HeaderValue::from_static("trailers"));
+        h.insert("x-kept", HeaderValue::from_static("yes"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn nthpool_headers_are_stripped() {
+        let mut h = HeaderMap::new();
+        h.insert("x-nthpool-key", HeaderValue::from_static("k"));
+        h.insert("x-nthpool-priority", HeaderValue::from_static("high"));
+        h.insert("x-other", HeaderValue::from_static("1"));
+        strip_nthpool_headers(&mut h);
+        assert_eq!(h.len(), 1);
+    }
+}

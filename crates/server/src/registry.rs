@@ -1,0 +1,274 @@
+//! The live set of pools: what each pool host routes to, each pool's key index and gate.
+//!
+//! Readers (every request) load an immutable [`Registry`] through `ArcSwap` — no lock shared
+//! across pools on the hot path. Writers (admin API, start-up) build a new registry and swap it
+//! in, serialised by the admin lock in [`crate::state::AppState`].
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use http::uri::{Authority, Scheme};
+use http::{HeaderName, HeaderValue};
+use nthbouncer_config::{keys, AuthMethod, ConcurrencySpec, ConfigError, PoolSpec};
+use nthbouncer_coord::{PoolGate, PoolSettings};
+use nthbouncer_store::StoredKey;
+
+use crate::metrics::PoolMetrics;
+
+/// Who owns a pool's settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ManagedBy {
+    /// Declared in the config file: read-only through the admin API.
+    Config,
+    /// Created through the admin API: lives in the store.
+    Api,
+}
+
+impl ManagedBy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ManagedBy::Config => "config",
+            ManagedBy::Api => "api",
+        }
+    }
+}
+
+/// One accepted key, as the hot path needs it.
+#[derive(Clone, Debug)]
+pub struct KeyEntry {
+    /// Public id (`key_…`), safe to log.
+    pub id: Arc<str>,
+    pub fairness: u64,
+    pub expires_at: Option<u64>,
+    pub revoked: bool,
+    pub managed_by: ManagedBy,
+    pub label: Option<String>,
+    pub created_at: u64,
+    pub revoked_at: Option<u64>,
+}
+
+/// A pool's keys by SHA-256 digest. Lookups compare digests, never plaintext, so timing tells an
+/// attacker nothing about a key.
+#[derive(Default, Debug)]
+pub struct KeyIndex {
+    pub by_digest: HashMap<[u8; 32], KeyEntry>,
+}
+
+impl KeyIndex {
+    /// Config keys first, then the store's keys for this pool (a store key never shadows a
+    /// config key of the same digest).
+    pub fn build(config_digests: &[[u8; 32]], stored: &[StoredKey]) -> KeyIndex {
+        let mut by_digest = HashMap::with_capacity(config_digests.len() + stored.len());
+        for d in config_digests {
+            by_digest.insert(
+                *d,
+                KeyEntry {
+                    id: keys::key_id_from_digest(d).into(),
+                    fairness: keys::fairness_id(d),
+                    expires_at: None,
+                    revoked: false,
+                    managed_by: ManagedBy::Config,
+                    label: None,
+                    created_at: 0,
+                    revoked_at: None,
+                },
+            );
+        }
+        for k in stored {
+            let Some(d) = hex::decode(&k.hash)
+                .ok()
+                .and_then(|b| <[u8; 32]>::try_from(b).ok())
+            else {
+                tracing::warn!(key_id = %k.id, "stored key has an unreadable hash; ignored");
+                continue;
+            };
+            by_digest.entry(d).or_insert_with(|| KeyEntry {
+                id: k.id.as_str().into(),
+                fairness: keys::fairness_id(&d),
+                expires_at: k.expires_at,
+                revoked: k.revoked_at.is_some(),
+                managed_by: ManagedBy::Api,
+                label: k.label.clone(),
+                created_at: k.created_at,
+                revoked_at: k.revoked_at,
+            });
+        }
+        KeyIndex { by_digest }
+    }
+}
+
+/// Where a pool's requests go.
+#[derive(Clone, Debug)]
+pub struct Upstream {
+    pub scheme: Scheme,
+    pub authority: Authority,
+    /// Path prefix of the upstream URL without a trailing slash (`""` for the root).
+    pub base_path: String,
+    /// The `Host` header the upstream expects.
+    pub host: HeaderValue,
+}
+
+impl Upstream {
+    pub fn parse(at: &str, url: &str) -> Result<Upstream, ConfigError> {
+        let uri = nthbouncer_config::parse_http_url(&format!("{at}.upstream"), url)?;
+        let parts = uri.into_parts();
+        let (Some(scheme), Some(authority)) = (parts.scheme, parts.authority) else {
+            return Err(ConfigError::new(
+                format!("{at}.upstream"),
+                "must be an absolute URL",
+            ));
+        };
+        let base_path = parts
+            .path_and_query
+            .map(|pq| pq.path().trim_end_matches('/').to_string())
+            .unwrap_or_default();
+        let host = HeaderValue::from_str(authority.as_str()).map_err(|_| {
+            ConfigError::new(
+                format!("{at}.upstream"),
+                "has a host that is not a valid header value",
+            )
+        })?;
+        Ok(Upstream {
+            scheme,
+            authority,
+            base_path,
+            host,
+        })
+    }
+}
+
+/// A pool as the serving path sees it: immutable; a settings change builds a new one that
+/// shares the same gate and key index.
+pub struct PoolRuntime {
+    pub name: String,
+    pub spec: PoolSpec,
+    pub managed_by: ManagedBy,
+    pub created_at: u64,
+    pub updated_at: u64,
+    pub upstream: Upstream,
+    pub upstream_headers: Vec<(HeaderName, HeaderValue)>,
+    pub accept_header: bool,
+    pub accept_bearer: bool,
+    pub accept_nthbouncer: bool,
+    pub concurrency: ConcurrencySpec,
+    /// Digests of the keys the spec itself lists (config file, or the API body).
+    pub spec_key_digests: Vec<[u8; 32]>,
+    pub gate: Arc<dyn PoolGate>,
+    pub keys: Arc<ArcSwap<KeyIndex>>,
+    pub metrics: PoolMetrics,
+}
+
+impl PoolRuntime {
+    /// Resolves a validated spec into runtime form. `at` names the spec's origin in errors.
+    pub fn build(
+        at: &str,
+        spec: PoolSpec,
+        managed_by: ManagedBy,
+        created_at: u64,
+        updated_at: u64,
+        gate: Arc<dyn PoolGate>,
+        keys: Arc<ArcSwap<KeyIndex>>,
+    ) -> Result<PoolRuntime, ConfigError> {
+        let upstream = Upstream::parse(at, &spec.upstream)?;
+        let mut upstream_headers = Vec::new();
+        for (name, value) in spec.resolved_upstream_headers(at)? {
+            let key = format!("{at}.upstream_headers.{name}");
+            let name = HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| ConfigError::new(&key, "is not a valid header name"))?;
+            let mut value = HeaderValue::from_str(&value)
+                .map_err(|_| ConfigError::new(&key, "is not a valid header value"))?;
+            // Credentials must never show up in debug output or HPACK tables.
+            value.set_sensitive(true);
+            upstream_headers.push((name, value));
+        }
+        let spec_key_digests = spec.key_digests(at)?;
+        Ok(PoolRuntime {
+            name: spec.name.clone(),
+            upstream,
+            upstream_headers,
+            accept_header: spec.auth.accept.contains(&AuthMethod::Header),
+            accept_bearer: spec.auth.accept.contains(&AuthMethod::Bearer),
+            accept_nthbouncer: spec.auth.accept.contains(&AuthMethod::Nthbouncer),
+            concurrency: spec.concurrency.clone(),
+            spec_key_digests,
+            metrics: PoolMetrics::new(&spec.name),
+            spec,
+            managed_by,
+            created_at,
+            updated_at,
+            gate,
+            keys,
+        })
+    }
+
+    /// The governor's view of the settings.
+    pub fn gate_settings(spec: &ConcurrencySpec) -> PoolSettings {
+        PoolSettings {
+            limit: spec.limit,
+            queue_size: spec.queue_size,
+            rpm: spec.rpm,
+            request_timeout_ms: spec.request_timeout_ms,
+            lease_term_ms: spec.lease_term_ms,
+            renew_interval_ms: spec.renew_interval_ms,
+            adaptive: spec.adaptive,
+            min_limit: spec.min_limit,
+            fair_share: spec.fair_share,
+        }
+    }
+
+    /// Host names this pool answers to besides `{name}.{pool_domain}`.
+    pub fn domains(&self) -> impl Iterator<Item = String> + '_ {
+        self.spec
+            .custom_domains
+            .iter()
+            .map(|d| d.to_ascii_lowercase())
+    }
+}
+
+/// An immutable snapshot of every pool.
+#[derive(Default, Clone)]
+pub struct Registry {
+    pub pools: HashMap<String, Arc<PoolRuntime>>,
+    pub domains: HashMap<String, Arc<PoolRuntime>>,
+}
+
+impl Registry {
+    /// A copy with `pool` added or replaced.
+    pub fn with_pool(&self, pool: Arc<PoolRuntime>) -> Registry {
+        let mut next = self.without(&pool.name);
+        for d in pool.domains() {
+            next.domains.insert(d, pool.clone());
+        }
+        next.pools.insert(pool.name.clone(), pool);
+        next
+    }
+
+    /// A copy with the pool named `name` removed.
+    pub fn without(&self, name: &str) -> Registry {
+        let mut next = self.clone();
+        next.pools.remove(name);
+        next.domains.retain(|_, p| p.name != name);
+        next
+    }
+
+    /// The pool a (lowercased, port-less) host names, if any.
+    pub fn by_host(&self, host: &str, pool_suffix: &str) -> Option<&Arc<PoolRuntime>> {
+        if let Some(name) = host.strip_suffix(pool_suffix) {
+            if !name.contains('.') {
+                if let Some(p) = self.pools.get(name) {
+                    return Some(p);
+                }
+            }
+        }
+        self.domains.get(host)
+    }
+
+    /// Another pool (not `except`) already claiming `domain`.
+    pub fn domain_owner(&self, domain: &str, except: &str) -> Option<&str> {
+        self.domains
+            .get(domain)
+            .map(|p| p.name.as_str())
+            .filter(|n| *n != except)
+    }
+}

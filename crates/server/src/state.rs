@@ -1,0 +1,333 @@
+//! Shared application state and the operations that change the pool set (start-up load,
+//! admin create/update/delete, key changes). Every change is serialised by `admin_lock` and
+//! published by swapping the registry.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use nthbouncer_config::{Config, ConfigError, PoolSpec, ServerSpec};
+use nthbouncer_coord::{Clock, Coordination};
+use nthbouncer_store::{Store, StoredKey, StoredPool};
+
+use crate::access_log::AccessLog;
+use crate::error::ApiError;
+use crate::proxy::UpstreamClient;
+use crate::registry::{KeyIndex, ManagedBy, PoolRuntime, Registry};
+
+pub struct AppState {
+    pub server: ServerSpec,
+    /// Lowercased `server.api_host`.
+    pub api_host: String,
+    /// `.{pool_domain}`, lowercased, for host matching.
+    pub pool_suffix: String,
+    /// Base of every `pollUrl`.
+    pub public_url: String,
+    pub admin_token: Option<String>,
+    pub clock: Arc<dyn Clock>,
+    pub coordination: Arc<dyn Coordination>,
+    pub store: Arc<dyn Store>,
+    pub registry: ArcSwap<Registry>,
+    pub admin_lock: tokio::sync::Mutex<()>,
+    pub client: UpstreamClient,
+    pub access_log: AccessLog,
+    pub trusted_proxies: Vec<ipnet::IpNet>,
+    /// Set on SIGTERM: `/readyz` fails so load balancers stop sending traffic.
+    pub draining: AtomicBool,
+}
+
+impl AppState {
+    pub fn now(&self) -> u64 {
+        self.clock.now_ms()
+    }
+
+    pub fn pool(&self, name: &str) -> Option<Arc<PoolRuntime>> {
+        self.registry.load().pools.get(name).cloned()
+    }
+
+    /// Builds a runtime pool, reusing `previous`'s gate and key index when it is an update.
+    fn build_pool(
+        &self,
+        at: &str,
+        spec: PoolSpec,
+        managed_by: ManagedBy,
+        created_at: u64,
+        updated_at: u64,
+        stored_keys: Option<&[StoredKey]>,
+        previous: Option<&Arc<PoolRuntime>>,
+    ) -> Result<Arc<PoolRuntime>, ConfigError> {
+        let settings = PoolRuntime::gate_settings(&spec.concurrency);
+        let (gate, keys) = match previous {
+            Some(p) => (p.gate.clone(), p.keys.clone()),
+            None => (
+                self.coordination.open(&spec.name, settings.clone()),
+                Arc::new(ArcSwap::from_pointee(KeyIndex::default())),
+            ),
+        };
+        let runtime = PoolRuntime::build(at, spec, managed_by, created_at, updated_at, gate, keys)?;
+        let stored: Vec<StoredKey> = match stored_keys {
+            Some(k) => k.to_vec(),
+            None => previous
+                .map(|p| {
+                    p.keys
+                        .load()
+                        .by_digest
+                        .iter()
+                        .filter(|(_, e)| e.managed_by == ManagedBy::Api)
+                        .map(|(d, e)| StoredKey {
+                            id: e.id.to_string(),
+                            pool: p.name.clone(),
+                            hash: hex::encode(d),
+                            label: e.label.clone(),
+                            created_at: e.created_at,
+                            expires_at: e.expires_at,
+                            revoked_at: e.revoked_at,
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+        };
+        runtime.keys.store(Arc::new(KeyIndex::build(
+            &runtime.spec_key_digests,
+            &stored,
+        )));
+        Ok(Arc::new(runtime))
+    }
+
+    /// Loads the config file's pools and then the store's (a store pool whose name the file
+    /// also declares is shadowed by the file, with a warning).
+    pub async fn load_pools(&self, config: &Config) -> Result<(), StartError> {
+        let _guard = self.admin_lock.lock().await;
+        let all_keys = self
+            .store
+            .list_all_keys()
+            .await
+            .map_err(|e| StartError::Store(e.to_string()))?;
+        let keys_of = |pool: &str| -> Vec<StoredKey> {
+            all_keys
+                .iter()
+                .filter(|k| k.pool == pool)
+                .cloned()
+                .collect()
+        };
+        let mut registry = Registry::default();
+        let now = self.now();
+        for (i, spec) in config.pools.iter().enumerate() {
+            let keys = keys_of(&spec.name);
+            let pool = self
+                .build_pool(
+                    &format!("pools[{i}]"),
+                    spec.clone(),
+                    ManagedBy::Config,
+                    now,
+                    now,
+                    Some(&keys),
+                    None,
+                )
+                .map_err(StartError::Config)?;
+            registry = registry.with_pool(pool);
+        }
+        for stored in self
+            .store
+            .list_pools()
+            .await
+            .map_err(|e| StartError::Store(e.to_string()))?
+        {
+            if registry.pools.contains_key(&stored.name) {
+                tracing::warn!(pool = %stored.name, "pool is declared in the config file and in the store; the file wins");
+                continue;
+            }
+            let at = format!("stored pool {:?}", stored.name);
+            let spec: PoolSpec = match serde_json::from_value(stored.spec.clone()) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!(pool = %stored.name, error = %e, "stored pool unreadable; skipped");
+                    continue;
+                }
+            };
+            let keys = keys_of(&stored.name);
+            match spec.validate(&at).and_then(|_| {
+                self.build_pool(
+                    &at,
+                    spec,
+                    ManagedBy::Api,
+                    stored.created_at,
+                    stored.updated_at,
+                    Some(&keys),
+                    None,
+                )
+            }) {
+                Ok(pool) => registry = registry.with_pool(pool),
+                Err(e) => {
+                    tracing::error!(pool = %stored.name, error = %e, "stored pool invalid; skipped")
+                }
+            }
+        }
+        self.registry.store(Arc::new(registry));
+        Ok(())
+    }
+
+    fn check_domains(&self, registry: &Registry, spec: &PoolSpec) -> Result<(), ApiError> {
+        for (i, d) in spec.custom_domains.iter().enumerate() {
+            let d = d.to_ascii_lowercase();
+            if d == self.api_host {
+                return Err(ApiError::invalid(
+                    format!("custom_domains[{i}]"),
+                    format!("{d:?} is the API host"),
+                ));
+            }
+            if let Some(owner) = registry.domain_owner(&d, &spec.name) {
+                return Err(ApiError::invalid(
+                    format!("custom_domains[{i}]"),
+                    format!("{d:?} already belongs to pool {owner:?}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Admin API: creates a pool in the store and starts serving it.
+    pub async fn create_pool(&self, spec: PoolSpec) -> Result<Arc<PoolRuntime>, ApiError> {
+        spec.validate("pool").map_err(invalid_from_config)?;
+        let _guard = self.admin_lock.lock().await;
+        let registry = self.registry.load_full();
+        if registry.pools.contains_key(&spec.name) {
+            return Err(ApiError::new(
+                http::StatusCode::CONFLICT,
+                "conflict",
+                format!("pool {:?} already exists", spec.name),
+            ));
+        }
+        self.check_domains(&registry, &spec)?;
+        let spec = spec.with_hashed_keys();
+        let now = self.now();
+        let pool = self
+            .build_pool(
+                "pool",
+                spec.clone(),
+                ManagedBy::Api,
+                now,
+                now,
+                Some(&[]),
+                None,
+            )
+            .map_err(invalid_from_config)?;
+        let stored = StoredPool {
+            name: spec.name.clone(),
+            spec: serde_json::to_value(&spec).map_err(|e| ApiError::internal(e.to_string()))?,
+            created_at: now,
+            updated_at: now,
+        };
+        if let Err(e) = self.store.create_pool(&stored).await {
+            pool.gate.close().await;
+            return Err(e.into());
+        }
+        self.registry
+            .store(Arc::new(registry.with_pool(pool.clone())));
+        Ok(pool)
+    }
+
+    /// Admin API: replaces an API-managed pool's settings; the gate keeps its slots and queue.
+    pub async fn update_pool(
+        &self,
+        name: &str,
+        spec: PoolSpec,
+    ) -> Result<Arc<PoolRuntime>, ApiError> {
+        if spec.name != name {
+            return Err(ApiError::invalid(
+                "name",
+                "a pool cannot be renamed; the body's name must match the path",
+            ));
+        }
+        spec.validate("pool").map_err(invalid_from_config)?;
+        let _guard = self.admin_lock.lock().await;
+        let registry = self.registry.load_full();
+        let previous = registry
+            .pools
+            .get(name)
+            .cloned()
+            .ok_or_else(ApiError::pool_not_found)?;
+        if previous.managed_by == ManagedBy::Config {
+            return Err(managed_by_config(name));
+        }
+        self.check_domains(&registry, &spec)?;
+        let spec = spec.with_hashed_keys();
+        let now = self.now();
+        let pool = self
+            .build_pool(
+                "pool",
+                spec.clone(),
+                ManagedBy::Api,
+                previous.created_at,
+                now,
+                None,
+                Some(&previous),
+            )
+            .map_err(invalid_from_config)?;
+        let value = serde_json::to_value(&spec).map_err(|e| ApiError::internal(e.to_string()))?;
+        if !self.store.update_pool(name, &value, now).await? {
+            return Err(ApiError::pool_not_found());
+        }
+        pool.gate
+            .reconfigure(PoolRuntime::gate_settings(&pool.concurrency))
+            .await;
+        self.registry
+            .store(Arc::new(registry.with_pool(pool.clone())));
+        Ok(pool)
+    }
+
+    /// Admin API: deletes an API-managed pool, its keys and its access log; waiters are refused.
+    pub async fn delete_pool(&self, name: &str) -> Result<(), ApiError> {
+        let _guard = self.admin_lock.lock().await;
+        let registry = self.registry.load_full();
+        let previous = registry
+            .pools
+            .get(name)
+            .cloned()
+            .ok_or_else(ApiError::pool_not_found)?;
+        if previous.managed_by == ManagedBy::Config {
+            return Err(managed_by_config(name));
+        }
+        self.store.delete_pool(name).await?;
+        self.registry.store(Arc::new(registry.without(name)));
+        previous.gate.close().await;
+        Ok(())
+    }
+
+    /// Re-reads a pool's stored keys into its index (after a key is added or revoked).
+    pub async fn refresh_keys(&self, pool: &PoolRuntime) -> Result<(), ApiError> {
+        let stored = self.store.list_keys(&pool.name).await?;
+        pool.keys
+            .store(Arc::new(KeyIndex::build(&pool.spec_key_digests, &stored)));
+        Ok(())
+    }
+}
+
+pub fn managed_by_config(name: &str) -> ApiError {
+    ApiError::new(
+        http::StatusCode::CONFLICT,
+        "managed_by_config",
+        format!("pool {name:?} is declared in the config file; edit the file instead"),
+    )
+}
+
+/// A validation failure of an API body: `400 invalid` naming the field.
+pub fn invalid_from_config(e: ConfigError) -> ApiError {
+    let field = e.key.strip_prefix("pool.").unwrap_or(&e.key).to_string();
+    ApiError::invalid(field, e.to_string())
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("invalid configuration: {0}")]
+    Config(ConfigError),
+    #[error("cannot open the store: {0}")]
+    Store(String),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("cannot build the upstream client: {0}")]
+    Client(String),
+}

@@ -1,0 +1,118 @@
+//! Durable state behind one small trait.
+//!
+//! This crate owns what must survive a restart: pools created through the admin API, pool keys
+//! (hashes only), and the pool access log. (Jobs, webhook destinations and the delivery outbox
+//! join later.) [`Store`] is the seam; [`sqlite::SqliteStore`] is the embedded default, and a
+//! PostgreSQL implementation must fit the same trait unchanged.
+//!
+//! It must not know about HTTP or the governor. Pool settings are stored as opaque JSON (the
+//! config crate owns their shape), so the schema does not move when a setting is added.
+
+#![forbid(unsafe_code)]
+
+pub mod sqlite;
+
+use serde::{Deserialize, Serialize};
+
+pub type Result<T> = std::result::Result<T, StoreError>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("already exists: {0}")]
+    Conflict(String),
+    #[error("storage failure: {0}")]
+    Backend(String),
+}
+
+/// A pool created through the admin API.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StoredPool {
+    pub name: String,
+    /// The pool's settings, as the config crate serialises them.
+    pub spec: serde_json::Value,
+    pub created_at: u64,
+    pub updated_at: u64,
+}
+
+/// A pool key. Only its SHA-256 hash is ever stored.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredKey {
+    /// Public identifier (`key_` + hex), safe to show and log.
+    pub id: String,
+    pub pool: String,
+    /// Lowercase hex SHA-256 of the plaintext key.
+    pub hash: String,
+    pub label: Option<String>,
+    pub created_at: u64,
+    pub expires_at: Option<u64>,
+    pub revoked_at: Option<u64>,
+}
+
+/// One line of a pool's access log: an acquire attempt or a proxied request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AccessLogEntry {
+    /// Assigned by the store on append (monotonic); 0 before.
+    pub id: u64,
+    pub pool: String,
+    /// Epoch ms.
+    pub at: u64,
+    /// The key id, never the key; `None` when authentication failed before a key matched.
+    pub key_id: Option<String>,
+    pub client_addr: String,
+    /// e.g. `"proxy GET /v1/models"` or `"lock acquire"`.
+    pub route: String,
+    /// `"admitted"`, `"429"`, `"504"`, `"401"`, …
+    pub outcome: String,
+    /// The precise reason for a refusal (e.g. which auth check failed); never sent to the caller.
+    pub reason: Option<String>,
+    pub status: u16,
+    pub queued_ms: u64,
+    pub upstream_status: Option<u16>,
+    pub upstream_latency_ms: Option<u64>,
+}
+
+/// Filters for reading the access log, newest first.
+#[derive(Clone, Debug, Default)]
+pub struct AccessLogQuery {
+    /// Only entries with `id < before` (the pagination cursor).
+    pub before: Option<u64>,
+    pub since: Option<u64>,
+    pub until: Option<u64>,
+    pub outcome: Option<String>,
+    pub key_id: Option<String>,
+    pub limit: u32,
+}
+
+#[async_trait::async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Cheap liveness probe for `/readyz`.
+    async fn ping(&self) -> Result<()>;
+
+    async fn list_pools(&self) -> Result<Vec<StoredPool>>;
+    async fn get_pool(&self, name: &str) -> Result<Option<StoredPool>>;
+    /// `Conflict` if a pool of that name exists.
+    async fn create_pool(&self, pool: &StoredPool) -> Result<()>;
+    /// Replaces the spec; `false` if there is no such pool.
+    async fn update_pool(&self, name: &str, spec: &serde_json::Value, now: u64) -> Result<bool>;
+    /// Deletes the pool, its keys and its access log; `false` if there was no such pool.
+    async fn delete_pool(&self, name: &str) -> Result<bool>;
+
+    /// `Conflict` if the id or hash exists.
+    async fn create_key(&self, key: &StoredKey) -> Result<()>;
+    /// All keys of a pool, revoked ones included, oldest first.
+    async fn list_keys(&self, pool: &str) -> Result<Vec<StoredKey>>;
+    /// Every key of every pool (loaded once at start into the in-memory key index).
+    async fn list_all_keys(&self) -> Result<Vec<StoredKey>>;
+    /// Marks a key revoked; `false` if no such key in that pool (or already revoked).
+    async fn revoke_key(&self, pool: &str, id: &str, now: u64) -> Result<bool>;
+
+    /// Appends a batch in one transaction.
+    async fn append_access_log(&self, entries: &[AccessLogEntry]) -> Result<()>;
+    async fn query_access_log(
+        &self,
+        pool: &str,
+        query: &AccessLogQuery,
+    ) -> Result<Vec<AccessLogEntry>>;
+    /// Keeps the newest `keep` entries of a pool; returns how many were removed.
+    async fn trim_access_log(&self, pool: &str, keep: u64) -> Result<u64>;
+}
