@@ -34,6 +34,14 @@ impl ManagedBy {
     }
 }
 
+/// Who owns a pool and since when.
+#[derive(Clone, Copy, Debug)]
+pub struct Provenance {
+    pub managed_by: ManagedBy,
+    pub created_at: u64,
+    pub updated_at: u64,
+}
+
 /// One accepted key, as the hot path needs it.
 #[derive(Clone, Debug)]
 pub struct KeyEntry {
@@ -164,9 +172,7 @@ impl PoolRuntime {
     pub fn build(
         at: &str,
         spec: PoolSpec,
-        managed_by: ManagedBy,
-        created_at: u64,
-        updated_at: u64,
+        provenance: Provenance,
         gate: Arc<dyn PoolGate>,
         keys: Arc<ArcSwap<KeyIndex>>,
     ) -> Result<PoolRuntime, ConfigError> {
@@ -194,9 +200,9 @@ impl PoolRuntime {
             spec_key_digests,
             metrics: PoolMetrics::new(&spec.name),
             spec,
-            managed_by,
-            created_at,
-            updated_at,
+            managed_by: provenance.managed_by,
+            created_at: provenance.created_at,
+            updated_at: provenance.updated_at,
             gate,
             keys,
         })

@@ -13,7 +13,7 @@ use nthbouncer_store::{Store, StoredKey, StoredPool};
 use crate::access_log::AccessLog;
 use crate::error::ApiError;
 use crate::proxy::UpstreamClient;
-use crate::registry::{KeyIndex, ManagedBy, PoolRuntime, Registry};
+use crate::registry::{KeyIndex, ManagedBy, PoolRuntime, Provenance, Registry};
 
 pub struct AppState {
     pub server: ServerSpec,
@@ -50,9 +50,7 @@ impl AppState {
         &self,
         at: &str,
         spec: PoolSpec,
-        managed_by: ManagedBy,
-        created_at: u64,
-        updated_at: u64,
+        provenance: Provenance,
         stored_keys: Option<&[StoredKey]>,
         previous: Option<&Arc<PoolRuntime>>,
     ) -> Result<Arc<PoolRuntime>, ConfigError> {
@@ -64,7 +62,7 @@ impl AppState {
                 Arc::new(ArcSwap::from_pointee(KeyIndex::default())),
             ),
         };
-        let runtime = PoolRuntime::build(at, spec, managed_by, created_at, updated_at, gate, keys)?;
+        let runtime = PoolRuntime::build(at, spec, provenance, gate, keys)?;
         let stored: Vec<StoredKey> = match stored_keys {
             Some(k) => k.to_vec(),
             None => previous
@@ -118,9 +116,11 @@ impl AppState {
                 .build_pool(
                     &format!("pools[{i}]"),
                     spec.clone(),
-                    ManagedBy::Config,
-                    now,
-                    now,
+                    Provenance {
+                        managed_by: ManagedBy::Config,
+                        created_at: now,
+                        updated_at: now,
+                    },
                     Some(&keys),
                     None,
                 )
@@ -150,9 +150,11 @@ impl AppState {
                 self.build_pool(
                     &at,
                     spec,
-                    ManagedBy::Api,
-                    stored.created_at,
-                    stored.updated_at,
+                    Provenance {
+                        managed_by: ManagedBy::Api,
+                        created_at: stored.created_at,
+                        updated_at: stored.updated_at,
+                    },
                     Some(&keys),
                     None,
                 )
@@ -205,9 +207,11 @@ impl AppState {
             .build_pool(
                 "pool",
                 spec.clone(),
-                ManagedBy::Api,
-                now,
-                now,
+                Provenance {
+                    managed_by: ManagedBy::Api,
+                    created_at: now,
+                    updated_at: now,
+                },
                 Some(&[]),
                 None,
             )
@@ -257,9 +261,11 @@ impl AppState {
             .build_pool(
                 "pool",
                 spec.clone(),
-                ManagedBy::Api,
-                previous.created_at,
-                now,
+                Provenance {
+                    managed_by: ManagedBy::Api,
+                    created_at: previous.created_at,
+                    updated_at: now,
+                },
                 None,
                 Some(&previous),
             )
