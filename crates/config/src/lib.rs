@@ -8,7 +8,10 @@
 
 #![forbid(unsafe_code)]
 
+pub mod async_jobs;
 pub mod keys;
+
+pub use async_jobs::{AsyncSpec, WebhookSpec};
 
 use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
@@ -132,6 +135,11 @@ pub struct PoolSpec {
     pub auth: AuthSpec,
     #[serde(default)]
     pub concurrency: ConcurrencySpec,
+    #[serde(default, rename = "async")]
+    pub async_jobs: AsyncSpec,
+    /// Webhook destinations declared with the pool (more can be added through the admin API).
+    #[serde(default)]
+    pub webhooks: Vec<WebhookSpec>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
@@ -505,7 +513,12 @@ impl PoolSpec {
                 "must name at least one of header, bearer, nthbouncer",
             ));
         }
-        self.concurrency.validate(&format!("{at}.concurrency"))
+        self.concurrency.validate(&format!("{at}.concurrency"))?;
+        self.async_jobs.validate(&format!("{at}.async"))?;
+        for (i, w) in self.webhooks.iter().enumerate() {
+            w.validate(&format!("{at}.webhooks[{i}]"))?;
+        }
+        Ok(())
     }
 
     /// The digest of key `i` (plaintext hashed, `sha256:` parsed, `env:` resolved).
@@ -570,6 +583,11 @@ impl PoolSpec {
         for v in out.upstream_headers.values_mut() {
             if !v.starts_with("env:") {
                 *v = mask(v);
+            }
+        }
+        for w in out.webhooks.iter_mut() {
+            if !w.secret.starts_with("env:") {
+                w.secret = mask(&w.secret);
             }
         }
         out.keys = self
@@ -760,12 +778,41 @@ mod tests {
             keys: vec!["legacy-key-0123456789".into()],
             auth: AuthSpec::default(),
             concurrency: ConcurrencySpec::default(),
+            async_jobs: AsyncSpec::default(),
+            webhooks: vec![WebhookSpec {
+                url: "https://example.com/hook".into(),
+                secret: "whsec_c2VjcmV0LXNlY3JldC1zZWNyZXQtc2VjcmV0LXNlY3JldA==".into(),
+                deactivate_after: 20,
+            }],
         };
         let m = spec.masked();
         let shown = serde_json::to_string(&m).unwrap();
         assert!(!shown.contains("sk-very-secret"));
         assert!(!shown.contains("legacy-key-0123456789"));
+        assert!(!shown.contains("c2VjcmV0LXNlY3JldC1zZWNyZXQtc2VjcmV0LXNlY3JldA"));
         assert!(spec.with_hashed_keys().keys[0].starts_with("sha256:"));
+    }
+
+    #[test]
+    fn async_settings_are_checked() {
+        let base = "[[pools]]\nname = \"x\"\nupstream = \"http://a\"\n";
+        let e = err(&format!(
+            "{base}[pools.async]\nenabled = true\nretention_s = 59\n"
+        ));
+        assert_eq!(e.key, "pools[0].async.retention_s");
+        let e = err(&format!("{base}[pools.async]\non_open_wait = true\n"));
+        assert_eq!(e.key, "pools[0].async.enabled");
+        let e = err(&format!(
+            "{base}[[pools.webhooks]]\nurl = \"http://h\"\nsecret = \"nope\"\n"
+        ));
+        assert_eq!(e.key, "pools[0].webhooks[0].secret");
+        let ok = format!(
+            "{base}[pools.async]\nenabled = true\n[[pools.webhooks]]\nurl = \"http://h\"\nsecret = \"{}\"\n",
+            keys::generate_webhook_secret()
+        );
+        let c = Config::from_toml_str(&ok).unwrap();
+        assert!(c.pools[0].async_jobs.enabled);
+        assert_eq!(c.pools[0].webhooks[0].deactivate_after, 20);
     }
 
     #[test]
