@@ -8,9 +8,11 @@
 
 #![forbid(unsafe_code)]
 
+pub mod access;
 pub mod async_jobs;
 pub mod keys;
 
+pub use access::{AccessSpec, CloudflareAccessSpec, HmacSpec, JwtSpec};
 pub use async_jobs::{AsyncSpec, WebhookSpec};
 
 use std::collections::{BTreeMap, HashSet};
@@ -140,6 +142,9 @@ pub struct PoolSpec {
     /// Webhook destinations declared with the pool (more can be added through the admin API).
     #[serde(default)]
     pub webhooks: Vec<WebhookSpec>,
+    /// Policies callers must pass besides the pool key (SPEC §9).
+    #[serde(default)]
+    pub access: AccessSpec,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
@@ -518,6 +523,7 @@ impl PoolSpec {
         for (i, w) in self.webhooks.iter().enumerate() {
             w.validate(&format!("{at}.webhooks[{i}]"))?;
         }
+        self.access.validate(&format!("{at}.access"))?;
         Ok(())
     }
 
@@ -590,6 +596,7 @@ impl PoolSpec {
                 w.secret = mask(&w.secret);
             }
         }
+        out.access = self.access.masked();
         out.keys = self
             .keys
             .iter()
@@ -784,6 +791,7 @@ mod tests {
                 secret: "whsec_c2VjcmV0LXNlY3JldC1zZWNyZXQtc2VjcmV0LXNlY3JldA==".into(),
                 deactivate_after: 20,
             }],
+            access: Default::default(),
         };
         let m = spec.masked();
         let shown = serde_json::to_string(&m).unwrap();

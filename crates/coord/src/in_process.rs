@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
-use nthbouncer_governor::{Admitted, Governor, Ticket, TryAcquire};
+use nthbouncer_governor::{Adjustment, Admitted, Governor, Ticket, TryAcquire};
 use parking_lot::Mutex;
 use tokio::sync::{oneshot, Notify};
 
@@ -227,6 +227,23 @@ impl Inner {
         }
     }
 
+    /// One line per change of what the pool has learned (the governor already filters out
+    /// repeats and jitter), so an operator can follow the limit, the pace and every pause.
+    fn log_adjustment(&self, adjustment: Option<Adjustment>, now: u64) {
+        let Some(a) = adjustment else {
+            return;
+        };
+        tracing::info!(
+            pool = %self.pool,
+            effective_limit = a.effective_limit,
+            learned_limit = ?a.learned_limit,
+            learned_rpm = ?a.learned_rpm,
+            pause_ms = a.paused_until.map_or(0, |until| until.saturating_sub(now)),
+            "adaptive: {}",
+            a.what
+        );
+    }
+
     fn stop_ticker(&self) {
         self.signal.stop.store(true, Ordering::Release);
         self.signal.notify.notify_one();
@@ -399,9 +416,11 @@ impl PoolGate for InProcessGate {
         self.ensure_ticker();
         let mut st = self.inner.state.lock();
         let now = self.inner.clock.now_ms();
-        // Learn first: a throttle report must pause admission before its slot is handed on.
+        // Learn first: a throttle report must pause admission before its slot is handed on, and
+        // the governor still knows when this slot was granted (see `observe_held`).
         if let Some(outcome) = &outcome {
-            st.gov.observe(now, outcome);
+            let adjustment = st.gov.observe_held(now, slot.0, outcome);
+            self.inner.log_adjustment(adjustment, now);
         }
         let released = st.gov.release(now, slot.0);
         self.inner.settle(&mut st, now);
@@ -412,7 +431,8 @@ impl PoolGate for InProcessGate {
         self.ensure_ticker();
         let mut st = self.inner.state.lock();
         let now = self.inner.clock.now_ms();
-        st.gov.observe(now, &outcome);
+        let adjustment = st.gov.observe(now, &outcome);
+        self.inner.log_adjustment(adjustment, now);
         self.inner.settle(&mut st, now);
     }
 

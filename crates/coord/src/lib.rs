@@ -4,6 +4,7 @@
 //! learned limits): [`PoolGate`] is the trait the HTTP layer talks to, and [`in_process`] is the
 //! single-node implementation, a thin async shell around the pure `nthbouncer-governor` core.
 //! A Redis-backed implementation for several nodes will implement the same traits unchanged.
+//! [`nonces`] holds the seen HMAC nonces behind [`NonceStore`], for the same reason.
 //!
 //! It must not know about HTTP, keys, or the durable store: callers hand it a fairness key id,
 //! a priority and a wait budget, and get back a grant or a refusal.
@@ -12,10 +13,12 @@
 
 pub mod clock;
 pub mod in_process;
+pub mod nonces;
 
 use std::sync::Arc;
 
 pub use clock::{Clock, ManualClock, SystemClock};
+pub use nonces::{InProcessNonces, NonceKey, NonceStore, NonceVerdict};
 pub use nthbouncer_governor::{
     Outcome, PoolSettings, Priority, RateInfo, RefusalReason, Snapshot, Throttle,
 };

@@ -1,33 +1,98 @@
 //! Adaptive learning: what the upstream's answers teach us about its real limits.
 //!
-//! Owns the learned concurrency limit, the learned RPM, the admission pause and the record of the
-//! last throttle. Its interface is deliberately small — [`Adaptive::observe`] in, a few getters
-//! out — so the learning rules can be refined without touching admission. It never admits,
-//! queues or frees anything; the [`crate::Governor`] reads the effective limit and the pause from
-//! here and applies them.
+//! Owns the learned concurrency limit, the learned request pace (shown as the learned RPM), the
+//! admission pause and the record of the last throttle. Its interface is deliberately small —
+//! [`Adaptive::observe`] in, a few getters out — so the learning rules can be refined without
+//! touching admission. It never admits, queues or frees anything; the [`crate::Governor`] reads
+//! the effective limit, the pace and the pause from here and applies them.
 //!
-//! Rules (basic version, SPEC §3 "Adaptive learning"):
-//! - throttle = status 429, or `throttled > 0`, or status 503 with a retry hint;
-//! - on throttle: multiplicative decrease (halve the effective limit, never below `min_limit`) at
-//!   most once per pause period, and pause admission for the hint (1 s without one);
-//! - a rate report saying a budget is spent (`remaining == 0` with a reset time) pauses until the
-//!   reset;
-//! - additive increase: after `effective limit` consecutive successes the learned limit grows by
-//!   one; reaching the configured limit forgets it.
+//! # The control law
 //!
-//! The learned RPM is part of the interface but this version does not learn one yet (a rate
-//! header's window length is not known here); exhausted request budgets are handled by pausing.
+//! **Which limit a throttle blames.** A throttle is status 429, `throttled > 0`, or 503 with a
+//! retry hint. If the same answer reports a spent budget (`remaining = 0` for requests or
+//! tokens), the origin's *rate* budget refused us and the concurrency limit is innocent: the
+//! pace backs off instead. Otherwise the throttle is blamed on concurrency.
+//!
+//! **One reaction per overshoot.** Requests admitted together get refused together. Only a
+//! throttle of a request admitted *after* the last decrease is new evidence (TCP's "one
+//! reduction per window"); for reports not tied to a held slot, a throttle within the pause it
+//! caused (at least [`DEFAULT_PAUSE_MS`]) belongs to the same burst. Every throttle still
+//! pauses admission for its hint ([`DEFAULT_PAUSE_MS`] without one, at most [`MAX_PAUSE_MS`]).
+//!
+//! **Concurrency: decrease.** A concurrency throttle at effective limit `e`: if a lower level
+//! `good` is known to work (a whole window of successes ran at it), step back to `good` — the
+//! overshoot was our own probe. Otherwise halve `e` (multiplicative decrease, floor `min_limit`)
+//! and forget `good`: the origin got tighter and old knowledge is void. Either way `e` becomes
+//! the `ceiling`, a level not to be retried for [`PROBE_AFTER_MS`].
+//!
+//! **Concurrency: increase.** A success counts only if the limit bound while the request ran
+//! (every slot was taken at some point): successes at low concurrency prove nothing about
+//! higher ones, and a limit nobody reaches must not creep up unchecked.
+//! After `e` counted successes (one window), `e` is a `good` level, and the limit grows: by half
+//! the gap to `ceiling - 1` while below it (a fast return to the last level that worked), by one
+//! above it (additive probing), and to `ceiling` itself only once [`PROBE_AFTER_MS`] has passed
+//! since the throttle. In a steady overload that costs one throttle per probe period.
+//!
+//! **Rate.** Announced figures set a pace (a minimum spacing between admissions, shown as the
+//! learned RPM) so the pool spends the budget evenly instead of hitting the wall: `limit` per
+//! `window` when the window length is known (the sustainable rate of a rolling window or token
+//! bucket), else `remaining` until `reset` (the even spend of a fixed window). The pace uses
+//! [`RATE_MARGIN_PERMILLE`] of the announced rate, times a scale that drops by
+//! [`RATE_BACKOFF`] on every rate-blamed throttle (something else is spending the same budget).
+//! A spent budget pauses admission until its reset, throttle or not.
+//!
+//! **Decay.** After [`QUIET_MS`] without a throttle, and every [`QUIET_MS`] after that, the
+//! learned limit closes half its gap to the configured limit, the rate scale half its gap to 1,
+//! and the ceiling is forgotten: the origin stopped complaining, so its old complaints lapse.
+//! An announced pace lapses after [`RATE_STALE_MS`] without a fresh announcement. Decay is a
+//! pure function of time (the getters take `now`), so admission sees it without any call; it is
+//! written back on the next observation.
+//!
+//! Never below `min_limit`, never above `limit`: every learned value is clamped on the way in
+//! and the effective limit is clamped on the way out.
 
-use crate::{Outcome, PoolSettings, Throttle};
+use crate::{Outcome, PoolSettings, RateInfo, Throttle};
 
 /// Pause after a throttle that carried no retry hint, and the shortest spacing between two
-/// decreases (so a burst of 429s with `Retry-After: 0` still decreases only once).
+/// decreases for reports not tied to a slot (so a burst of 429s with `Retry-After: 0` still
+/// decreases only once).
 pub(crate) const DEFAULT_PAUSE_MS: u64 = 1_000;
 
-/// Longest pause any single report can impose. Hints come from upstreams and from lock callers'
-/// release reports; a bogus hint must not freeze a pool for days. A longer real limit simply
-/// re-pauses on the next throttle.
+/// Longest pause any single report can impose, and the slowest pace. Hints come from upstreams
+/// and from lock callers' release reports; a bogus hint must not freeze a pool for days. A
+/// longer real limit simply re-pauses on the next throttle.
 pub(crate) const MAX_PAUSE_MS: u64 = 15 * 60_000;
+
+/// How long a concurrency level that drew a throttle is not retried. Each probe of a level the
+/// origin refuses costs about one throttle and one pause, so this bounds that waste to one per
+/// half minute, while a raised origin limit is still found within a minute or so.
+pub(crate) const PROBE_AFTER_MS: u64 = 30_000;
+
+/// A throttle-free period after which learned values decay one step towards the
+/// configuration. Four probe periods: a steady overload keeps complaining well within it (so
+/// nothing decays), while an origin that raised its limits is trusted again within minutes.
+pub(crate) const QUIET_MS: u64 = 120_000;
+
+/// An announced pace not repeated for this long lapses: the answers that carried it stopped
+/// (the origin stopped announcing, or the pool went idle), and stale figures must not bind.
+pub(crate) const RATE_STALE_MS: u64 = 120_000;
+
+/// Share of an announced rate the pace uses, in per mille. The last few percent of a budget
+/// buy nothing but 429s: admission-to-arrival jitter and a burst before the first announcement
+/// would otherwise push a rolling window over its limit now and then.
+pub(crate) const RATE_MARGIN_PERMILLE: u64 = 970;
+
+/// Factor (numerator, denominator) applied to the pace scale on a rate-blamed throttle.
+pub(crate) const RATE_BACKOFF: (u64, u64) = (3, 4);
+
+/// Floor of the pace scale, in per mille: a shared budget still yields a fair slice.
+pub(crate) const MIN_RATE_SCALE: u64 = 125;
+
+/// A pace change smaller than this share (per mille) of the last one reported is not worth a
+/// log line; announcements jitter with every answer.
+const RPM_NOTE_PERMILLE: u64 = 100;
+
+const FULL_SCALE: u64 = 1_000;
 
 /// The configured range the learned limit lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,35 +109,126 @@ impl Bounds {
             min_limit: settings.min_limit.min(settings.limit),
         }
     }
+
+    fn clamp(self, value: u32) -> u32 {
+        value.min(self.limit).max(self.min_limit)
+    }
 }
 
-#[derive(Clone, Debug, Default)]
+/// What the governor knows about the observed request beyond its outcome.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Context {
+    /// The concurrency limit bound while the observed request ran (every slot was taken at some
+    /// point): only then does its success say anything about the limit.
+    pub(crate) limited: bool,
+    /// When the observed request was admitted, if it is known (it still holds its slot).
+    pub(crate) admitted_at: Option<u64>,
+}
+
+/// Where an announced pace came from, kept as numbers so the hot path formats nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Basis {
+    PerWindow { limit: u64, window_ms: u64 },
+    Remaining { remaining: u64, reset_ms: u64 },
+}
+
+impl std::fmt::Display for Basis {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Basis::PerWindow { limit, window_ms } => {
+                write!(f, "{limit} requests per {window_ms}ms")
+            }
+            Basis::Remaining {
+                remaining,
+                reset_ms,
+            } => write!(f, "{remaining} requests left for {reset_ms}ms"),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Pace {
+    /// Spacing between requests at the announced rate, in microseconds (before margin/scale).
+    announced_us: u64,
+    /// When it was last announced.
+    at: u64,
+    basis: Basis,
+}
+
+#[derive(Clone, Debug)]
 pub(crate) struct Adaptive {
-    /// `None` means "no lower than configured". Always `< limit` and `>= min_limit` when set.
+    /// The learned limit as of `calm_since` (decay applies on top). `None` means "no lower than
+    /// configured". Always `< limit` and `>= min_limit` when set.
     learned_limit: Option<u32>,
-    learned_rpm: Option<u32>,
-    /// Consecutive successes since the last change of the learned limit or the last throttle.
+    /// Highest limit a whole window of successes ran at since the last halving.
+    good: Option<u32>,
+    /// Lowest limit that drew a concurrency throttle, not retried before `probe_at`.
+    ceiling: Option<u32>,
+    probe_at: u64,
+    /// Counted successes since the last change of the learned limit or the last throttle.
     successes: u32,
-    paused_until: Option<u64>,
-    /// A throttle before this instant does not decrease the limit again: it belongs to the same
-    /// burst as the one that already did.
+    /// Start of the current quiet period (the last throttle, or the last decay step written back).
+    calm_since: u64,
+    last_decrease_at: Option<u64>,
+    /// For reports without a slot: a throttle before this instant belongs to the burst that
+    /// already decreased.
     no_decrease_before: u64,
+    paused_until: Option<u64>,
+    pace: Option<Pace>,
+    /// Pace scale in per mille, as of `calm_since`.
+    rate_scale: u64,
+    /// The learned RPM last reported in an adjustment note.
+    noted_rpm: Option<u32>,
     last_throttle: Option<Throttle>,
 }
 
+impl Default for Adaptive {
+    fn default() -> Self {
+        Adaptive {
+            learned_limit: None,
+            good: None,
+            ceiling: None,
+            probe_at: 0,
+            successes: 0,
+            calm_since: 0,
+            last_decrease_at: None,
+            no_decrease_before: 0,
+            paused_until: None,
+            pace: None,
+            rate_scale: FULL_SCALE,
+            noted_rpm: None,
+            last_throttle: None,
+        }
+    }
+}
+
 impl Adaptive {
-    pub(crate) fn effective_limit(&self, b: Bounds) -> u32 {
-        self.learned_limit
-            .map_or(b.limit, |l| l.min(b.limit))
-            .max(b.min_limit)
+    /// `min(limit, learned)`, decayed to `now`, within the bounds.
+    pub(crate) fn effective_limit(&self, b: Bounds, now: u64) -> u32 {
+        b.clamp(self.learned_limit_at(b, now).unwrap_or(b.limit))
     }
 
-    pub(crate) fn learned_limit(&self) -> Option<u32> {
-        self.learned_limit
+    pub(crate) fn learned_limit(&self, b: Bounds, now: u64) -> Option<u32> {
+        self.learned_limit_at(b, now)
     }
 
-    pub(crate) fn learned_rpm(&self) -> Option<u32> {
-        self.learned_rpm
+    /// The pace in force as requests per minute (at least 1), for display and the RPM gate.
+    pub(crate) fn learned_rpm(&self, now: u64) -> Option<u32> {
+        self.pace_us(now).map(rpm_of)
+    }
+
+    /// The minimum spacing between admissions in microseconds, if a pace is in force at `now`.
+    pub(crate) fn pace_us(&self, now: u64) -> Option<u64> {
+        let pace = self
+            .pace
+            .filter(|p| now.saturating_sub(p.at) < RATE_STALE_MS)?;
+        let scale = u128::from(self.rate_scale_at(now).max(1));
+        let us = u128::from(pace.announced_us) * u128::from(FULL_SCALE) * u128::from(FULL_SCALE)
+            / (u128::from(RATE_MARGIN_PERMILLE) * scale);
+        let us = u64::try_from(us)
+            .unwrap_or(u64::MAX)
+            .min(MAX_PAUSE_MS * 1_000);
+        (us > 0).then_some(us)
     }
 
     /// The end of the admission pause, if admission is paused at `now`.
@@ -84,13 +240,38 @@ impl Adaptive {
         self.last_throttle.as_ref()
     }
 
-    /// Learns from one upstream outcome.
-    pub(crate) fn observe(&mut self, now: u64, outcome: &Outcome, b: Bounds) {
-        let mut causes: Vec<String> = Vec::new();
+    /// When decay next changes the effective limit, if it will (for waiters blocked on slots).
+    pub(crate) fn next_decay(&self, b: Bounds, now: u64) -> Option<u64> {
+        self.learned_limit_at(b, now)?;
+        let steps = self.quiet_steps(now);
+        Some(
+            self.calm_since
+                .saturating_add((steps.saturating_add(1)).saturating_mul(QUIET_MS)),
+        )
+    }
 
+    /// Learns from one upstream outcome. Returns a note of what changed worth logging: the
+    /// effective limit, a new pause, or a pace change of more than [`RPM_NOTE_PERMILLE`].
+    pub(crate) fn observe(
+        &mut self,
+        now: u64,
+        outcome: &Outcome,
+        b: Bounds,
+        ctx: Context,
+    ) -> Option<String> {
+        let mut notes: Vec<String> = Vec::new();
+        let paused_before = self.paused_until(now);
+        // The limit as last written, before decay: a decay step is a change worth telling.
+        let limit_before = b.clamp(self.learned_limit.unwrap_or(b.limit));
+        let decayed = self.settle(now, b);
+
+        let spent = spent_budgets(outcome.rate.as_ref());
         let throttled = outcome.status == Some(429)
             || outcome.throttled > 0
             || (outcome.status == Some(503) && outcome.retry_after_ms.is_some());
+        let mut causes: Vec<String> = Vec::new();
+        let mut limit_reason: Option<String> = decayed;
+
         if throttled {
             let pause_ms = outcome
                 .retry_after_ms
@@ -98,67 +279,206 @@ impl Adaptive {
                 .min(MAX_PAUSE_MS);
             let until = now.saturating_add(pause_ms);
             self.pause(until);
-            if now >= self.no_decrease_before {
-                let halved = self.effective_limit(b) / 2;
-                self.set_learned(halved, b);
-                self.no_decrease_before = until.max(now.saturating_add(DEFAULT_PAUSE_MS));
-            }
+            self.calm_since = now;
             self.successes = 0;
             causes.push(throttle_cause(outcome, pause_ms));
-        }
-
-        if let Some(rate) = &outcome.rate {
-            let budgets = [
-                ("requests", rate.remaining, rate.reset_ms),
-                ("tokens", rate.token_remaining, rate.token_reset_ms),
-            ];
-            for (what, remaining, reset_ms) in budgets {
-                if let (Some(0), Some(reset_ms)) = (remaining, reset_ms) {
-                    if reset_ms > 0 {
-                        let pause_ms = reset_ms.min(MAX_PAUSE_MS);
-                        self.pause(now.saturating_add(pause_ms));
-                        causes.push(format!("{what} budget spent, resets in {pause_ms}ms"));
+            let fresh = match ctx.admitted_at {
+                Some(at) => self.last_decrease_at.is_none_or(|d| at > d),
+                None => now >= self.no_decrease_before,
+            };
+            if fresh {
+                if spent.is_empty() {
+                    limit_reason = Some(self.decrease(now, b));
+                } else {
+                    let scale = self.rate_scale;
+                    self.rate_scale = (scale * RATE_BACKOFF.0 / RATE_BACKOFF.1).max(MIN_RATE_SCALE);
+                    if self.rate_scale != scale && self.pace.is_some() {
+                        notes.push(format!(
+                            "rate budget overrun: pacing at {}% of the announced rate",
+                            self.rate_scale * RATE_MARGIN_PERMILLE / 10_000
+                        ));
                     }
                 }
+                self.last_decrease_at = Some(now);
+                self.no_decrease_before = until.max(now.saturating_add(DEFAULT_PAUSE_MS));
+            }
+        }
+
+        for (what, reset_ms) in &spent {
+            if let Some(reset_ms) = reset_ms.filter(|&ms| ms > 0) {
+                let pause_ms = reset_ms.min(MAX_PAUSE_MS);
+                self.pause(now.saturating_add(pause_ms));
+                causes.push(format!("{what} budget spent, resets in {pause_ms}ms"));
             }
         }
 
         if !causes.is_empty() {
-            self.last_throttle = Some(Throttle {
+            let mut cause = causes.join("; ");
+            cause.push_str(&source_suffix(outcome));
+            self.last_throttle = Some(Throttle { at: now, cause });
+        }
+
+        if let Some((announced_us, basis)) = outcome.rate.as_ref().and_then(announced_pace) {
+            self.pace = Some(Pace {
+                announced_us,
                 at: now,
-                cause: causes.join("; "),
+                basis,
             });
         }
 
         let success =
             !throttled && outcome.throttled == 0 && outcome.status.is_none_or(|s| s < 400);
         if success {
-            if let Some(learned) = self.learned_limit {
-                self.successes += 1;
-                if self.successes >= self.effective_limit(b) {
-                    self.successes = 0;
-                    self.set_learned(learned.saturating_add(1), b);
-                }
+            if let Some(reason) = self.grow(now, b, ctx.limited) {
+                limit_reason = Some(reason);
             }
         }
         // Other outcomes (a 404, a 500 without a hint) say nothing about the upstream's capacity:
         // they neither grow the limit nor reset the success streak.
+
+        let limit_after = self.effective_limit(b, now);
+        if limit_after != limit_before {
+            let why = limit_reason.unwrap_or_else(|| "re-fitted".to_owned());
+            notes.push(format!("limit {limit_before} -> {limit_after} ({why})"));
+        }
+        if let Some(until) = self.paused_until(now) {
+            let extended = paused_before.is_none_or(|before| until >= before + DEFAULT_PAUSE_MS);
+            if extended {
+                notes.push(format!("paused for {}ms", until - now));
+            }
+        }
+        let rpm = self.learned_rpm(now);
+        if rpm_changed(self.noted_rpm, rpm) {
+            match (rpm, self.pace) {
+                (Some(rpm), Some(pace)) => notes.push(format!(
+                    "pace {rpm} rpm (from {}{})",
+                    pace.basis,
+                    source_suffix(outcome)
+                )),
+                _ => notes.push("pace lifted".to_owned()),
+            }
+            self.noted_rpm = rpm;
+        }
+        if notes.is_empty() {
+            None
+        } else {
+            if let Some(t) = self.last_throttle.as_ref().filter(|t| t.at == now) {
+                notes.push(format!("cause: {}", t.cause));
+            }
+            Some(notes.join("; "))
+        }
     }
 
     /// Re-fits learned state into new bounds after a reconfigure.
-    pub(crate) fn rebound(&mut self, b: Bounds) {
+    pub(crate) fn rebound(&mut self, b: Bounds, now: u64) {
+        self.settle(now, b);
         if let Some(learned) = self.learned_limit {
             self.set_learned(learned, b);
         }
+        self.good = self.good.map(|g| b.clamp(g));
+        self.ceiling = self.ceiling.filter(|&c| c <= b.limit);
     }
 
     /// Drops everything learned (adaptive switched off): the configured settings rule alone.
     pub(crate) fn forget(&mut self) {
-        self.learned_limit = None;
-        self.learned_rpm = None;
+        *self = Adaptive {
+            last_throttle: self.last_throttle.take(),
+            ..Adaptive::default()
+        };
+    }
+
+    // ---- internals ----
+
+    /// Whole quiet periods since `calm_since`.
+    fn quiet_steps(&self, now: u64) -> u64 {
+        now.saturating_sub(self.calm_since) / QUIET_MS
+    }
+
+    fn learned_limit_at(&self, b: Bounds, now: u64) -> Option<u32> {
+        let learned = self.learned_limit?;
+        let gap = b.limit.saturating_sub(learned);
+        let gap = shift_down(u64::from(gap), self.quiet_steps(now));
+        let value = u64::from(b.limit).saturating_sub(gap);
+        let value = u32::try_from(value).unwrap_or(b.limit);
+        (value < b.limit).then(|| value.max(b.min_limit))
+    }
+
+    fn rate_scale_at(&self, now: u64) -> u64 {
+        let gap = FULL_SCALE.saturating_sub(self.rate_scale);
+        FULL_SCALE - shift_down(gap, self.quiet_steps(now))
+    }
+
+    /// Writes decay back so that growth and decrease work from the value admission already
+    /// sees. Returns why the limit moved, if it did.
+    fn settle(&mut self, now: u64, b: Bounds) -> Option<String> {
+        let steps = self.quiet_steps(now);
+        if steps == 0 {
+            return None;
+        }
+        let before = self.learned_limit;
+        self.learned_limit = self.learned_limit_at(b, now);
+        self.rate_scale = self.rate_scale_at(now);
+        self.ceiling = None;
+        self.calm_since = self
+            .calm_since
+            .saturating_add(steps.saturating_mul(QUIET_MS));
+        (before != self.learned_limit).then(|| {
+            format!(
+                "no throttle for {}s: decayed towards the configured {}",
+                steps.saturating_mul(QUIET_MS) / 1_000,
+                b.limit
+            )
+        })
+    }
+
+    /// A concurrency throttle at the current effective limit.
+    fn decrease(&mut self, now: u64, b: Bounds) -> String {
+        let e = self.effective_limit(b, now);
+        self.ceiling = Some(e);
+        self.probe_at = now.saturating_add(PROBE_AFTER_MS);
         self.successes = 0;
-        self.paused_until = None;
-        self.no_decrease_before = 0;
+        match self.good.filter(|&g| g < e) {
+            Some(good) => {
+                self.set_learned(good, b);
+                format!("throttled at {e}: back to {good}, the last level that held")
+            }
+            None => {
+                self.good = None;
+                self.set_learned(e / 2, b);
+                format!("throttled at {e}: halved")
+            }
+        }
+    }
+
+    /// Counts one success; after a window of them at the current limit, grows it.
+    fn grow(&mut self, now: u64, b: Bounds, limited: bool) -> Option<String> {
+        self.learned_limit?;
+        if !limited {
+            return None;
+        }
+        let e = self.effective_limit(b, now);
+        self.successes += 1;
+        if self.successes < e {
+            return None;
+        }
+        self.successes = 0;
+        self.good = Some(self.good.map_or(e, |g| g.max(e)));
+        if self.ceiling.is_some_and(|c| e >= c) {
+            // The level that failed has now held for a whole window: the origin allows more.
+            self.ceiling = None;
+        }
+        let next = match self.ceiling {
+            Some(c) if e + 1 >= c => {
+                if now < self.probe_at {
+                    return None;
+                }
+                e + 1
+            }
+            Some(c) => e + ((c - 1 - e) / 2).max(1),
+            None => e + 1,
+        };
+        self.set_learned(next, b);
+        Some(format!("{e} successes in a row"))
     }
 
     fn pause(&mut self, until: u64) {
@@ -172,9 +492,81 @@ impl Adaptive {
         let value = value.max(b.min_limit);
         // A learned limit at (or above) the configured one says nothing: forget it.
         self.learned_limit = if value >= b.limit { None } else { Some(value) };
-        if self.learned_limit.is_none() {
-            self.successes = 0;
+        self.successes = 0;
+    }
+}
+
+/// `n >> steps`, 0 once every bit is gone.
+fn shift_down(n: u64, steps: u64) -> u64 {
+    u32::try_from(steps)
+        .ok()
+        .and_then(|s| n.checked_shr(s))
+        .unwrap_or(0)
+}
+
+/// Requests per minute at one per `pace_us`, to the nearest (shown, and used by the RPM gate).
+fn rpm_of(pace_us: u64) -> u32 {
+    let pace_us = pace_us.max(1);
+    let rpm = (60_000_000 + pace_us / 2) / pace_us;
+    u32::try_from(rpm).unwrap_or(u32::MAX).max(1)
+}
+
+/// True when the pace appeared, lapsed, or moved by more than [`RPM_NOTE_PERMILLE`].
+fn rpm_changed(noted: Option<u32>, now: Option<u32>) -> bool {
+    match (noted, now) {
+        (None, None) => false,
+        (Some(a), Some(b)) => {
+            u64::from(a.abs_diff(b)) * FULL_SCALE > u64::from(a) * RPM_NOTE_PERMILLE
         }
+        _ => true,
+    }
+}
+
+/// The spacing an announced request budget asks for, in microseconds.
+fn announced_pace(rate: &RateInfo) -> Option<(u64, Basis)> {
+    if let (Some(limit), Some(window_ms)) = (rate.limit, rate.window_ms) {
+        if limit > 0 && window_ms > 0 {
+            let us = window_ms.saturating_mul(1_000) / limit;
+            return Some((us.max(1), Basis::PerWindow { limit, window_ms }));
+        }
+    }
+    if let (Some(remaining), Some(reset_ms)) = (rate.remaining, rate.reset_ms) {
+        // A spent budget is handled by the pause; a reset already due says nothing about pace.
+        if remaining > 0 && reset_ms > 0 {
+            let us = reset_ms.saturating_mul(1_000) / remaining;
+            return Some((
+                us.max(1),
+                Basis::Remaining {
+                    remaining,
+                    reset_ms,
+                },
+            ));
+        }
+    }
+    None
+}
+
+/// The budgets an outcome reports as spent, with their resets.
+fn spent_budgets(rate: Option<&RateInfo>) -> Vec<(&'static str, Option<u64>)> {
+    let Some(rate) = rate else {
+        return Vec::new();
+    };
+    [
+        ("requests", rate.remaining, rate.reset_ms),
+        ("tokens", rate.token_remaining, rate.token_reset_ms),
+    ]
+    .into_iter()
+    .filter(|&(_, remaining, _)| remaining == Some(0))
+    .map(|(what, _, reset)| (what, reset))
+    .collect()
+}
+
+/// ` (proxy, openai)`: who saw the answer and which headers spoke, when known.
+fn source_suffix(outcome: &Outcome) -> String {
+    match (outcome.via, outcome.dialect) {
+        (Some(via), Some(dialect)) => format!(" ({via}, {dialect})"),
+        (Some(one), None) | (None, Some(one)) => format!(" ({one})"),
+        (None, None) => String::new(),
     }
 }
 
@@ -195,224 +587,4 @@ fn throttle_cause(outcome: &Outcome, pause_ms: u64) -> String {
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
-mod tests {
-    use super::*;
-    use crate::RateInfo;
-
-    const B: Bounds = Bounds {
-        limit: 10,
-        min_limit: 2,
-    };
-
-    fn status(s: u16) -> Outcome {
-        Outcome {
-            status: Some(s),
-            ..Outcome::default()
-        }
-    }
-
-    fn throttle(retry: u64) -> Outcome {
-        Outcome {
-            status: Some(429),
-            retry_after_ms: Some(retry),
-            ..Outcome::default()
-        }
-    }
-
-    #[test]
-    fn throttle_halves_pauses_and_records_cause() {
-        let mut a = Adaptive::default();
-        a.observe(1_000, &throttle(2_000), B);
-        assert_eq!(a.learned_limit(), Some(5));
-        assert_eq!(a.effective_limit(B), 5);
-        assert_eq!(a.paused_until(1_000), Some(3_000));
-        assert_eq!(a.paused_until(3_000), None);
-        let t = a.last_throttle().unwrap();
-        assert_eq!(t.at, 1_000);
-        assert_eq!(t.cause, "status 429, retry-after 2000ms");
-    }
-
-    #[test]
-    fn burst_of_throttles_decreases_once_per_pause() {
-        let mut a = Adaptive::default();
-        for i in 0..8 {
-            a.observe(1_000 + i, &throttle(2_000), B);
-        }
-        assert_eq!(a.learned_limit(), Some(5));
-        // The pause was extended by the later hints.
-        assert_eq!(a.paused_until(1_000), Some(3_007));
-        // After the pause a new throttle decreases again, and the floor holds.
-        a.observe(3_007, &throttle(100), B);
-        assert_eq!(a.learned_limit(), Some(2));
-        a.observe(10_000, &throttle(100), B);
-        assert_eq!(a.learned_limit(), Some(2));
-    }
-
-    #[test]
-    fn other_throttle_signals() {
-        let mut a = Adaptive::default();
-        a.observe(
-            0,
-            &Outcome {
-                status: Some(503),
-                retry_after_ms: Some(500),
-                ..Outcome::default()
-            },
-            B,
-        );
-        assert_eq!(a.learned_limit(), Some(5));
-        assert_eq!(a.paused_until(0), Some(500));
-
-        let mut a = Adaptive::default();
-        a.observe(
-            0,
-            &Outcome {
-                status: Some(200),
-                throttled: 2,
-                ..Outcome::default()
-            },
-            B,
-        );
-        assert_eq!(a.learned_limit(), Some(5));
-        assert_eq!(a.paused_until(0), Some(DEFAULT_PAUSE_MS));
-        assert_eq!(
-            a.last_throttle().unwrap().cause,
-            "status 200, 2 throttled, no retry hint, paused 1000ms"
-        );
-
-        // A 503 without a hint is an ordinary failure.
-        let mut a = Adaptive::default();
-        a.observe(0, &status(503), B);
-        assert_eq!(a.learned_limit(), None);
-        assert_eq!(a.paused_until(0), None);
-    }
-
-    #[test]
-    fn pause_is_capped() {
-        let mut a = Adaptive::default();
-        a.observe(0, &throttle(u64::MAX), B);
-        assert_eq!(a.paused_until(0), Some(MAX_PAUSE_MS));
-    }
-
-    #[test]
-    fn success_grows_back_and_forgets_at_the_limit() {
-        let mut a = Adaptive::default();
-        a.observe(0, &throttle(0), B);
-        assert_eq!(a.learned_limit(), Some(5));
-        // Five successes at effective limit 5 grow it to 6, then six more to 7, ...
-        for _ in 0..4 {
-            a.observe(1, &status(200), B);
-        }
-        assert_eq!(a.learned_limit(), Some(5));
-        a.observe(1, &status(200), B);
-        assert_eq!(a.learned_limit(), Some(6));
-        // A neutral failure does not break the streak; a throttle would.
-        a.observe(1, &status(500), B);
-        for _ in 0..6 {
-            a.observe(1, &Outcome::default(), B);
-        }
-        assert_eq!(a.learned_limit(), Some(7));
-        for _ in 0..(7 + 8 + 9) {
-            a.observe(2, &status(204), B);
-        }
-        assert_eq!(a.learned_limit(), None);
-        assert_eq!(a.effective_limit(B), 10);
-    }
-
-    #[test]
-    fn exhausted_rate_budget_pauses_until_reset() {
-        let mut a = Adaptive::default();
-        let rate = RateInfo {
-            remaining: Some(0),
-            reset_ms: Some(7_000),
-            ..RateInfo::default()
-        };
-        a.observe(
-            100,
-            &Outcome {
-                status: Some(200),
-                rate: Some(rate),
-                ..Outcome::default()
-            },
-            B,
-        );
-        assert_eq!(a.paused_until(100), Some(7_100));
-        assert_eq!(a.learned_limit(), None);
-        assert!(a
-            .last_throttle()
-            .unwrap()
-            .cause
-            .contains("requests budget spent"));
-
-        let mut a = Adaptive::default();
-        let rate = RateInfo {
-            token_remaining: Some(0),
-            token_reset_ms: Some(300),
-            ..RateInfo::default()
-        };
-        a.observe(
-            100,
-            &Outcome {
-                rate: Some(rate),
-                ..Outcome::default()
-            },
-            B,
-        );
-        assert_eq!(a.paused_until(100), Some(400));
-
-        let mut a = Adaptive::default();
-        let rate = RateInfo {
-            remaining: Some(3),
-            reset_ms: Some(7_000),
-            ..RateInfo::default()
-        };
-        a.observe(
-            100,
-            &Outcome {
-                rate: Some(rate),
-                ..Outcome::default()
-            },
-            B,
-        );
-        assert_eq!(a.paused_until(100), None);
-        assert!(a.last_throttle().is_none());
-    }
-
-    #[test]
-    fn clamping() {
-        // min_limit above limit is clamped to limit.
-        let b = Bounds::of(&PoolSettings {
-            limit: 3,
-            min_limit: 8,
-            ..PoolSettings::default()
-        });
-        assert_eq!(
-            b,
-            Bounds {
-                limit: 3,
-                min_limit: 3
-            }
-        );
-        let mut a = Adaptive::default();
-        a.observe(0, &throttle(0), b);
-        assert_eq!(a.learned_limit(), None);
-        assert_eq!(a.effective_limit(b), 3);
-
-        // A learned limit outside new bounds is refitted.
-        let mut a = Adaptive::default();
-        a.observe(0, &throttle(0), B);
-        assert_eq!(a.learned_limit(), Some(5));
-        a.rebound(Bounds {
-            limit: 4,
-            min_limit: 1,
-        });
-        assert_eq!(a.learned_limit(), None);
-        let mut a = Adaptive::default();
-        a.observe(0, &throttle(0), B);
-        a.rebound(Bounds {
-            limit: 20,
-            min_limit: 6,
-        });
-        assert_eq!(a.learned_limit(), Some(6));
-    }
-}
+mod tests;

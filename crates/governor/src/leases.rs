@@ -33,6 +33,10 @@ impl Leases {
         self.held.contains_key(&id)
     }
 
+    pub(crate) fn granted_at(&self, id: u128) -> Option<u64> {
+        self.held.get(&id).map(|h| h.granted_at)
+    }
+
     /// Records a grant. The caller guarantees `id` is not held.
     pub(crate) fn grant(&mut self, id: u128, held: Held) {
         self.expiries.insert((held.lease_deadline, id));

@@ -20,17 +20,20 @@
 //! against RPM).
 //!
 //! Module map: `queue` (who is served next), `leases` (holders and expiry order), `rpm` (the
-//! rolling window), `adaptive` (what upstream answers teach). This file composes them.
+//! rolling window), `pace` (even spacing under a learned rate), `adaptive` (what upstream
+//! answers teach). This file composes them.
 
 #![forbid(unsafe_code)]
 
 mod adaptive;
 mod leases;
+mod pace;
 mod queue;
 mod rpm;
 
-use adaptive::{Adaptive, Bounds};
+use adaptive::{Adaptive, Bounds, Context};
 use leases::{Held, Leases};
+use pace::Pacer;
 use queue::WaitQueue;
 use rpm::RpmWindow;
 
@@ -105,6 +108,10 @@ pub struct RateInfo {
     pub limit: Option<u64>,
     pub remaining: Option<u64>,
     pub reset_ms: Option<u64>,
+    /// Length of the window `limit` applies to, when known (stated by the origin, or implied by
+    /// its dialect: OpenAI and Anthropic request limits are per minute). With it, the pace is
+    /// `limit` per window; without it, `remaining` until `reset`.
+    pub window_ms: Option<u64>,
     pub token_limit: Option<u64>,
     pub token_remaining: Option<u64>,
     pub token_reset_ms: Option<u64>,
@@ -119,6 +126,10 @@ pub struct Outcome {
     pub throttled: u32,
     pub retry_after_ms: Option<u64>,
     pub rate: Option<RateInfo>,
+    /// Who saw the answer (`"proxy"`, `"lock release"`), for the throttle cause.
+    pub via: Option<&'static str>,
+    /// Which rate-limit header family spoke (`"openai"`, `"retry-after"`, ...), for the cause.
+    pub dialect: Option<&'static str>,
 }
 
 /// Why a ticket was refused.
@@ -164,14 +175,29 @@ pub struct Snapshot {
     pub effective_limit: u32,
     pub configured_limit: u32,
     pub learned_limit: Option<u32>,
+    /// The pace learned from announced rate limits, as requests per minute.
     pub learned_rpm: Option<u32>,
     /// Present only when an RPM gate is in force.
     pub rpm_remaining: Option<u32>,
     /// Present only while admission is paused.
     pub paused_until: Option<u64>,
+    /// Present only while the learned pace holds the next admission back.
+    pub paced_until: Option<u64>,
     pub last_throttle: Option<Throttle>,
     pub admitted_total: u64,
     pub refused_total: u64,
+}
+
+/// What one observation changed in the learned state, for the log (see [`Governor::observe`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Adjustment {
+    pub effective_limit: u32,
+    pub learned_limit: Option<u32>,
+    pub learned_rpm: Option<u32>,
+    pub paused_until: Option<u64>,
+    /// What changed and why, e.g. `limit 8 -> 4 (throttled at 8: halved); paused for 2000ms;
+    /// cause: status 429, retry-after 2000ms (proxy)`.
+    pub what: String,
 }
 
 /// One admission request.
@@ -223,11 +249,15 @@ pub struct Governor {
     queue: WaitQueue,
     leases: Leases,
     rpm: RpmWindow,
+    pacer: Pacer,
     adaptive: Adaptive,
     /// Exponentially weighted mean of slot hold times (release - grant), for `Retry-After`.
     hold_ewma_ms: Option<u64>,
     admitted_total: u64,
     refused_total: u64,
+    /// Last time demand met the concurrency limit (an admission took the last slot, or a caller
+    /// found none). Successes count towards growing the limit only if it bound while they ran.
+    last_full_at: Option<u64>,
     /// Latest `now` seen. Time used internally never steps back, so the RPM window stays
     /// ordered even if a caller's clock does.
     clock: u64,
@@ -244,10 +274,12 @@ impl Governor {
             settings,
             leases: Leases::default(),
             rpm: RpmWindow::default(),
+            pacer: Pacer::default(),
             adaptive: Adaptive::default(),
             hold_ewma_ms: None,
             admitted_total: 0,
             refused_total: 0,
+            last_full_at: None,
             clock: 0,
         }
     }
@@ -264,11 +296,11 @@ impl Governor {
         self.queue.set_fair_share(settings.fair_share);
         self.settings = settings;
         if self.settings.adaptive {
-            self.adaptive.rebound(self.bounds());
+            self.adaptive.rebound(self.bounds(), now);
         } else {
             self.adaptive.forget();
         }
-        if self.rpm_limit().is_none() {
+        if self.rpm_limit(now).is_none() {
             // Timestamps are kept only while a gate is in force (memory stays bounded by it).
             self.rpm.clear();
         }
@@ -288,6 +320,9 @@ impl Governor {
             };
         }
         let blocker = self.blocker(now);
+        if blocker == Some(RefusalReason::NoSlot) {
+            self.last_full_at = Some(now);
+        }
         if blocker.is_none() && self.queue.is_empty() {
             return TryAcquire::Admitted(self.admit(now, ticket.id, ticket.lease_ms));
         }
@@ -370,17 +405,53 @@ impl Governor {
         self.leases.pop_expired(now)
     }
 
-    /// Adaptive learning input; ignored unless `settings.adaptive`.
-    pub fn observe(&mut self, now: u64, outcome: &Outcome) {
+    /// Adaptive learning input; ignored unless `settings.adaptive`. Returns what changed when
+    /// it is worth a log line (the effective limit, a new pause, the pace).
+    pub fn observe(&mut self, now: u64, outcome: &Outcome) -> Option<Adjustment> {
+        self.learn(now, outcome, None)
+    }
+
+    /// [`Governor::observe`] for the outcome of the request holding slot `id`; call it before
+    /// releasing the slot. Knowing when the request was admitted lets a throttle of a request
+    /// admitted before the last decrease count as part of the overshoot already answered, and
+    /// not shrink the limit again.
+    pub fn observe_held(&mut self, now: u64, id: u128, outcome: &Outcome) -> Option<Adjustment> {
+        let admitted_at = self.leases.granted_at(id);
+        self.learn(now, outcome, admitted_at)
+    }
+
+    fn learn(
+        &mut self,
+        now: u64,
+        outcome: &Outcome,
+        admitted_at: Option<u64>,
+    ) -> Option<Adjustment> {
         let now = self.tick(now);
-        if self.settings.adaptive {
-            let bounds = self.bounds();
-            self.adaptive.observe(now, outcome, bounds);
+        if !self.settings.adaptive {
+            return None;
         }
+        let limited = self.in_flight() >= self.effective_limit(now)
+            || self
+                .last_full_at
+                .is_some_and(|full| admitted_at.is_some_and(|at| full >= at));
+        let ctx = Context {
+            limited,
+            admitted_at,
+        };
+        let bounds = self.bounds();
+        let what = self.adaptive.observe(now, outcome, bounds, ctx)?;
+        Some(Adjustment {
+            effective_limit: self.effective_limit(now),
+            learned_limit: self.adaptive.learned_limit(bounds, now),
+            learned_rpm: self.adaptive.learned_rpm(now),
+            paused_until: self.adaptive.paused_until(now),
+            what,
+        })
     }
 
     /// The earliest time at which state can change without a call: a lease expiry, or — while
-    /// waiters exist — the end of a pause or the moment the RPM window lets the next one in.
+    /// waiters exist — the end of a pause, the moment the RPM window and the pace let the next
+    /// one in, or the decay step that raises the learned limit.
     /// `Some(t <= now)` means "act now" (e.g. waiters are admissible and `dispatch` is due).
     pub fn next_wakeup(&self, now: u64) -> Option<u64> {
         let now = self.at(now);
@@ -391,11 +462,12 @@ impl Governor {
             match self.blocker(now) {
                 None => Some(now),
                 Some(RefusalReason::Paused) => self.adaptive.paused_until(now),
-                Some(RefusalReason::Rpm) => self
-                    .rpm_limit()
-                    .and_then(|rpm| self.rpm.next_free(now, rpm)),
-                // A slot frees on release (a call) or on lease expiry (covered above).
-                Some(RefusalReason::NoSlot | RefusalReason::QueueFull) => None,
+                Some(RefusalReason::Rpm) => self.rpm_free_at(now),
+                // A slot frees on release (a call) or on lease expiry (covered above), or the
+                // learned limit decays upwards.
+                Some(RefusalReason::NoSlot | RefusalReason::QueueFull) => {
+                    self.adaptive.next_decay(self.bounds(), now)
+                }
             }
         };
         match (lease, waiters) {
@@ -407,7 +479,7 @@ impl Governor {
     /// `(remaining slots, effective limit, rpm remaining)` for the `x-nthpool-*` headers.
     pub fn headers(&self, now: u64) -> (u32, u32, Option<u32>) {
         let now = self.at(now);
-        let effective = self.effective_limit();
+        let effective = self.effective_limit(now);
         (
             effective.saturating_sub(self.in_flight()),
             effective,
@@ -423,12 +495,13 @@ impl Governor {
             queued_high: saturating_u32(self.queue.len_of(Priority::High)),
             queued_normal: saturating_u32(self.queue.len_of(Priority::Normal)),
             queued_low: saturating_u32(self.queue.len_of(Priority::Low)),
-            effective_limit: self.effective_limit(),
+            effective_limit: self.effective_limit(now),
             configured_limit: self.settings.limit,
-            learned_limit: self.adaptive.learned_limit(),
-            learned_rpm: self.adaptive.learned_rpm(),
+            learned_limit: self.adaptive.learned_limit(self.bounds(), now),
+            learned_rpm: self.adaptive.learned_rpm(now),
             rpm_remaining: self.rpm_remaining(now),
             paused_until: self.adaptive.paused_until(now),
+            paced_until: self.paced_until(now),
             last_throttle: self.adaptive.last_throttle().cloned(),
             admitted_total: self.admitted_total,
             refused_total: self.refused_total,
@@ -466,30 +539,48 @@ impl Governor {
         Bounds::of(&self.settings)
     }
 
-    fn effective_limit(&self) -> u32 {
-        self.adaptive.effective_limit(self.bounds())
+    fn effective_limit(&self, now: u64) -> u32 {
+        self.adaptive.effective_limit(self.bounds(), now)
     }
 
     /// The RPM in force: the smaller of the configured (if any) and the learned (if any).
-    fn rpm_limit(&self) -> Option<u32> {
+    fn rpm_limit(&self, now: u64) -> Option<u32> {
         let configured = Some(self.settings.rpm).filter(|&r| r > 0);
-        match (configured, self.adaptive.learned_rpm()) {
+        match (configured, self.adaptive.learned_rpm(now)) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
     }
 
     fn rpm_remaining(&self, now: u64) -> Option<u32> {
-        self.rpm_limit().map(|rpm| self.rpm.remaining(now, rpm))
+        self.rpm_limit(now).map(|rpm| self.rpm.remaining(now, rpm))
+    }
+
+    /// When the learned pace lets the next admission in, if not at `now`.
+    fn paced_until(&self, now: u64) -> Option<u64> {
+        self.adaptive
+            .pace_us(now)
+            .and_then(|spacing| self.pacer.blocked_until(now, spacing))
+    }
+
+    /// When both the rolling window and the pace let the next admission in, if not at `now`.
+    fn rpm_free_at(&self, now: u64) -> Option<u64> {
+        let window = self
+            .rpm_limit(now)
+            .and_then(|rpm| self.rpm.next_free(now, rpm));
+        match (window, self.paced_until(now)) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// What stops an admission at `now`, most fundamental first.
     fn blocker(&self, now: u64) -> Option<RefusalReason> {
         if self.adaptive.paused_until(now).is_some() {
             Some(RefusalReason::Paused)
-        } else if self.rpm_remaining(now) == Some(0) {
+        } else if self.rpm_remaining(now) == Some(0) || self.paced_until(now).is_some() {
             Some(RefusalReason::Rpm)
-        } else if self.in_flight() >= self.effective_limit() {
+        } else if self.in_flight() >= self.effective_limit(now) {
             Some(RefusalReason::NoSlot)
         } else {
             None
@@ -500,16 +591,13 @@ impl Governor {
     fn retry_estimate(&self, now: u64, reason: RefusalReason) -> Option<u64> {
         match reason {
             RefusalReason::Paused => self.adaptive.paused_until(now).map(|until| until - now),
-            RefusalReason::Rpm => self
-                .rpm_limit()
-                .and_then(|rpm| self.rpm.next_free(now, rpm))
-                .map(|t| t.saturating_sub(now)),
+            RefusalReason::Rpm => self.rpm_free_at(now).map(|t| t.saturating_sub(now)),
             RefusalReason::NoSlot | RefusalReason::QueueFull => {
                 // Slots free at about `effective / mean hold` per ms; the caller would stand
                 // behind everyone queued.
                 let mean = self.hold_ewma_ms?;
                 let ahead = u64::from(self.queued()) + 1;
-                let slots = u64::from(self.effective_limit().max(1));
+                let slots = u64::from(self.effective_limit(now).max(1));
                 Some(mean.saturating_mul(ahead).div_ceil(slots).max(1))
             }
         }
@@ -526,10 +614,16 @@ impl Governor {
                 granted_at: now,
             },
         );
-        if self.rpm_limit().is_some() {
+        if self.rpm_limit(now).is_some() {
             self.rpm.record(now);
         }
+        if let Some(spacing) = self.adaptive.pace_us(now) {
+            self.pacer.record(now, spacing);
+        }
         self.admitted_total += 1;
+        if self.in_flight() >= self.effective_limit(now) {
+            self.last_full_at = Some(now);
+        }
         let (remaining_slots, effective_limit, rpm_remaining) = self.headers(now);
         Admitted {
             id,

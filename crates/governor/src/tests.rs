@@ -454,16 +454,38 @@ fn adaptive_halving_pause_recovery() {
     // A second burst halves again but not below min_limit.
     g.observe(2_200, &throttle);
     assert_eq!(g.snapshot(2_200).effective_limit, 3);
-    // Recovery: 3 successes -> 4, then 4 -> 5, ... until the learned limit is forgotten at 8.
-    let ok = Outcome {
+    // Recovery counts successes only while the limit is in use. 4 drew the last throttle, so
+    // it is not retried within the probe period; after it, each window of successes adds one,
+    // until the learned limit is forgotten at 8.
+    for id in [100, 200, 201, 202] {
+        assert!(g.release(2_200, id));
+    }
+    let mut next_id = 1_000;
+    let mut window = |g: &mut Governor, now: u64| {
+        let mut held = Vec::new();
+        while let TryAcquire::Admitted(a) = g.try_acquire(now, ticket(next_id), false) {
+            held.push(a.id);
+            next_id += 1;
+        }
+        for id in held {
+            g.observe_held(now, id, &ok());
+            assert!(g.release(now, id));
+        }
+        g.snapshot(now).effective_limit
+    };
+    for _ in 0..10 {
+        assert_eq!(window(&mut g, 5_000), 3);
+    }
+    let limits: Vec<u32> = (0..6).map(|_| window(&mut g, 32_200)).collect();
+    assert_eq!(limits, vec![4, 5, 6, 7, 8, 8]);
+    assert_eq!(g.snapshot(32_200).learned_limit, None);
+}
+
+fn ok() -> Outcome {
+    Outcome {
         status: Some(200),
         ..Outcome::default()
-    };
-    for _ in 0..(3 + 4 + 5 + 6 + 7) {
-        g.observe(5_000, &ok);
     }
-    let s = g.snapshot(5_000);
-    assert_eq!((s.effective_limit, s.learned_limit), (8, None));
 }
 
 #[test]
@@ -628,4 +650,188 @@ fn ten_thousand_parked_waiters() {
         0,
     );
     assert_eq!(drain(&mut g, 0).len(), 5_000);
+}
+
+fn announced(limit: u64, window_ms: u64) -> Outcome {
+    Outcome {
+        status: Some(200),
+        rate: Some(RateInfo {
+            limit: Some(limit),
+            window_ms: Some(window_ms),
+            ..RateInfo::default()
+        }),
+        ..Outcome::default()
+    }
+}
+
+#[test]
+fn a_learned_rate_spaces_admissions_evenly() {
+    let mut g = Governor::new(settings(64));
+    // 60 per minute announced: paced at 97 %, 1031 ms apart, two back to back at most.
+    let adj = g.observe(0, &announced(60, 60_000)).unwrap();
+    assert_eq!(adj.learned_rpm, Some(58));
+    let s = g.snapshot(0);
+    assert_eq!(
+        (s.learned_rpm, s.rpm_remaining, s.paced_until),
+        (Some(58), Some(58), None)
+    );
+    admitted(g.try_acquire(0, ticket(1), false));
+    admitted(g.try_acquire(0, ticket(2), false));
+    // The third must wait for the pace; it is an RPM refusal with an exact retry estimate.
+    assert_eq!(
+        refused(g.try_acquire(0, ticket(3), false)),
+        (RefusalReason::Rpm, Some(1_031))
+    );
+    assert_eq!(g.snapshot(0).paced_until, Some(1_031));
+    assert_eq!(g.try_acquire(0, ticket(4), true), TryAcquire::Queued);
+    assert_eq!(g.try_acquire(0, ticket(5), true), TryAcquire::Queued);
+    // Waiters wake when the pace allows, one per spacing.
+    assert_eq!(g.next_wakeup(0), Some(1_031));
+    assert_eq!(drain(&mut g, 1_030), Vec::<u128>::new());
+    assert_eq!(drain(&mut g, 1_031), vec![4]);
+    assert_eq!(g.next_wakeup(1_031), Some(2_062));
+    assert_eq!(drain(&mut g, 2_062), vec![5]);
+    // Over a busy minute the pace, not the rolling window, is what binds.
+    let mut n = 0;
+    for now in 2_063..62_063 {
+        while let TryAcquire::Admitted(_) = g.try_acquire(now, ticket(100 + n), false) {
+            n += 1;
+            let id = 100 + n - 1;
+            assert!(g.release(now, id));
+        }
+    }
+    assert!((58..=59).contains(&n), "{n} admissions in a paced minute");
+}
+
+#[test]
+fn the_pace_is_off_when_adaptive_is_off_or_nothing_is_announced() {
+    let mut g = Governor::new(PoolSettings {
+        adaptive: false,
+        ..settings(10)
+    });
+    assert_eq!(g.observe(0, &announced(60, 60_000)), None);
+    for id in 0..10 {
+        admitted(g.try_acquire(0, ticket(id), false));
+    }
+    // Switching adaptive off forgets a learned pace too.
+    let mut g = Governor::new(settings(10));
+    g.observe(0, &announced(60, 60_000));
+    g.reconfigure(
+        PoolSettings {
+            adaptive: false,
+            ..settings(10)
+        },
+        0,
+    );
+    let s = g.snapshot(0);
+    assert_eq!((s.learned_rpm, s.rpm_remaining), (None, None));
+    for id in 0..10 {
+        admitted(g.try_acquire(0, ticket(id), false));
+    }
+}
+
+#[test]
+fn the_configured_rpm_still_caps_a_looser_learned_one() {
+    let mut g = Governor::new(PoolSettings {
+        limit: 100,
+        rpm: 3,
+        ..PoolSettings::default()
+    });
+    g.observe(0, &announced(6_000, 60_000));
+    let s = g.snapshot(0);
+    assert_eq!((s.learned_rpm, s.rpm_remaining), (Some(5_820), Some(3)));
+    for id in 0..3 {
+        admitted(g.try_acquire(u64::try_from(id).unwrap() * 100, ticket(id), false));
+    }
+    assert_eq!(
+        refused(g.try_acquire(300, ticket(9), false)).0,
+        RefusalReason::Rpm
+    );
+}
+
+#[test]
+fn held_observations_decrease_once_per_overshoot_and_count_growth_only_when_limited() {
+    let mut g = Governor::new(settings(8));
+    for id in 0..8 {
+        admitted(g.try_acquire(0, ticket(id), false));
+    }
+    let throttle = Outcome {
+        status: Some(429),
+        retry_after_ms: Some(50),
+        via: Some("proxy"),
+        ..Outcome::default()
+    };
+    // Eight admitted together, eight refused: one decrease, logged once.
+    let first = g.observe_held(10, 0, &throttle).unwrap();
+    assert_eq!(first.effective_limit, 4);
+    assert_eq!(first.paused_until, Some(60));
+    assert_eq!(
+        first.what,
+        "limit 8 -> 4 (throttled at 8: halved); paused for 50ms; \
+         cause: status 429, retry-after 50ms (proxy)"
+    );
+    assert!(g.release(10, 0));
+    for id in 1..8 {
+        assert_eq!(g.observe_held(10, id, &throttle), None);
+        assert!(g.release(10, id));
+    }
+    assert_eq!(g.snapshot(10).effective_limit, 4);
+    // Requests admitted after the decrease that are refused again are news: halve again.
+    for id in 10..14 {
+        admitted(g.try_acquire(100, ticket(id), false));
+    }
+    assert_eq!(
+        g.observe_held(150, 10, &throttle).unwrap().effective_limit,
+        2
+    );
+    for id in 10..14 {
+        g.release(150, id);
+    }
+    // A lone success at low concurrency says nothing about the limit.
+    admitted(g.try_acquire(300, ticket(20), false));
+    assert_eq!(g.observe_held(400, 20, &ok()), None);
+    g.release(400, 20);
+    admitted(g.try_acquire(400, ticket(21), false));
+    g.observe_held(500, 21, &ok());
+    g.release(500, 21);
+    assert_eq!(g.snapshot(500).effective_limit, 2);
+    // Two admitted together fill the limit: both successes count, and the limit grows.
+    admitted(g.try_acquire(600, ticket(30), false));
+    admitted(g.try_acquire(600, ticket(31), false));
+    assert_eq!(g.observe_held(700, 30, &ok()), None);
+    g.release(700, 30);
+    let grown = g.observe_held(700, 31, &ok()).unwrap();
+    assert_eq!(grown.effective_limit, 3);
+    assert_eq!(grown.what, "limit 2 -> 3 (2 successes in a row)");
+}
+
+#[test]
+fn decay_admits_slot_blocked_waiters_without_a_call() {
+    let mut g = Governor::new(settings(8));
+    g.observe(
+        0,
+        &Outcome {
+            status: Some(429),
+            ..Outcome::default()
+        },
+    );
+    for id in 0..4 {
+        admitted(g.try_acquire(1_000, ticket(id), false));
+    }
+    assert_eq!(g.try_acquire(1_000, ticket(9), true), TryAcquire::Queued);
+    // Leases expire at 31 000 (renewed below); the decay step at 120 000 raises the limit to 6.
+    for id in 0..4 {
+        g.renew(25_000, id).unwrap();
+    }
+    let wake = g.next_wakeup(25_000).unwrap();
+    assert_eq!(wake, 55_000, "lease expiry first");
+    for t in [50_000, 75_000, 100_000] {
+        for id in 0..4 {
+            g.renew(t, id).unwrap();
+        }
+    }
+    assert_eq!(g.next_wakeup(100_000), Some(120_000));
+    assert_eq!(drain(&mut g, 119_999), Vec::<u128>::new());
+    assert_eq!(drain(&mut g, 120_000), vec![9]);
+    assert_eq!(g.snapshot(120_000).effective_limit, 6);
 }

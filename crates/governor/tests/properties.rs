@@ -2,7 +2,9 @@
 //!
 //! The model tracks only what the caller can know (who holds, who waits and in which order they
 //! were parked, when admissions happened); the properties are the governor's invariants:
-//! - no admission makes `in_flight` exceed the effective limit;
+//! - no admission makes `in_flight` exceed the effective limit, and none happens while paused
+//!   or while the learned pace holds admissions back;
+//! - the effective limit stays within `[min(min_limit, limit), limit]` whatever is observed;
 //! - the RPM gate never lets more than `rpm` admissions into a rolling minute;
 //! - FIFO within one fairness key and class, and no waiter served while a higher class waits;
 //! - no starvation: after a dispatch drain, waiters remain only if something really blocks, and
@@ -33,6 +35,8 @@ enum Op {
     Renew(usize),
     Reclaim,
     Observe(u8, u64),
+    /// The outcome of a held slot, observed before its release (the proxy and lock path).
+    ObserveHeld(usize, u8, u64),
     Advance(u64),
     Reconfigure {
         limit: u32,
@@ -61,7 +65,9 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<usize>().prop_map(Op::Cancel),
         1 => any::<usize>().prop_map(Op::Renew),
         1 => Just(Op::Reclaim),
-        2 => (0u8..6, 0u64..5_000).prop_map(|(kind, ms)| Op::Observe(kind, ms)),
+        2 => (0u8..9, 0u64..5_000).prop_map(|(kind, ms)| Op::Observe(kind, ms)),
+        2 => (any::<usize>(), 0u8..9, 0u64..5_000)
+            .prop_map(|(i, kind, ms)| Op::ObserveHeld(i, kind, ms)),
         3 => prop_oneof![0u64..100, 0u64..5_000, 0u64..70_000].prop_map(Op::Advance),
         1 => (0u32..5, 0u32..6, 0u32..6, 0u32..4, any::<bool>(), any::<bool>()).prop_map(
             |(limit, queue_size, rpm, min_limit, adaptive, fair_share)| Op::Reconfigure {
@@ -96,6 +102,39 @@ fn outcome(kind: u8, ms: u64) -> Outcome {
             rate: Some(RateInfo {
                 remaining: Some(0),
                 reset_ms: Some(ms),
+                ..RateInfo::default()
+            }),
+            ..Outcome::default()
+        },
+        // An announced window: a pace of `limit` per window.
+        5 => Outcome {
+            status: Some(200),
+            rate: Some(RateInfo {
+                limit: Some(ms % 7 + 1),
+                window_ms: Some(ms + 1),
+                ..RateInfo::default()
+            }),
+            ..Outcome::default()
+        },
+        // A fixed window: spend what remains until the reset.
+        6 => Outcome {
+            status: Some(200),
+            rate: Some(RateInfo {
+                remaining: Some(ms % 5),
+                reset_ms: Some(ms),
+                ..RateInfo::default()
+            }),
+            ..Outcome::default()
+        },
+        // A rate-blamed throttle.
+        7 => Outcome {
+            status: Some(429),
+            retry_after_ms: Some(ms),
+            rate: Some(RateInfo {
+                limit: Some(3),
+                remaining: Some(0),
+                reset_ms: Some(ms),
+                window_ms: Some(10_000),
                 ..RateInfo::default()
             }),
             ..Outcome::default()
@@ -142,8 +181,8 @@ impl Model {
         }
     }
 
-    fn on_admitted(&mut self, a: &Admitted, paused_before: bool) {
-        assert!(!paused_before, "admitted while paused");
+    fn on_admitted(&mut self, a: &Admitted, blocked_before: bool) {
+        assert!(!blocked_before, "admitted while paused or paced");
         let s = self.g.snapshot(self.now);
         assert!(
             s.in_flight <= s.effective_limit,
@@ -171,7 +210,7 @@ impl Model {
 
     fn drain(&mut self) {
         loop {
-            let paused = self.paused();
+            let paused = self.held_back();
             let Some(a) = self.g.dispatch(self.now) else {
                 break;
             };
@@ -197,8 +236,10 @@ impl Model {
         self.check_no_starvation();
     }
 
-    fn paused(&self) -> bool {
-        self.g.snapshot(self.now).paused_until.is_some()
+    /// Paused, or the learned pace holds the next admission back.
+    fn held_back(&self) -> bool {
+        let s = self.g.snapshot(self.now);
+        s.paused_until.is_some() || s.paced_until.is_some()
     }
 
     fn check_no_starvation(&self) {
@@ -206,7 +247,8 @@ impl Model {
         if s.queued > 0 {
             let blocked = s.in_flight >= s.effective_limit
                 || s.rpm_remaining == Some(0)
-                || s.paused_until.is_some();
+                || s.paused_until.is_some()
+                || s.paced_until.is_some();
             assert!(blocked, "waiters left behind with nothing blocking: {s:?}");
             if s.effective_limit > 0 {
                 let wake = self.g.next_wakeup(self.now);
@@ -221,6 +263,20 @@ impl Model {
     }
 
     fn check_books(&self) {
+        let s = self.g.snapshot(self.now);
+        let settings = self.g.settings();
+        assert!(
+            s.effective_limit <= settings.limit,
+            "above the limit: {s:?}"
+        );
+        assert!(
+            s.effective_limit >= settings.min_limit.min(settings.limit),
+            "below min_limit: {s:?}"
+        );
+        if !settings.adaptive {
+            assert_eq!(s.effective_limit, settings.limit);
+            assert_eq!((s.learned_rpm, s.paced_until), (None, None));
+        }
         assert_eq!(self.g.in_flight() as usize, self.held.len());
         assert_eq!(self.g.queued() as usize, self.where_waiting.len());
         for &id in &self.held {
@@ -248,7 +304,7 @@ impl Model {
                     lease_ms,
                 };
                 let had_waiters = self.g.queued() > 0;
-                let paused = self.paused();
+                let paused = self.held_back();
                 match self.g.try_acquire(self.now, ticket, may_wait) {
                     TryAcquire::Admitted(a) => {
                         assert!(!had_waiters, "a newcomer overtook waiters");
@@ -299,7 +355,16 @@ impl Model {
                 }
                 self.sync_held();
             }
-            Op::Observe(kind, ms) => self.g.observe(self.now, &outcome(kind, ms)),
+            Op::Observe(kind, ms) => {
+                self.g.observe(self.now, &outcome(kind, ms));
+            }
+            Op::ObserveHeld(i, kind, ms) => {
+                if !self.held.is_empty() {
+                    let id = self.held.swap_remove(i % self.held.len());
+                    self.g.observe_held(self.now, id, &outcome(kind, ms));
+                    assert!(self.g.release(self.now, id));
+                }
+            }
             Op::Advance(ms) => self.now += ms,
             Op::Reconfigure {
                 limit,

@@ -3,6 +3,8 @@
 
 #![forbid(unsafe_code)]
 
+mod lock;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -57,6 +59,12 @@ enum Command {
     },
     /// Validate a config file and print the resolved pools.
     CheckConfig { file: PathBuf },
+    /// Hold a slot of a pool while a command runs.
+    ///
+    /// Acquires a slot through the lock API, runs CMD while renewing the lease, releases the
+    /// slot with CMD's outcome, and exits with CMD's status.
+    #[command(after_help = lock::AFTER_HELP)]
+    Lock(lock::LockArgs),
 }
 
 fn main() -> ExitCode {
@@ -81,6 +89,7 @@ fn main() -> ExitCode {
             latency_ms,
             jitter_ms,
         } => run(sandbox(listen, limit, rpm, latency_ms, jitter_ms)),
+        Command::Lock(args) => lock::main(args),
     }
 }
 
@@ -213,7 +222,7 @@ async fn add_demo(config: &mut Config) -> Result<Box<dyn FnOnce(u16)>, String> {
     spec.concurrency.limit = 4;
     spec.concurrency.queue_timeout_ms = 10_000;
     config.pools.push(spec);
-    let token = match config.server.admin_token()? {
+    let token = match config.server.admin_token().map_err(|e| e.to_string())? {
         Some(t) => t,
         None => {
             let t = keys::generate_key();

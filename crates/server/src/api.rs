@@ -11,9 +11,9 @@ use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use utoipa::OpenApi;
 
-use crate::admin;
 use crate::error::ApiError;
 use crate::state::AppState;
+use crate::{admin, jobs_api};
 
 pub fn router(state: Arc<AppState>) -> Router {
     let admin = Router::new()
@@ -34,21 +34,42 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/admin/pools/{pool}/keys/{id}", delete(admin::revoke_key))
         .route("/admin/pools/{pool}/state", get(admin::pool_state))
         .route("/admin/pools/{pool}/access-log", get(admin::access_log))
+        .route("/admin/pools/{pool}/jobs", get(jobs_api::list_jobs))
+        .route("/admin/pools/{pool}/jobs/{job}", get(jobs_api::get_job))
+        .route(
+            "/admin/pools/{pool}/webhooks",
+            get(jobs_api::list_destinations).post(jobs_api::create_destination),
+        )
+        .route(
+            "/admin/pools/{pool}/webhooks/{id}",
+            axum::routing::patch(jobs_api::patch_destination).delete(jobs_api::delete_destination),
+        )
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             admin::require_admin,
         ));
-    Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-        .route("/openapi.json", get(openapi))
+    // A pool's routes on the API host pass its access policies like the proxy (SPEC §2, §9).
+    let pool_routes = Router::new()
+        .route(
+            "/pools/{pool}/jobs/{job}",
+            get(jobs_api::poll).head(jobs_api::poll),
+        )
         .route("/pools/{pool}/lock/acquire", post(crate::lock::acquire))
         .route("/pools/{pool}/lock/{slot}/renew", post(crate::lock::renew))
         .route(
             "/pools/{pool}/lock/{slot}/release",
             post(crate::lock::release),
         )
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            crate::access::require,
+        ));
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi))
+        .merge(pool_routes)
         .merge(admin)
         .fallback(|| async { ApiError::not_found() })
         .method_not_allowed_fallback(|| async {
@@ -117,6 +138,13 @@ async fn openapi() -> Json<utoipa::openapi::OpenApi> {
         admin::get_pool,
         admin::put_pool,
         admin::delete_pool,
+        jobs_api::poll,
+        jobs_api::list_jobs,
+        jobs_api::get_job,
+        jobs_api::list_destinations,
+        jobs_api::create_destination,
+        jobs_api::patch_destination,
+        jobs_api::delete_destination,
         admin::create_key,
         admin::list_keys,
         admin::revoke_key,
@@ -134,6 +162,14 @@ async fn openapi() -> Json<utoipa::openapi::OpenApi> {
         crate::lock::Renewed,
         crate::lock::ReleaseBody,
         crate::lock::Released,
+        crate::jobs::Accepted,
+        crate::jobs::JobView,
+        jobs_api::JobPage,
+        jobs_api::JobDetail,
+        jobs_api::DestinationView,
+        jobs_api::DestinationList,
+        jobs_api::NewDestination,
+        jobs_api::DestinationPatch,
         admin::KeyView,
         admin::KeyList,
         admin::Revoked,

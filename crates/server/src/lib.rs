@@ -6,6 +6,8 @@
 //! - [`state`]: shared state and the operations that change the set of pools.
 //! - [`registry`]: the immutable, swap-on-write view of pools the hot path reads.
 //! - [`auth`]: pool-key authentication. [`admission`]: wait budgets, priorities, `x-nthpool-*`.
+//! - [`access`]: the pool's access policies (HMAC, JWT, Cloudflare Access, IP allowlist, failure
+//!   throttling), checked together with the pool key on every pool route.
 //! - [`proxy`]: the proxy and upstream client. [`outcome`]: upstream answers → governor outcomes.
 //! - [`api`], [`admin`]: the API host's routes. [`access_log`], [`metrics`]: observability.
 //! - [`error`]: the one error type, which knows its status and JSON code.
@@ -15,14 +17,18 @@
 
 #![forbid(unsafe_code)]
 
+pub mod access;
 pub mod access_log;
 pub mod admin;
 pub mod admission;
 pub mod api;
 pub mod auth;
 pub mod error;
+pub mod jobs;
+pub mod jobs_api;
 pub mod lock;
 pub mod metrics;
+pub mod netcheck;
 pub mod outcome;
 pub mod proxy;
 pub mod registry;

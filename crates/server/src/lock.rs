@@ -10,8 +10,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::body::Body;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{ConnectInfo, Path, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use bytes::Bytes;
@@ -119,6 +120,26 @@ fn is_empty(body: &Bytes) -> bool {
     body.iter().all(u8::is_ascii_whitespace)
 }
 
+/// `{pool}` of a lock route. A segment that does not decode to UTF-8 names no pool: that is
+/// `404 pool_not_found` in JSON, not axum's plain-text 400.
+fn pool_param(path: Result<Path<String>, PathRejection>) -> String {
+    path.map(|Path(name)| name).unwrap_or_default()
+}
+
+/// `{pool}` and `{slotId}` of a slot route. When a segment does not decode to UTF-8, the pool
+/// is looked up by its raw segment (pool names never need escaping) and the slot id is one that
+/// names no slot, so the answer is the JSON 404 it would be for any other unknown id.
+fn slot_params(path: Result<Path<(String, String)>, PathRejection>, uri: &Uri) -> (String, String) {
+    match path {
+        Ok(Path(params)) => params,
+        // "/pools/{pool}/lock/{slotId}/…": the third segment is the pool.
+        Err(_) => (
+            uri.path().split('/').nth(2).unwrap_or_default().to_string(),
+            String::new(),
+        ),
+    }
+}
+
 fn pool_and_caller(
     state: &AppState,
     name: &str,
@@ -137,11 +158,12 @@ fn pool_and_caller(
               (status = 429, description = "too_many_requests, may carry Retry-After"), (status = 504, description = "queue_timeout")))]
 pub async fn acquire(
     State(state): State<Arc<AppState>>,
-    Path(name): Path<String>,
+    path: Result<Path<String>, PathRejection>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
+    let name = pool_param(path);
     let Some(pool) = state.pool(&name) else {
         return ApiError::pool_not_found().into_response();
     };
@@ -265,9 +287,11 @@ fn slot_not_found() -> ApiError {
               (status = 409, description = "capped: the lease reached requestDeadline; release it")))]
 pub async fn renew(
     State(state): State<Arc<AppState>>,
-    Path((name, slot)): Path<(String, String)>,
+    path: Result<Path<(String, String)>, PathRejection>,
+    uri: Uri,
     headers: HeaderMap,
 ) -> Result<Json<Renewed>, ApiError> {
+    let (name, slot) = slot_params(path, &uri);
     let (pool, _caller) = pool_and_caller(&state, &name, &headers)?;
     let slot = SlotId::parse(&slot).ok_or_else(slot_not_found)?;
     match pool.gate.renew(slot).await {
@@ -291,13 +315,11 @@ pub fn outcome_of(report: &ReleaseBody, now_ms: u64) -> Result<Outcome, ApiError
             ));
         }
     }
-    let parsed = report.headers.as_ref().map(|h| {
-        let pairs = h.iter().flat_map(|(k, v)| match v {
-            HeaderValues::One(s) => vec![(k.as_str(), s.as_str())],
-            HeaderValues::Many(list) => list.iter().map(|s| (k.as_str(), s.as_str())).collect(),
-        });
-        nthbouncer_ratelimit::parse(report.status.unwrap_or(0), pairs, now_ms)
-    });
+    let status = report.status.unwrap_or(0);
+    let parsed = report
+        .headers
+        .as_ref()
+        .map(|h| nthbouncer_ratelimit::parse(status, header_pairs(h, |_| true), now_ms));
     let rate = match &report.rate {
         Some(r) => Some(RateInfo {
             limit: r.limit,
@@ -306,18 +328,49 @@ pub fn outcome_of(report: &ReleaseBody, now_ms: u64) -> Result<Outcome, ApiError
             token_limit: r.token_limit,
             token_remaining: r.token_remaining,
             token_reset_ms: r.token_reset_ms,
+            ..Default::default()
         }),
         None => parsed.as_ref().and_then(crate::outcome::rate_info),
     };
     let header_throttled = parsed.as_ref().is_some_and(|p| p.throttled);
+    // With `rate` sent, the header budgets lose, and so does the retry delay the parser derives
+    // from them on a throttled answer; an explicit `Retry-After` / `retry-after-ms` still counts.
+    let header_retry_ms = match (&report.rate, &report.headers) {
+        (Some(_), Some(h)) => {
+            let explicit = |name: &str| {
+                name.trim().eq_ignore_ascii_case("retry-after")
+                    || name.trim().eq_ignore_ascii_case("retry-after-ms")
+            };
+            nthbouncer_ratelimit::parse(status, header_pairs(h, explicit), now_ms).retry_after_ms
+        }
+        _ => parsed.as_ref().and_then(|p| p.retry_after_ms),
+    };
     Ok(Outcome {
         status: report.status,
         throttled: report.throttled.unwrap_or(u32::from(header_throttled)),
-        retry_after_ms: report
-            .retry_after_ms
-            .or_else(|| parsed.as_ref().and_then(|p| p.retry_after_ms)),
+        retry_after_ms: report.retry_after_ms.or(header_retry_ms),
         rate,
+        via: Some(crate::outcome::VIA_LOCK),
+        dialect: parsed.as_ref().and_then(crate::outcome::dialect),
+        ..Default::default()
     })
+}
+
+/// The reported headers as `(name, value)` pairs, one per value, keeping the names `keep` accepts.
+fn header_pairs<'a>(
+    headers: &'a HashMap<String, HeaderValues>,
+    keep: impl Fn(&str) -> bool + 'a,
+) -> impl Iterator<Item = (&'a str, &'a str)> + 'a {
+    headers
+        .iter()
+        .filter(move |(k, _)| keep(k))
+        .flat_map(|(k, v)| {
+            let values: &[String] = match v {
+                HeaderValues::One(s) => std::slice::from_ref(s),
+                HeaderValues::Many(list) => list,
+            };
+            values.iter().map(move |s| (k.as_str(), s.as_str()))
+        })
 }
 
 #[utoipa::path(post, path = "/pools/{pool}/lock/{slotId}/release", tag = "lock", request_body(content = ReleaseBody, description = "optional outcome report"),
@@ -325,10 +378,12 @@ pub fn outcome_of(report: &ReleaseBody, now_ms: u64) -> Result<Outcome, ApiError
               (status = 401, description = "unauthorized"), (status = 413, description = "payload_too_large")))]
 pub async fn release(
     State(state): State<Arc<AppState>>,
-    Path((name, slot)): Path<(String, String)>,
+    path: Result<Path<(String, String)>, PathRejection>,
+    uri: Uri,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<Released>, ApiError> {
+    let (name, slot) = slot_params(path, &uri);
     let (pool, _caller) = pool_and_caller(&state, &name, &headers)?;
     let bytes = read_body(&headers, body).await?;
     let outcome = if is_empty(&bytes) {

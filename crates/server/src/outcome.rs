@@ -1,10 +1,19 @@
 //! Upstream answers as governor outcomes: the status plus whatever rate-limit dialect the
 //! origin speaks, normalised by `nthbouncer-ratelimit`. Used by the proxy (its own responses)
-//! and the lock API (headers reported on release).
+//! and the lock API (headers reported on release), so both teach the pool the same thing.
 
 use http::HeaderMap;
 use nthbouncer_coord::{Outcome, RateInfo};
-use nthbouncer_ratelimit::RateReport;
+use nthbouncer_ratelimit::{Dialect, RateReport};
+
+/// `Outcome::via` of answers the proxy saw itself.
+pub const VIA_PROXY: &str = "proxy";
+/// `Outcome::via` of answers a lock holder reported on release.
+pub const VIA_LOCK: &str = "lock release";
+
+/// OpenAI's and Anthropic's request limits are per minute; their reset headers say when the
+/// budget is full again (a bucket refilling continuously), not when a fixed window ends.
+const PER_MINUTE_MS: u64 = 60_000;
 
 /// The outcome of an upstream response observed by the proxy.
 pub fn from_response(status: u16, headers: &HeaderMap, now_ms: u64) -> Outcome {
@@ -12,7 +21,10 @@ pub fn from_response(status: u16, headers: &HeaderMap, now_ms: u64) -> Outcome {
         .iter()
         .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?)));
     let report = nthbouncer_ratelimit::parse(status, pairs, now_ms);
-    from_report(Some(status), u32::from(status == 429), &report)
+    Outcome {
+        via: Some(VIA_PROXY),
+        ..from_report(Some(status), u32::from(status == 429), &report)
+    }
 }
 
 /// Builds an outcome from a parsed report.
@@ -22,7 +34,14 @@ pub fn from_report(status: Option<u16>, throttled: u32, report: &RateReport) -> 
         throttled,
         retry_after_ms: report.retry_after_ms,
         rate: rate_info(report),
+        via: None,
+        dialect: dialect(report),
     }
+}
+
+/// The header family a report was read from, for the throttle cause.
+pub fn dialect(report: &RateReport) -> Option<&'static str> {
+    report.source.map(Dialect::as_str)
 }
 
 /// The request and token windows of a report as the governor's rate fields.
@@ -32,12 +51,151 @@ pub fn rate_info(report: &RateReport) -> Option<RateInfo> {
     if req.is_none() && tok.is_none() {
         return None;
     }
+    // A window length the origin states wins; otherwise the dialect may imply one. Without
+    // either, the governor paces by `remaining` until `reset`, which is right for the fixed
+    // windows of GitHub-style and Discord headers.
+    let implied = match report.source {
+        Some(Dialect::OpenAi | Dialect::Anthropic) => Some(PER_MINUTE_MS),
+        _ => None,
+    };
     Some(RateInfo {
         limit: req.and_then(|w| w.limit),
         remaining: req.and_then(|w| w.remaining),
         reset_ms: req.and_then(|w| w.reset_ms),
+        window_ms: req.and_then(|w| w.window_ms).or(implied.filter(|_| req.is_some())),
         token_limit: tok.and_then(|w| w.limit),
         token_remaining: tok.and_then(|w| w.remaining),
         token_reset_ms: tok.and_then(|w| w.reset_ms),
     })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use http::{HeaderName, HeaderValue};
+    use nthbouncer_coord::{Coordination, PoolGate, PoolSettings};
+    use serde_json::json;
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
+        }
+        h
+    }
+
+    /// The sandbox's answers (OpenAI style).
+    const SANDBOX_OK: [(&str, &str); 3] = [
+        ("x-ratelimit-limit-requests", "300"),
+        ("x-ratelimit-remaining-requests", "292"),
+        ("x-ratelimit-reset-requests", "59.8s"),
+    ];
+    /// A refusal by its hidden concurrency limit: budget left, so concurrency is to blame.
+    const SANDBOX_429: [(&str, &str); 5] = [
+        ("retry-after", "2"),
+        ("retry-after-ms", "1200"),
+        ("x-ratelimit-limit-requests", "300"),
+        ("x-ratelimit-remaining-requests", "280"),
+        ("x-ratelimit-reset-requests", "58s"),
+    ];
+
+    #[test]
+    fn proxy_outcomes_name_their_source_and_imply_openai_windows() {
+        let o = from_response(200, &headers(&SANDBOX_OK), 0);
+        assert_eq!(o.via, Some("proxy"));
+        assert_eq!(o.dialect, Some("openai"));
+        assert_eq!(
+            o.rate,
+            Some(RateInfo {
+                limit: Some(300),
+                remaining: Some(292),
+                reset_ms: Some(59_800),
+                window_ms: Some(60_000),
+                ..RateInfo::default()
+            })
+        );
+        let o = from_response(429, &headers(&SANDBOX_429), 0);
+        assert_eq!((o.status, o.throttled, o.retry_after_ms), (Some(429), 1, Some(1_200)));
+        // GitHub style: a fixed window, no implied length.
+        let o = from_response(
+            200,
+            &headers(&[
+                ("x-ratelimit-limit", "5000"),
+                ("x-ratelimit-remaining", "4000"),
+                ("x-ratelimit-reset", "600"),
+            ]),
+            0,
+        );
+        assert_eq!(o.dialect, Some("github"));
+        assert_eq!(o.rate.unwrap().window_ms, None);
+        // A bare Retry-After names its dialect and carries no rate.
+        let o = from_response(503, &headers(&[("retry-after", "3")]), 0);
+        assert_eq!((o.dialect, o.rate, o.retry_after_ms), (Some("retry-after"), None, Some(3_000)));
+    }
+
+    /// Lock-release reports act like proxy outcomes: the same answer, reported as raw headers
+    /// by a lock holder, becomes the same outcome (only `via` differs) and teaches a pool the
+    /// same limit, pace, pause and cause.
+    #[tokio::test]
+    async fn lock_release_reports_act_like_proxy_outcomes() {
+        let cases: [(u16, &[(&str, &str)]); 2] = [(200, &SANDBOX_OK), (429, &SANDBOX_429)];
+        let coord = nthbouncer_coord::in_process::InProcessCoordination::new(std::sync::Arc::new(
+            nthbouncer_coord::ManualClock::new(1_000_000),
+        ));
+        let settings = PoolSettings {
+            limit: 64,
+            ..PoolSettings::default()
+        };
+        let proxied = coord.open("proxied", settings.clone());
+        let locked = coord.open("locked", settings);
+        for (status, pairs) in cases {
+            let from_proxy = from_response(status, &headers(pairs), 1_000_000);
+            let body: crate::lock::ReleaseBody = serde_json::from_value(json!({
+                "status": status,
+                "headers": pairs.iter().map(|(k, v)| (k.to_string(), json!(v)))
+                    .collect::<serde_json::Map<_, _>>(),
+            }))
+            .unwrap();
+            let from_lock = crate::lock::outcome_of(&body, 1_000_000).unwrap();
+            assert_eq!(from_lock.via, Some("lock release"));
+            assert_eq!(
+                Outcome {
+                    via: None,
+                    ..from_lock.clone()
+                },
+                Outcome {
+                    via: None,
+                    ..from_proxy.clone()
+                }
+            );
+            for (gate, outcome) in [(&proxied, from_proxy), (&locked, from_lock)] {
+                let grant = gate
+                    .acquire(nthbouncer_coord::AcquireRequest {
+                        fairness_key: 0,
+                        priority: nthbouncer_coord::Priority::Normal,
+                        wait_ms: 0,
+                        kind: nthbouncer_coord::SlotKind::Lease,
+                    })
+                    .await
+                    .unwrap();
+                assert!(gate.release(grant.slot_id, Some(outcome)).await);
+            }
+        }
+        let (p, l) = (proxied.snapshot().await, locked.snapshot().await);
+        assert_eq!(
+            (p.effective_limit, p.learned_rpm, p.paused_until),
+            (32, Some(291), Some(1_001_200))
+        );
+        assert_eq!(
+            (l.effective_limit, l.learned_rpm, l.paused_until),
+            (p.effective_limit, p.learned_rpm, p.paused_until)
+        );
+        let cause = |s: &nthbouncer_coord::Snapshot| s.last_throttle.clone().unwrap().cause;
+        assert_eq!(cause(&p), "status 429, retry-after 1200ms (proxy, openai)");
+        assert_eq!(cause(&l), "status 429, retry-after 1200ms (lock release, openai)");
+    }
 }

@@ -24,12 +24,14 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use nthbouncer_config::ServerSpec;
-use nthbouncer_coord::{AcquireRequest, Outcome, PoolGate, SlotId, SlotKind};
+use nthbouncer_coord::{AcquireRequest, Outcome, PoolGate, Priority, Refusal, SlotId, SlotKind};
 
+use crate::access;
 use crate::access_log::LogLine;
 use crate::admission::{self, Caller as AdmissionCaller};
-use crate::auth;
+use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::jobs::Reason;
 use crate::registry::PoolRuntime;
 use crate::state::AppState;
 
@@ -236,22 +238,36 @@ pub async fn handle(
     original_host: Option<HeaderValue>,
 ) -> Response<Body> {
     let (mut parts, body) = req.into_parts();
+    let client = access::client_addr(peer.ip(), &parts.headers, &state.trusted_proxies);
     let log = LogLine {
         log: &state.access_log,
         pool: &pool.name,
         at: state.now(),
-        peer,
+        peer: SocketAddr::new(client, peer.port()),
         route: format!("proxy {} {}", parts.method, parts.uri.path()),
     };
 
-    let caller = match auth::authenticate(&pool, &parts.headers, log.at) {
-        Ok(c) => c,
-        Err(failure) => {
-            pool.metrics.unauthorized.increment(1);
-            let e = ApiError::unauthorized("missing or invalid pool key");
-            log.write(None, "401", Some(failure.as_str()), e.status, 0, None, None);
-            return axum::response::IntoResponse::into_response(e);
-        }
+    // Pool key and access policies (SPEC §2, §9). A signed request with a body comes back with
+    // a pending check that travels with the body to the upstream.
+    let body_state = if body.is_end_stream() {
+        access::BodyState::Empty
+    } else {
+        access::BodyState::Streamed
+    };
+    let authorized = access::authorize(
+        &state,
+        &pool,
+        client,
+        &parts.method,
+        &parts.uri,
+        &parts.headers,
+        body_state,
+        log.at,
+    )
+    .await;
+    let (caller, mut signed) = match authorized {
+        Ok(a) => (a.caller, a.pending),
+        Err(failure) => return access::refuse(&pool, log, None, failure),
     };
     let key_id = caller.key_id.clone();
     let max_body = state.server.max_body_bytes;
@@ -275,14 +291,76 @@ pub async fn handle(
         }
     };
 
+    // Async admission (SPEC §6): asked for with the header, or promoted from a wait.
+    let asked_async = match async_header(&parts.headers) {
+        Ok(v) => v,
+        Err(e) => {
+            log.write(Some(&key_id), "400", None, e.status, 0, None, None);
+            return axum::response::IntoResponse::into_response(e);
+        }
+    };
+    if asked_async && !pool.spec.async_jobs.enabled {
+        let e = ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "async_disabled",
+            "this pool does not take async jobs (async.enabled = false)",
+        );
+        log.write(Some(&key_id), "400", None, e.status, 0, None, None);
+        return axum::response::IntoResponse::into_response(e);
+    }
+    // With no active webhook destination the pool behaves exactly as with async off.
+    let live = pool.async_live();
+    if asked_async && live {
+        return accept_job(
+            &state,
+            &pool,
+            log,
+            &parts,
+            body,
+            &caller,
+            priority,
+            Reason::Requested,
+        )
+        .await;
+    }
+    let promote_busy = live && pool.spec.async_jobs.on_open_wait && wait_ms > 0;
+    let promote_timeout = live && pool.spec.async_jobs.on_queue_timeout;
+
     let request = AcquireRequest {
         fairness_key: caller.fairness,
         priority,
-        wait_ms,
+        // A request that would wait is taken as a job instead: try without waiting first.
+        wait_ms: if promote_busy { 0 } else { wait_ms },
         kind: SlotKind::Exchange,
     };
     let grant = match pool.gate.acquire(request).await {
         Ok(g) => g,
+        Err(Refusal::TooManyRequests { .. }) if promote_busy => {
+            return accept_job(
+                &state,
+                &pool,
+                log,
+                &parts,
+                body,
+                &caller,
+                priority,
+                Reason::Busy,
+            )
+            .await;
+        }
+        Err(Refusal::QueueTimeout { .. }) if promote_timeout => {
+            return accept_job(
+                &state,
+                &pool,
+                log,
+                &parts,
+                body,
+                &caller,
+                priority,
+                Reason::WaitTimeout,
+            )
+            .await;
+        }
         Err(refusal) => {
             let e = admission::refusal_error(&refusal);
             match e.status {
@@ -340,6 +418,7 @@ pub async fn handle(
     let headers = &mut parts.headers;
     strip_hop_by_hop(headers);
     strip_nthpool_headers(headers);
+    pool.access.strip_credentials(headers);
     if caller.used_authorization {
         headers.remove(header::AUTHORIZATION);
     }
@@ -361,7 +440,15 @@ pub async fn handle(
     }
     parts.uri = uri;
     parts.version = http::Version::HTTP_11;
-    let upstream_req = Request::from_parts(parts, Body::new(Limited::new(body, max_body as usize)));
+    let body = Limited::new(body, max_body as usize);
+    let (body, verdict) = match signed.take() {
+        Some(pending) => {
+            let (body, verdict) = access::SignedBody::new(body, pending);
+            (Body::new(body), Some(verdict))
+        }
+        None => (Body::new(body), None),
+    };
+    let upstream_req = Request::from_parts(parts, body);
 
     let started = Instant::now();
     let sent = tokio::time::timeout_at(deadline, state.client.request(upstream_req)).await;
@@ -369,6 +456,10 @@ pub async fn handle(
     let resp = match sent {
         Ok(Ok(resp)) => resp,
         Ok(Err(err)) => {
+            if let Some(failure) = access::rejection_in(&err) {
+                pool.access.record_failure(client, log.at);
+                return access::refuse(&pool, log, Some(&key_id), access::Failure::Hmac(failure));
+            }
             let e = if chain_has::<LengthLimitError>(&err) {
                 ApiError::payload_too_large(max_body)
             } else {
@@ -416,6 +507,13 @@ pub async fn handle(
             return axum::response::IntoResponse::into_response(e);
         }
     };
+    // The upstream may answer before a signed body ended: its answer waits for the verdict.
+    if let Some(verdict) = verdict {
+        if let Err(failure) = access::body_verdict(verdict, deadline).await {
+            pool.access.record_failure(client, log.at);
+            return access::refuse(&pool, log, Some(&key_id), access::Failure::Hmac(failure));
+        }
+    }
 
     pool.metrics
         .upstream_latency
@@ -438,6 +536,74 @@ pub async fn handle(
         Some(latency_ms),
     );
     Response::from_parts(rparts, Body::new(SlotBody::new(rbody, guard, deadline)))
+}
+
+pub const ASYNC_HEADER: &str = "x-nthpool-async";
+
+/// `X-Nthpool-Async`: `1`/`true` asks for a job; `0`/`false` (or absent) does not.
+fn async_header(headers: &HeaderMap) -> Result<bool, ApiError> {
+    match headers.get(ASYNC_HEADER).map(|v| v.to_str().map(str::trim)) {
+        None => Ok(false),
+        Some(Ok("1")) | Some(Ok("true")) => Ok(true),
+        Some(Ok("0")) | Some(Ok("false")) => Ok(false),
+        Some(_) => Err(ApiError::invalid(
+            "X-Nthpool-Async",
+            "X-Nthpool-Async must be 1 (or 0)",
+        )),
+    }
+}
+
+/// Takes the request as a job and answers `202` with its handle.
+#[allow(clippy::too_many_arguments)]
+async fn accept_job(
+    state: &Arc<AppState>,
+    pool: &Arc<PoolRuntime>,
+    log: LogLine<'_>,
+    parts: &http::request::Parts,
+    body: Incoming,
+    caller: &Caller,
+    priority: Priority,
+    reason: Reason,
+) -> Response<Body> {
+    match crate::jobs::accept(
+        state,
+        pool,
+        parts,
+        body,
+        &caller.key_id,
+        caller.fairness,
+        priority,
+        reason,
+    )
+    .await
+    {
+        Ok(accepted) => {
+            log.write(
+                Some(&caller.key_id),
+                "202",
+                Some(reason.as_str()),
+                StatusCode::ACCEPTED,
+                0,
+                None,
+                None,
+            );
+            let mut resp = axum::response::IntoResponse::into_response(axum::Json(accepted));
+            *resp.status_mut() = StatusCode::ACCEPTED;
+            resp
+        }
+        Err(e) => {
+            log.write(
+                Some(&caller.key_id),
+                &e.status.as_u16().to_string(),
+                None,
+                e.status,
+                0,
+                None,
+                None,
+            );
+            axum::response::IntoResponse::into_response(e)
+        }
+    }
 }
 
 #[cfg(test)]

@@ -12,8 +12,9 @@ use http::uri::{Authority, Scheme};
 use http::{HeaderName, HeaderValue};
 use nthbouncer_config::{keys, AuthMethod, ConcurrencySpec, ConfigError, PoolSpec};
 use nthbouncer_coord::{PoolGate, PoolSettings};
-use nthbouncer_store::StoredKey;
+use nthbouncer_store::{StoredDestination, StoredKey};
 
+use crate::access::AccessPolicy;
 use crate::metrics::PoolMetrics;
 
 /// Who owns a pool's settings.
@@ -164,6 +165,10 @@ pub struct PoolRuntime {
     pub spec_key_digests: Vec<[u8; 32]>,
     pub gate: Arc<dyn PoolGate>,
     pub keys: Arc<ArcSwap<KeyIndex>>,
+    /// The pool's access policies (SPEC §9), checked with the pool key.
+    pub access: AccessPolicy,
+    /// Webhook destinations (from the store; config ones are synced there at start-up).
+    pub destinations: Arc<ArcSwap<Vec<StoredDestination>>>,
     pub metrics: PoolMetrics,
 }
 
@@ -175,6 +180,7 @@ impl PoolRuntime {
         provenance: Provenance,
         gate: Arc<dyn PoolGate>,
         keys: Arc<ArcSwap<KeyIndex>>,
+        destinations: Arc<ArcSwap<Vec<StoredDestination>>>,
     ) -> Result<PoolRuntime, ConfigError> {
         let upstream = Upstream::parse(at, &spec.upstream)?;
         let mut upstream_headers = Vec::new();
@@ -189,6 +195,7 @@ impl PoolRuntime {
             upstream_headers.push((name, value));
         }
         let spec_key_digests = spec.key_digests(at)?;
+        let access = AccessPolicy::build(&format!("{at}.access"), &spec.access)?;
         Ok(PoolRuntime {
             name: spec.name.clone(),
             upstream,
@@ -205,7 +212,25 @@ impl PoolRuntime {
             updated_at: provenance.updated_at,
             gate,
             keys,
+            access,
+            destinations,
         })
+    }
+
+    /// Ids of the destinations that receive this pool's webhooks now.
+    pub fn active_destination_ids(&self) -> Vec<String> {
+        self.destinations
+            .load()
+            .iter()
+            .filter(|d| d.active)
+            .map(|d| d.id.clone())
+            .collect()
+    }
+
+    /// Async is live: enabled, and (on proxy pools) at least one active destination. Otherwise
+    /// the pool behaves exactly as with async off (SPEC §6 fallback).
+    pub fn async_live(&self) -> bool {
+        self.spec.async_jobs.enabled && self.destinations.load().iter().any(|d| d.active)
     }
 
     /// The governor's view of the settings.

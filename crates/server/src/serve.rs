@@ -33,7 +33,6 @@ use crate::state::{AppState, StartError};
 #[derive(Default)]
 pub struct Options {
     pub clock: Option<Arc<dyn Clock>>,
-    pub store: Option<Arc<dyn Store>>,
 }
 
 /// A running server.
@@ -82,19 +81,15 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
     let clock = options
         .clock
         .unwrap_or_else(|| Arc::new(SystemClock::new()));
-    let store: Arc<dyn Store> = match options.store {
-        Some(s) => s,
-        None => {
-            let dir = server.data_dir.clone();
-            let opened = tokio::task::spawn_blocking(move || {
-                nthbouncer_store::sqlite::SqliteStore::open_in_dir(&dir)
-            })
-            .await
-            .map_err(|e| StartError::Store(e.to_string()))?
-            .map_err(|e| StartError::Store(e.to_string()))?;
-            Arc::new(opened)
-        }
-    };
+    let dir = server.data_dir.clone();
+    let sqlite = tokio::task::spawn_blocking(move || {
+        nthbouncer_store::sqlite::SqliteStore::open_in_dir(&dir)
+    })
+    .await
+    .map_err(|e| StartError::Store(e.to_string()))?
+    .map_err(|e| StartError::Store(e.to_string()))?;
+    let store: Arc<dyn Store> = Arc::new(sqlite.clone());
+    let jobs: Arc<dyn nthbouncer_store::JobStore> = Arc::new(sqlite);
     let admin_token = server.admin_token().map_err(StartError::Config)?;
     let client = crate::proxy::build_client(&server).map_err(StartError::Client)?;
     let (access_log, access_log_task) = AccessLog::start(store.clone(), server.access_log_keep);
@@ -109,6 +104,10 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
         )),
         clock,
         store,
+        job_intake: crate::jobs::JobIntake::start(jobs.clone()),
+        jobs,
+        deliveries_pending: tokio::sync::Notify::new(),
+        stopping: CancellationToken::new(),
         registry: ArcSwap::from_pointee(Registry::default()),
         admin_lock: tokio::sync::Mutex::new(()),
         client,
@@ -117,18 +116,19 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
         server,
     });
     state.load_pools(&config).await?;
+    let background = tokio::spawn(crate::jobs::resume_and_sweep(state.clone()));
 
     let dispatcher = Arc::new(Dispatcher {
         api: crate::api::router(state.clone()),
         state: state.clone(),
     });
     let cancel = CancellationToken::new();
-    let task = tokio::spawn(accept_loop(
-        listener,
-        dispatcher,
-        cancel.clone(),
-        access_log_task,
-    ));
+    let cancel2 = cancel.clone();
+    let task = tokio::spawn(async move {
+        accept_loop(listener, dispatcher, cancel2, access_log_task).await;
+        // Unfinished jobs stay in the store and resume at the next start.
+        background.abort();
+    });
     tracing::info!(%addr, api_host = %state.api_host, pools = state.registry.load().pools.len(), "nthbouncer listening");
     Ok(Running {
         addr,
@@ -251,6 +251,7 @@ async fn accept_loop(
     {
         tracing::warn!("shutdown grace elapsed with requests still in flight");
     }
+    state.stopping.cancel();
     state.access_log.flush().await;
     for pool in state.registry.load().pools.values() {
         pool.gate.close().await;
@@ -270,6 +271,7 @@ pub fn check_config(config: &Config) -> Result<(), ConfigError> {
         crate::registry::Upstream::parse(&at, &p.upstream)?;
         p.resolved_upstream_headers(&at)?;
         p.key_digests(&at)?;
+        crate::access::AccessPolicy::build(&format!("{at}.access"), &p.access)?;
     }
     Ok(())
 }

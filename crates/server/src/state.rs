@@ -8,7 +8,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 use nthbouncer_config::{Config, ConfigError, PoolSpec, ServerSpec};
 use nthbouncer_coord::{Clock, Coordination};
-use nthbouncer_store::{Store, StoredKey, StoredPool};
+use nthbouncer_store::{JobStore, Store, StoredDestination, StoredKey, StoredPool};
 
 use crate::access_log::AccessLog;
 use crate::error::ApiError;
@@ -27,6 +27,13 @@ pub struct AppState {
     pub clock: Arc<dyn Clock>,
     pub coordination: Arc<dyn Coordination>,
     pub store: Arc<dyn Store>,
+    pub jobs: Arc<dyn JobStore>,
+    pub job_intake: crate::jobs::JobIntake,
+    /// Cancelled when the server stops: background work (job runners) ends with it, leaving
+    /// unfinished jobs in the store for the next start.
+    pub stopping: tokio_util::sync::CancellationToken,
+    /// Wakes the webhook dispatcher when deliveries are enqueued.
+    pub deliveries_pending: tokio::sync::Notify,
     pub registry: ArcSwap<Registry>,
     pub admin_lock: tokio::sync::Mutex<()>,
     pub client: UpstreamClient,
@@ -39,6 +46,10 @@ pub struct AppState {
 impl AppState {
     pub fn now(&self) -> u64 {
         self.clock.now_ms()
+    }
+
+    pub fn notify_deliveries(&self) {
+        self.deliveries_pending.notify_one();
     }
 
     pub fn pool(&self, name: &str) -> Option<Arc<PoolRuntime>> {
@@ -55,14 +66,20 @@ impl AppState {
         previous: Option<&Arc<PoolRuntime>>,
     ) -> Result<Arc<PoolRuntime>, ConfigError> {
         let settings = PoolRuntime::gate_settings(&spec.concurrency);
-        let (gate, keys) = match previous {
-            Some(p) => (p.gate.clone(), p.keys.clone()),
+        let (gate, keys, destinations) = match previous {
+            Some(p) => (p.gate.clone(), p.keys.clone(), p.destinations.clone()),
             None => (
                 self.coordination.open(&spec.name, settings.clone()),
                 Arc::new(ArcSwap::from_pointee(KeyIndex::default())),
+                Arc::new(ArcSwap::from_pointee(Vec::new())),
             ),
         };
-        let runtime = PoolRuntime::build(at, spec, provenance, gate, keys)?;
+        let mut runtime = PoolRuntime::build(at, spec, provenance, gate, keys, destinations)?;
+        if let Some(p) = previous {
+            // Seen nonces and failure counts survive a settings change (a replay window must
+            // not reopen because an admin edited the pool).
+            runtime.access.carry_state_from(&p.access);
+        }
         let stored: Vec<StoredKey> = match stored_keys {
             Some(k) => k.to_vec(),
             None => previous
@@ -166,6 +183,70 @@ impl AppState {
             }
         }
         self.registry.store(Arc::new(registry));
+        self.sync_config_destinations(config)
+            .await
+            .map_err(|e| StartError::Store(e.to_string()))?;
+        for pool in self.registry.load().pools.values() {
+            self.refresh_destinations(pool)
+                .await
+                .map_err(|e| StartError::Store(e.message.to_string()))?;
+        }
+        Ok(())
+    }
+
+    /// Writes the file's `[[pools.webhooks]]` into the store (keeping their runtime state:
+    /// active, failure streak) and removes config destinations the file no longer lists.
+    async fn sync_config_destinations(&self, config: &Config) -> nthbouncer_store::Result<()> {
+        let existing = self.jobs.list_destinations(None).await?;
+        let now = self.now();
+        let mut wanted = std::collections::HashSet::new();
+        for (i, pool) in config.pools.iter().enumerate() {
+            for (j, w) in pool.webhooks.iter().enumerate() {
+                let id = config_destination_id(&pool.name, &w.url);
+                let at = format!("pools[{i}].webhooks[{j}].secret");
+                let secret = nthbouncer_config::resolve_secret(&at, &w.secret)
+                    .map_err(|e| nthbouncer_store::StoreError::Backend(e.to_string()))?;
+                wanted.insert(id.clone());
+                match existing.iter().find(|d| d.id == id) {
+                    Some(d) => {
+                        let mut d = d.clone();
+                        d.url = w.url.clone();
+                        d.secret = secret;
+                        d.deactivate_after = w.deactivate_after;
+                        self.jobs.update_destination(&d).await?;
+                    }
+                    None => {
+                        self.jobs
+                            .create_destination(&StoredDestination {
+                                id,
+                                pool: pool.name.clone(),
+                                url: w.url.clone(),
+                                secret,
+                                active: true,
+                                deactivate_after: w.deactivate_after,
+                                consecutive_failures: 0,
+                                deactivated_at: None,
+                                managed_by: "config".into(),
+                                created_at: now,
+                            })
+                            .await?;
+                    }
+                }
+            }
+        }
+        for d in existing
+            .iter()
+            .filter(|d| d.managed_by == "config" && !wanted.contains(&d.id))
+        {
+            self.jobs.delete_destination(&d.pool, &d.id).await?;
+        }
+        Ok(())
+    }
+
+    /// Re-reads a pool's destinations into its runtime view.
+    pub async fn refresh_destinations(&self, pool: &PoolRuntime) -> Result<(), ApiError> {
+        let list = self.jobs.list_destinations(Some(&pool.name)).await?;
+        pool.destinations.store(Arc::new(list));
         Ok(())
     }
 
@@ -307,6 +388,13 @@ impl AppState {
             .store(Arc::new(KeyIndex::build(&pool.spec_key_digests, &stored)));
         Ok(())
     }
+}
+
+/// A config destination's id: stable across restarts, derived from pool and URL.
+pub fn config_destination_id(pool: &str, url: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(format!("{pool}\n{url}").as_bytes());
+    format!("wh_{}", hex::encode(&digest[..12]))
 }
 
 pub fn managed_by_config(name: &str) -> ApiError {

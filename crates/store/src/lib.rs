@@ -10,7 +10,13 @@
 
 #![forbid(unsafe_code)]
 
+pub mod jobs;
 pub mod sqlite;
+mod sqlite_jobs;
+
+pub use jobs::{
+    Finish, JobEvent, JobRequest, JobResult, JobStore, NewJob, StoredDestination, StoredJob,
+};
 
 use serde::{Deserialize, Serialize};
 

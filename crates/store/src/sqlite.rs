@@ -67,6 +67,62 @@ const MIGRATIONS: &[&str] = &[
         upstream_latency_ms INTEGER
     );
     CREATE INDEX IF NOT EXISTS access_log_pool_id ON access_log (pool, id);",
+    // v2: async jobs, their history, webhook destinations and the delivery outbox.
+    "CREATE TABLE IF NOT EXISTS jobs (
+        id           TEXT PRIMARY KEY NOT NULL,
+        pool         TEXT NOT NULL,
+        status       TEXT NOT NULL,
+        reason       TEXT NOT NULL,
+        key_id       TEXT NOT NULL,
+        fairness     INTEGER NOT NULL,
+        priority     TEXT NOT NULL,
+        created_at   INTEGER NOT NULL,
+        updated_at   INTEGER NOT NULL,
+        expires_at   INTEGER NOT NULL,
+        retention_ms INTEGER NOT NULL,
+        attempt      INTEGER NOT NULL DEFAULT 0,
+        destinations INTEGER NOT NULL DEFAULT 0,
+        error        TEXT,
+        request      TEXT NOT NULL,
+        request_body BLOB NOT NULL,
+        result       TEXT,
+        result_body  BLOB
+    );
+    CREATE INDEX IF NOT EXISTS jobs_pool_created ON jobs (pool, created_at, id);
+    CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status);
+    CREATE TABLE IF NOT EXISTS job_events (
+        job_id  TEXT NOT NULL,
+        at      INTEGER NOT NULL,
+        status  TEXT NOT NULL,
+        attempt INTEGER NOT NULL,
+        detail  TEXT
+    );
+    CREATE INDEX IF NOT EXISTS job_events_job ON job_events (job_id);
+    CREATE TABLE IF NOT EXISTS webhook_destinations (
+        id                   TEXT PRIMARY KEY NOT NULL,
+        pool                 TEXT NOT NULL,
+        url                  TEXT NOT NULL,
+        secret               TEXT NOT NULL,
+        active               INTEGER NOT NULL,
+        deactivate_after     INTEGER NOT NULL,
+        consecutive_failures INTEGER NOT NULL DEFAULT 0,
+        deactivated_at       INTEGER,
+        managed_by           TEXT NOT NULL,
+        created_at           INTEGER NOT NULL
+    );
+    CREATE INDEX IF NOT EXISTS webhook_destinations_pool ON webhook_destinations (pool);
+    CREATE TABLE IF NOT EXISTS deliveries (
+        id             INTEGER PRIMARY KEY AUTOINCREMENT,
+        job_id         TEXT NOT NULL,
+        destination_id TEXT NOT NULL,
+        status         TEXT NOT NULL,
+        attempts       INTEGER NOT NULL DEFAULT 0,
+        next_attempt_at INTEGER NOT NULL,
+        created_at     INTEGER NOT NULL,
+        updated_at     INTEGER NOT NULL,
+        UNIQUE (job_id, destination_id)
+    );
+    CREATE INDEX IF NOT EXISTS deliveries_due ON deliveries (status, next_attempt_at);",
 ];
 
 /// The schema version this build writes (`PRAGMA user_version`).
@@ -144,6 +200,11 @@ impl SqliteStore {
             tracing::warn!(path = %path.display(), mode, "SQLite refused WAL journal mode");
         }
         configure(&writer).ctx("configuring writer connection")?;
+        // The writer fsyncs every commit: an accepted job must survive power loss, not only a
+        // crashed process. Group commit (one transaction per batch) keeps this affordable.
+        writer
+            .pragma_update(None, "synchronous", "FULL")
+            .ctx("configuring writer connection")?;
         migrate(&mut writer)?;
 
         let mut readers = Vec::with_capacity(READERS);
@@ -177,7 +238,7 @@ impl SqliteStore {
     }
 
     /// Runs `f` on the writer connection on the blocking pool.
-    async fn write<T, F>(&self, f: F) -> Result<T>
+    pub(crate) async fn write<T, F>(&self, f: F) -> Result<T>
     where
         T: Send + 'static,
         F: FnOnce(&mut Connection) -> Result<T> + Send + 'static,
@@ -187,7 +248,7 @@ impl SqliteStore {
     }
 
     /// Runs `f` on one of the read-only connections on the blocking pool.
-    async fn read<T, F>(&self, f: F) -> Result<T>
+    pub(crate) async fn read<T, F>(&self, f: F) -> Result<T>
     where
         T: Send + 'static,
         F: FnOnce(&Connection) -> Result<T> + Send + 'static,
@@ -275,7 +336,7 @@ fn migrate(conn: &mut Connection) -> Result<()> {
 }
 
 /// Maps rusqlite errors into [`StoreError`] with a note on what was being done.
-trait Ctx<T> {
+pub(crate) trait Ctx<T> {
     fn ctx(self, what: &str) -> Result<T>;
 }
 
@@ -291,7 +352,7 @@ impl<T> Ctx<T> for rusqlite::Result<T> {
     }
 }
 
-fn is_unique_violation(e: &rusqlite::Error) -> bool {
+pub(crate) fn is_unique_violation(e: &rusqlite::Error) -> bool {
     matches!(
         e,
         rusqlite::Error::SqliteFailure(err, _)

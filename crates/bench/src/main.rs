@@ -1,0 +1,109 @@
+//! `nthbouncer-bench`: the load side of the benchmarks in `bench/` (run them with `bench/run`).
+//!
+//! Every benchmark measures nthbouncer side by side with the peer a user would otherwise deploy,
+//! in the same run on the same machine, and reports the ratio: absolute numbers on a shared
+//! 2-core machine are noise, ratios are the result.
+//!
+//! Layout:
+//! - [`lock`]: acquire+release pairs over HTTP keep-alive against the lock API, and the same
+//!   pairs against a Redis Lua semaphore (sorted set of leases, `EVALSHA`).
+//! - [`proxy`]: drives `wrk` against an upstream directly and through nthbouncer, nginx and
+//!   HAProxy, and compares throughput and latency.
+//! - [`upstream`]: the fast local origin the proxy benchmark puts behind every proxy.
+//! - [`stats`]: percentiles and table formatting.
+//!
+//! Processes (nthbouncer, nginx, HAProxy, redis-server) are started and stopped by `bench/run`;
+//! this binary only generates load and reports, so a crash here never leaves a server behind.
+
+#![forbid(unsafe_code)]
+
+mod lock;
+mod proxy;
+mod stats;
+mod upstream;
+
+use std::error::Error;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Errors cross spawned tasks, so they must be `Send + Sync`. A bench binary reports and exits;
+/// a boxed error is all it needs.
+pub type BoxError = Box<dyn Error + Send + Sync>;
+
+#[derive(Parser)]
+#[command(
+    name = "nthbouncer-bench",
+    about = "Side-by-side benchmarks of nthbouncer (run them with bench/run)"
+)]
+struct Cli {
+    /// Tokio worker threads of this load generator (the servers under test share the machine).
+    #[arg(long, global = true, default_value_t = 1)]
+    threads: usize,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Lock API acquire+release pairs vs a Redis Lua semaphore.
+    Lock(lock::LockArgs),
+    /// Proxy throughput and latency with wrk: direct, nthbouncer, nginx, HAProxy.
+    Proxy(proxy::ProxyArgs),
+    /// Serve a small fixed body on HTTP/1.1 keep-alive (the proxy benchmark's origin).
+    Upstream(upstream::UpstreamArgs),
+    /// Print free loopback TCP ports, one a line.
+    FreePorts {
+        #[arg(long, default_value_t = 1)]
+        count: usize,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = if cli.threads <= 1 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(cli.threads)
+            .enable_all()
+            .build()
+    };
+    let runtime = match runtime {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Lock(args) => lock::run(args).await,
+            Command::Proxy(args) => proxy::run(args).await,
+            Command::Upstream(args) => upstream::run(args).await,
+            Command::FreePorts { count } => free_ports(count),
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Binds `count` ephemeral ports at once (so they are distinct), prints them and lets them go.
+/// The port may be taken again before the caller binds it; on a quiet loopback that race is
+/// rare, and `bench/run` fails loudly if it happens.
+fn free_ports(count: usize) -> Result<(), BoxError> {
+    let listeners = (0..count)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+        .collect::<Result<Vec<_>, _>>()?;
+    for l in &listeners {
+        println!("{}", l.local_addr()?.port());
+    }
+    Ok(())
+}

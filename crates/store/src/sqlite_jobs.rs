@@ -1,0 +1,495 @@
+//! [`JobStore`] on SQLite: the `jobs`, `job_events`, `webhook_destinations` and `deliveries`
+//! tables (schema v2 in `sqlite.rs`). Request and result heads are JSON text; bodies are BLOBs.
+
+use rusqlite::{params, Connection, OptionalExtension, Row, Transaction};
+
+use crate::jobs::status;
+use crate::sqlite::{Ctx, SqliteStore};
+use crate::{
+    Finish, JobEvent, JobRequest, JobResult, JobStore, NewJob, Result, StoreError,
+    StoredDestination, StoredJob,
+};
+
+const JOB_COLUMNS: &str =
+    "id, pool, status, reason, key_id, fairness, priority, created_at, updated_at, expires_at, \
+     retention_ms, attempt, destinations, error, request, request_body, result, result_body, \
+     (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id AND d.status = 'delivered'), \
+     (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id AND d.status = 'failed')";
+
+const DEST_COLUMNS: &str =
+    "id, pool, url, secret, active, deactivate_after, consecutive_failures, deactivated_at, managed_by, created_at";
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct RequestHead {
+    method: String,
+    path_and_query: String,
+    headers: Vec<(String, String)>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ResultHead {
+    status: u16,
+    headers: Vec<(String, String)>,
+    truncated: bool,
+}
+
+fn encode<T: serde::Serialize>(what: &str, v: &T) -> Result<String> {
+    serde_json::to_string(v).map_err(|e| StoreError::Backend(format!("{what}: encoding: {e}")))
+}
+
+fn decode_err(col: usize, e: serde_json::Error) -> rusqlite::Error {
+    rusqlite::Error::FromSqlConversionFailure(col, rusqlite::types::Type::Text, Box::new(e))
+}
+
+fn job_from_row(row: &Row<'_>) -> rusqlite::Result<StoredJob> {
+    let request: String = row.get(14)?;
+    let request: RequestHead = serde_json::from_str(&request).map_err(|e| decode_err(14, e))?;
+    let result: Option<String> = row.get(16)?;
+    let result = match result {
+        Some(text) => {
+            let head: ResultHead = serde_json::from_str(&text).map_err(|e| decode_err(16, e))?;
+            let body: Option<Vec<u8>> = row.get(17)?;
+            Some(JobResult {
+                status: head.status,
+                headers: head.headers,
+                body: body.unwrap_or_default(),
+                truncated: head.truncated,
+            })
+        }
+        None => None,
+    };
+    Ok(StoredJob {
+        id: row.get(0)?,
+        pool: row.get(1)?,
+        status: row.get(2)?,
+        reason: row.get(3)?,
+        key_id: row.get(4)?,
+        fairness: row.get::<_, i64>(5)? as u64,
+        priority: row.get(6)?,
+        created_at: row.get(7)?,
+        updated_at: row.get(8)?,
+        expires_at: row.get(9)?,
+        retention_ms: row.get(10)?,
+        attempt: row.get(11)?,
+        destinations: row.get(12)?,
+        error: row.get(13)?,
+        request: JobRequest {
+            method: request.method,
+            path_and_query: request.path_and_query,
+            headers: request.headers,
+            body: row.get(15)?,
+        },
+        result,
+        delivered: row.get(18)?,
+        failed: row.get(19)?,
+    })
+}
+
+fn dest_from_row(row: &Row<'_>) -> rusqlite::Result<StoredDestination> {
+    Ok(StoredDestination {
+        id: row.get(0)?,
+        pool: row.get(1)?,
+        url: row.get(2)?,
+        secret: row.get(3)?,
+        active: row.get(4)?,
+        deactivate_after: row.get(5)?,
+        consecutive_failures: row.get(6)?,
+        deactivated_at: row.get(7)?,
+        managed_by: row.get(8)?,
+        created_at: row.get(9)?,
+    })
+}
+
+fn event(
+    tx: &Connection,
+    id: &str,
+    at: u64,
+    status: &str,
+    attempt: u32,
+    detail: Option<&str>,
+) -> Result<()> {
+    tx.prepare_cached(
+        "INSERT INTO job_events (job_id, at, status, attempt, detail) VALUES (?1, ?2, ?3, ?4, ?5)",
+    )
+    .ctx("job event")?
+    .execute(params![id, at, status, attempt, detail])
+    .ctx("job event")?;
+    Ok(())
+}
+
+fn enqueue_deliveries(
+    tx: &Transaction<'_>,
+    id: &str,
+    now: u64,
+    destination_ids: &[String],
+) -> Result<()> {
+    let mut stmt = tx
+        .prepare_cached(
+            "INSERT OR IGNORE INTO deliveries (job_id, destination_id, status, attempts, next_attempt_at, created_at, updated_at) \
+             VALUES (?1, ?2, 'pending', 0, ?3, ?3, ?3)",
+        )
+        .ctx("outbox")?;
+    for d in destination_ids {
+        stmt.execute(params![id, d, now]).ctx("outbox")?;
+    }
+    Ok(())
+}
+
+#[async_trait::async_trait]
+impl JobStore for SqliteStore {
+    async fn insert_jobs(&self, jobs: &[NewJob]) -> Result<()> {
+        let mut rows = Vec::with_capacity(jobs.len());
+        for j in jobs {
+            let head = RequestHead {
+                method: j.request.method.clone(),
+                path_and_query: j.request.path_and_query.clone(),
+                headers: j.request.headers.clone(),
+            };
+            rows.push((j.clone(), encode("insert_jobs", &head)?));
+        }
+        self.write(move |conn| {
+            let tx = conn.transaction().ctx("insert_jobs")?;
+            {
+                let mut stmt = tx
+                    .prepare_cached(
+                        "INSERT INTO jobs (id, pool, status, reason, key_id, fairness, priority, created_at, updated_at, \
+                         expires_at, retention_ms, attempt, destinations, request, request_body) \
+                         VALUES (?1, ?2, 'accepted', ?3, ?4, ?5, ?6, ?7, ?7, ?8, ?9, 0, ?10, ?11, ?12)",
+                    )
+                    .ctx("insert_jobs")?;
+                for (j, head) in &rows {
+                    stmt.execute(params![
+                        j.id,
+                        j.pool,
+                        j.reason,
+                        j.key_id,
+                        j.fairness as i64,
+                        j.priority,
+                        j.created_at,
+                        j.expires_at,
+                        j.retention_ms,
+                        j.destinations,
+                        head,
+                        j.request.body
+                    ])
+                    .ctx("insert_jobs")?;
+                    event(&tx, &j.id, j.created_at, status::ACCEPTED, 0, Some(&j.reason))?;
+                }
+            }
+            tx.commit().ctx("insert_jobs")
+        })
+        .await
+    }
+
+    async fn get_job(&self, pool: &str, id: &str) -> Result<Option<StoredJob>> {
+        let (pool, id) = (pool.to_owned(), id.to_owned());
+        self.read(move |conn| {
+            conn.prepare_cached(&format!(
+                "SELECT {JOB_COLUMNS} FROM jobs WHERE id = ?1 AND pool = ?2"
+            ))
+            .ctx("get_job")?
+            .query_row(params![id, pool], job_from_row)
+            .optional()
+            .ctx("get_job")
+        })
+        .await
+    }
+
+    async fn list_jobs(
+        &self,
+        pool: &str,
+        status: Option<&str>,
+        before: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<StoredJob>> {
+        let (pool, status, before) = (
+            pool.to_owned(),
+            status.map(str::to_owned),
+            before.map(str::to_owned),
+        );
+        let limit = limit.clamp(1, 1000);
+        self.read(move |conn| {
+            // Newest first by (created_at, id); the cursor is the last id of the previous page.
+            let sql = format!(
+                "SELECT {JOB_COLUMNS} FROM jobs WHERE pool = ?1 AND (?2 IS NULL OR status = ?2) \
+                 AND (?3 IS NULL OR (created_at, id) < (SELECT created_at, id FROM jobs WHERE id = ?3)) \
+                 ORDER BY created_at DESC, id DESC LIMIT ?4"
+            );
+            let mut stmt = conn.prepare_cached(&sql).ctx("list_jobs")?;
+            let rows = stmt.query_map(params![pool, status, before, limit], job_from_row).ctx("list_jobs")?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().ctx("list_jobs")
+        })
+        .await
+    }
+
+    async fn job_events(&self, id: &str) -> Result<Vec<JobEvent>> {
+        let id = id.to_owned();
+        self.read(move |conn| {
+            let mut stmt = conn
+                .prepare_cached("SELECT at, status, attempt, detail FROM job_events WHERE job_id = ?1 ORDER BY rowid")
+                .ctx("job_events")?;
+            let rows = stmt
+                .query_map([id], |r| Ok(JobEvent { at: r.get(0)?, status: r.get(1)?, attempt: r.get(2)?, detail: r.get(3)? }))
+                .ctx("job_events")?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().ctx("job_events")
+        })
+        .await
+    }
+
+    async fn unfinished_jobs(&self) -> Result<Vec<StoredJob>> {
+        self.read(|conn| {
+            let mut stmt = conn
+                .prepare_cached(&format!(
+                    "SELECT {JOB_COLUMNS} FROM jobs WHERE status IN ('accepted', 'queued', 'running') ORDER BY created_at, id"
+                ))
+                .ctx("unfinished_jobs")?;
+            let rows = stmt.query_map([], job_from_row).ctx("unfinished_jobs")?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().ctx("unfinished_jobs")
+        })
+        .await
+    }
+
+    async fn mark_queued(&self, id: &str, now: u64) -> Result<()> {
+        let id = id.to_owned();
+        self.write(move |conn| {
+            let tx = conn.transaction().ctx("mark_queued")?;
+            let n = tx
+                .execute("UPDATE jobs SET status = 'queued', updated_at = ?2 WHERE id = ?1 AND status = 'accepted'", params![id, now])
+                .ctx("mark_queued")?;
+            if n > 0 {
+                event(&tx, &id, now, status::QUEUED, 0, None)?;
+            }
+            tx.commit().ctx("mark_queued")
+        })
+        .await
+    }
+
+    async fn start_attempt(&self, id: &str, now: u64) -> Result<Option<u32>> {
+        let id = id.to_owned();
+        self.write(move |conn| {
+            let tx = conn.transaction().ctx("start_attempt")?;
+            let attempt: Option<u32> = tx
+                .query_row(
+                    "UPDATE jobs SET status = 'running', attempt = attempt + 1, updated_at = ?2 \
+                     WHERE id = ?1 AND status IN ('accepted', 'queued', 'running') RETURNING attempt",
+                    params![id, now],
+                    |r| r.get(0),
+                )
+                .optional()
+                .ctx("start_attempt")?;
+            if let Some(a) = attempt {
+                event(&tx, &id, now, status::RUNNING, a, None)?;
+            }
+            tx.commit().ctx("start_attempt")?;
+            Ok(attempt)
+        })
+        .await
+    }
+
+    async fn retry_attempt(&self, id: &str, attempt: u32, now: u64, detail: &str) -> Result<bool> {
+        let (id, detail) = (id.to_owned(), detail.to_owned());
+        self.write(move |conn| {
+            let tx = conn.transaction().ctx("retry_attempt")?;
+            let n = tx
+                .execute(
+                    "UPDATE jobs SET status = 'queued', updated_at = ?3, error = ?4 \
+                     WHERE id = ?1 AND attempt = ?2 AND status = 'running'",
+                    params![id, attempt, now, detail],
+                )
+                .ctx("retry_attempt")?;
+            if n > 0 {
+                event(&tx, &id, now, status::QUEUED, attempt, Some(&detail))?;
+            }
+            tx.commit().ctx("retry_attempt")?;
+            Ok(n > 0)
+        })
+        .await
+    }
+
+    async fn finish_attempt(
+        &self,
+        id: &str,
+        attempt: u32,
+        finish: &Finish,
+        now: u64,
+        destination_ids: &[String],
+    ) -> Result<bool> {
+        let id = id.to_owned();
+        let dests = destination_ids.to_vec();
+        let (new_status, error, head, body) = match finish {
+            Finish::Completed(r) => {
+                let head = ResultHead {
+                    status: r.status,
+                    headers: r.headers.clone(),
+                    truncated: r.truncated,
+                };
+                (
+                    status::COMPLETED,
+                    None,
+                    Some(encode("finish_attempt", &head)?),
+                    Some(r.body.clone()),
+                )
+            }
+            Finish::Failed(e) => (status::FAILED, Some(e.clone()), None, None),
+        };
+        self.write(move |conn| {
+            let tx = conn.transaction().ctx("finish_attempt")?;
+            let n = tx
+                .execute(
+                    "UPDATE jobs SET status = ?3, updated_at = ?4, error = ?5, result = ?6, result_body = ?7 \
+                     WHERE id = ?1 AND attempt = ?2 AND status = 'running'",
+                    params![id, attempt, new_status, now, error, head, body],
+                )
+                .ctx("finish_attempt")?;
+            if n > 0 {
+                event(&tx, &id, now, new_status, attempt, error.as_deref())?;
+                enqueue_deliveries(&tx, &id, now, &dests)?;
+            }
+            tx.commit().ctx("finish_attempt")?;
+            Ok(n > 0)
+        })
+        .await
+    }
+
+    async fn expire_jobs(
+        &self,
+        now: u64,
+        active_destinations: &std::collections::HashMap<String, Vec<String>>,
+    ) -> Result<Vec<String>> {
+        let due: Vec<(String, String)> = self
+            .read(move |conn| {
+                let mut stmt = conn
+                    .prepare_cached("SELECT id, pool FROM jobs WHERE status IN ('accepted', 'queued', 'running') AND expires_at <= ?1")
+                    .ctx("expire_jobs")?;
+                let rows = stmt.query_map([now], |r| Ok((r.get(0)?, r.get(1)?))).ctx("expire_jobs")?;
+                rows.collect::<rusqlite::Result<Vec<_>>>().ctx("expire_jobs")
+            })
+            .await?;
+        if due.is_empty() {
+            return Ok(Vec::new());
+        }
+        let with_dests: Vec<(String, Vec<String>)> = due
+            .into_iter()
+            .map(|(id, pool)| {
+                let d = active_destinations.get(&pool).cloned().unwrap_or_default();
+                (id, d)
+            })
+            .collect();
+        self.write(move |conn| {
+            let tx = conn.transaction().ctx("expire_jobs")?;
+            let mut expired = Vec::new();
+            for (id, dests) in &with_dests {
+                let n = tx
+                    .execute(
+                        "UPDATE jobs SET status = 'expired', updated_at = ?2 \
+                         WHERE id = ?1 AND status IN ('accepted', 'queued', 'running')",
+                        params![id, now],
+                    )
+                    .ctx("expire_jobs")?;
+                if n > 0 {
+                    event(&tx, id, now, status::EXPIRED, 0, None)?;
+                    enqueue_deliveries(&tx, id, now, dests)?;
+                    expired.push(id.clone());
+                }
+            }
+            tx.commit().ctx("expire_jobs")?;
+            Ok(expired)
+        })
+        .await
+    }
+
+    async fn delete_retained(&self, now: u64) -> Result<u64> {
+        self.write(move |conn| {
+            let tx = conn.transaction().ctx("delete_retained")?;
+            let cond =
+                "status IN ('completed', 'failed', 'expired') AND updated_at + retention_ms <= ?1";
+            tx.execute(
+                &format!(
+                    "DELETE FROM job_events WHERE job_id IN (SELECT id FROM jobs WHERE {cond})"
+                ),
+                [now],
+            )
+            .ctx("delete_retained")?;
+            tx.execute(
+                &format!(
+                    "DELETE FROM deliveries WHERE job_id IN (SELECT id FROM jobs WHERE {cond})"
+                ),
+                [now],
+            )
+            .ctx("delete_retained")?;
+            let n = tx
+                .execute(&format!("DELETE FROM jobs WHERE {cond}"), [now])
+                .ctx("delete_retained")?;
+            tx.commit().ctx("delete_retained")?;
+            Ok(n as u64)
+        })
+        .await
+    }
+
+    async fn list_destinations(&self, pool: Option<&str>) -> Result<Vec<StoredDestination>> {
+        let pool = pool.map(str::to_owned);
+        self.read(move |conn| {
+            let mut stmt = conn
+                .prepare_cached(&format!(
+                    "SELECT {DEST_COLUMNS} FROM webhook_destinations WHERE ?1 IS NULL OR pool = ?1 ORDER BY created_at, id"
+                ))
+                .ctx("list_destinations")?;
+            let rows = stmt.query_map([pool], dest_from_row).ctx("list_destinations")?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().ctx("list_destinations")
+        })
+        .await
+    }
+
+    async fn create_destination(&self, d: &StoredDestination) -> Result<()> {
+        let d = d.clone();
+        self.write(move |conn| {
+            conn.execute(
+                &format!("INSERT INTO webhook_destinations ({DEST_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"),
+                params![
+                    d.id,
+                    d.pool,
+                    d.url,
+                    d.secret,
+                    d.active,
+                    d.deactivate_after,
+                    d.consecutive_failures,
+                    d.deactivated_at,
+                    d.managed_by,
+                    d.created_at
+                ],
+            )
+            .ctx("create_destination")
+            .map(drop)
+        })
+        .await
+    }
+
+    async fn update_destination(&self, d: &StoredDestination) -> Result<bool> {
+        let d = d.clone();
+        self.write(move |conn| {
+            let n = conn
+                .execute(
+                    "UPDATE webhook_destinations SET url = ?3, secret = ?4, active = ?5, deactivate_after = ?6, \
+                     consecutive_failures = ?7, deactivated_at = ?8 WHERE id = ?1 AND pool = ?2",
+                    params![d.id, d.pool, d.url, d.secret, d.active, d.deactivate_after, d.consecutive_failures, d.deactivated_at],
+                )
+                .ctx("update_destination")?;
+            Ok(n > 0)
+        })
+        .await
+    }
+
+    async fn delete_destination(&self, pool: &str, id: &str) -> Result<bool> {
+        let (pool, id) = (pool.to_owned(), id.to_owned());
+        self.write(move |conn| {
+            let n = conn
+                .execute(
+                    "DELETE FROM webhook_destinations WHERE id = ?1 AND pool = ?2",
+                    params![id, pool],
+                )
+                .ctx("delete_destination")?;
+            Ok(n > 0)
+        })
+        .await
+    }
+}
