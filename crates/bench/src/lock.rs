@@ -109,10 +109,10 @@ pub struct LockArgs {
     #[arg(long, default_value_t = 32)]
     concurrency: usize,
     /// Length of one measured round of one system.
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(long, default_value_t = 3.0)]
     seconds: f64,
     /// Measured rounds per system and scenario, alternating which system goes first.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 4)]
     rounds: u32,
     /// Unmeasured warm-up per system, before the first round.
     #[arg(long, default_value_t = 1.0)]
@@ -389,6 +389,10 @@ async fn task<L: Locker>(
         };
         let now = shared.holders.fetch_add(1, Ordering::SeqCst) + 1;
         shared.max_holders.fetch_max(now, Ordering::SeqCst);
+        // Hold across one scheduling point, so the other tasks' grants that arrived meanwhile
+        // overlap with this one and the count sees them; without it a single-threaded client
+        // would never see two holders at once and the check would prove nothing.
+        tokio::task::yield_now().await;
         // Stop counting before the release is sent: the server may hand the slot on as soon as
         // the request arrives, and the count must never include a holder that already let go.
         shared.holders.fetch_sub(1, Ordering::SeqCst);

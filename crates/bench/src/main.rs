@@ -10,6 +10,7 @@
 //! - [`proxy`]: drives `wrk` against an upstream directly and through nthbouncer, nginx and
 //!   HAProxy, and compares throughput and latency.
 //! - [`upstream`]: the fast local origin the proxy benchmark puts behind every proxy.
+//! - [`hmac`]: admitted proxy requests per second with HMAC request signing on vs off.
 //! - [`stats`]: percentiles and table formatting.
 //!
 //! Processes (nthbouncer, nginx, HAProxy, redis-server) are started and stopped by `bench/run`;
@@ -17,6 +18,8 @@
 
 #![forbid(unsafe_code)]
 
+mod converge;
+mod hmac;
 mod lock;
 mod proxy;
 mod stats;
@@ -50,6 +53,10 @@ enum Command {
     Lock(lock::LockArgs),
     /// Proxy throughput and latency with wrk: direct, nthbouncer, nginx, HAProxy.
     Proxy(proxy::ProxyArgs),
+    /// Admitted proxy requests per second with HMAC request signing on vs off.
+    Hmac(hmac::HmacArgs),
+    /// Adaptive learning against a sandbox with hidden limits: goodput and origin 429s, on vs off.
+    Converge(converge::ConvergeArgs),
     /// Serve a small fixed body on HTTP/1.1 keep-alive (the proxy benchmark's origin).
     Upstream(upstream::UpstreamArgs),
     /// Print free loopback TCP ports, one a line.
@@ -82,6 +89,8 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Lock(args) => lock::run(args).await,
             Command::Proxy(args) => proxy::run(args).await,
+            Command::Hmac(args) => hmac::run(args).await,
+            Command::Converge(args) => converge::run(args).await,
             Command::Upstream(args) => upstream::run(args).await,
             Command::FreePorts { count } => free_ports(count),
         }

@@ -68,10 +68,10 @@ pub struct ProxyArgs {
     #[arg(long, default_value_t = 2)]
     wrk_threads: u32,
     /// Length of one measured round of one target.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 3)]
     seconds: u64,
     /// Measured rounds per target, in rotating order.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 4)]
     rounds: usize,
     /// Unmeasured warm-up per target (opens the proxies' upstream connections).
     #[arg(long, default_value_t = 1)]

@@ -55,6 +55,7 @@ mod client;
 mod error;
 mod guard;
 mod outcome;
+pub mod signing;
 
 pub use client::{AcquireOptions, LockClient, Priority};
 pub use error::LockError;

@@ -10,8 +10,8 @@
 //!
 //! **Which limit a throttle blames.** A throttle is status 429, `throttled > 0`, or 503 with a
 //! retry hint. If the same answer reports a spent budget (`remaining = 0` for requests or
-//! tokens), the origin's *rate* budget refused us and the concurrency limit is innocent: the
-//! pace backs off instead. Otherwise the throttle is blamed on concurrency.
+//! tokens), the origin's *rate* budget refused us and the concurrency limit is innocent.
+//! Otherwise the throttle is blamed on concurrency.
 //!
 //! **One reaction per overshoot.** Requests admitted together get refused together. Only a
 //! throttle of a request admitted *after* the last decrease is new evidence (TCP's "one
@@ -30,23 +30,30 @@
 //! higher ones, and a limit nobody reaches must not creep up unchecked.
 //! After `e` counted successes (one window), `e` is a `good` level, and the limit grows: by half
 //! the gap to `ceiling - 1` while below it (a fast return to the last level that worked), by one
-//! above it (additive probing), and to `ceiling` itself only once [`PROBE_AFTER_MS`] has passed
-//! since the throttle. In a steady overload that costs one throttle per probe period.
+//! above it (additive probing), and to `ceiling` itself only once [`PROBE_AFTER_MS`] and
+//! [`PROBE_AFTER_SUCCESSES`] counted successes have passed since the throttle. In a steady
+//! overload that costs about one throttle per probe, under 1 % of the traffic.
 //!
 //! **Rate.** Announced figures set a pace (a minimum spacing between admissions, shown as the
-//! learned RPM) so the pool spends the budget evenly instead of hitting the wall: `limit` per
-//! `window` when the window length is known (the sustainable rate of a rolling window or token
-//! bucket), else `remaining` until `reset` (the even spend of a fixed window). The pace uses
-//! [`RATE_MARGIN_PERMILLE`] of the announced rate, times a scale that drops by
-//! [`RATE_BACKOFF`] on every rate-blamed throttle (something else is spending the same budget).
-//! A spent budget pauses admission until its reset, throttle or not.
+//! learned RPM, also enforced as an RPM gate) so the pool spends the budget evenly instead of
+//! hitting the wall. Two readings, the tighter wins: `limit` per `window` when the window
+//! length is known (the sustainable rate of a rolling window or a refilling bucket), and
+//! `remaining` until `reset` (the even spend of what is left: exact for a fixed window, and for
+//! a rolling one it spreads what an earlier burst left over until that burst ages out; it also
+//! sees other consumers of a shared budget). The pace uses [`RATE_MARGIN_PERMILLE`] of the
+//! announced rate. A spent budget pauses admission until its reset, throttle or not; a
+//! rate-blamed throttle only pauses, since the next announcement re-sets the pace anyway.
 //!
-//! **Decay.** After [`QUIET_MS`] without a throttle, and every [`QUIET_MS`] after that, the
-//! learned limit closes half its gap to the configured limit, the rate scale half its gap to 1,
-//! and the ceiling is forgotten: the origin stopped complaining, so its old complaints lapse.
-//! An announced pace lapses after [`RATE_STALE_MS`] without a fresh announcement. Decay is a
-//! pure function of time (the getters take `now`), so admission sees it without any call; it is
-//! written back on the next observation.
+//! **Decay.** Learned values return towards the configuration when the origin stops
+//! complaining. While the limit binds, probing does that (a successful probe clears the ceiling
+//! and growth resumes). While it does not bind — another limit such as the pace holds traffic
+//! below it, or the pool is idle — nothing tests it, so after [`QUIET_MS`] without a concurrency
+//! throttle or a binding moment, and every [`QUIET_MS`] after that, the learned limit closes
+//! half its gap to the configured limit and the ceiling is forgotten; an overshoot later steps
+//! straight back to the last good level. An announced pace lapses after [`RATE_STALE_MS`]
+//! without a fresh announcement. Decay is a pure function of time (the
+//! getters take `now`), so admission sees it without any call; it is written back on the next
+//! observation.
 //!
 //! Never below `min_limit`, never above `limit`: every learned value is clamped on the way in
 //! and the effective limit is clamped on the way out.
@@ -68,9 +75,16 @@ pub(crate) const MAX_PAUSE_MS: u64 = 15 * 60_000;
 /// half minute, while a raised origin limit is still found within a minute or so.
 pub(crate) const PROBE_AFTER_MS: u64 = 30_000;
 
-/// A throttle-free period after which learned values decay one step towards the
-/// configuration. Four probe periods: a steady overload keeps complaining well within it (so
-/// nothing decays), while an origin that raised its limits is trusted again within minutes.
+/// ... and at least this many counted successes since the throttle: each probe of a level the
+/// origin still refuses costs about one 429, so this keeps probing under 1 % of the traffic
+/// even when answers are slow (an LLM taking ten seconds makes only a few requests a minute).
+pub(crate) const PROBE_AFTER_SUCCESSES: u32 = 100;
+
+/// A quiet period after which learned values decay one step towards the configuration. For
+/// the limit, quiet means no concurrency throttle *and* the limit never bound (while it binds
+/// and holds, the calm is our own doing; probing tests the origin instead). For the pace scale,
+/// no rate-blamed throttle. Two minutes: long enough to span many requests of a busy pool,
+/// short enough that an idle-then-busy pool does not run on hour-old knowledge.
 pub(crate) const QUIET_MS: u64 = 120_000;
 
 /// An announced pace not repeated for this long lapses: the answers that carried it stopped
@@ -81,12 +95,6 @@ pub(crate) const RATE_STALE_MS: u64 = 120_000;
 /// buy nothing but 429s: admission-to-arrival jitter and a burst before the first announcement
 /// would otherwise push a rolling window over its limit now and then.
 pub(crate) const RATE_MARGIN_PERMILLE: u64 = 970;
-
-/// Factor (numerator, denominator) applied to the pace scale on a rate-blamed throttle.
-pub(crate) const RATE_BACKOFF: (u64, u64) = (3, 4);
-
-/// Floor of the pace scale, in per mille: a shared budget still yields a fair slice.
-pub(crate) const MIN_RATE_SCALE: u64 = 125;
 
 /// A pace change smaller than this share (per mille) of the last one reported is not worth a
 /// log line; announcements jitter with every answer.
@@ -157,26 +165,28 @@ struct Pace {
 
 #[derive(Clone, Debug)]
 pub(crate) struct Adaptive {
-    /// The learned limit as of `calm_since` (decay applies on top). `None` means "no lower than
+    /// The learned limit as of `limit_calm_since` (decay applies on top). `None` means "no lower than
     /// configured". Always `< limit` and `>= min_limit` when set.
     learned_limit: Option<u32>,
     /// Highest limit a whole window of successes ran at since the last halving.
     good: Option<u32>,
-    /// Lowest limit that drew a concurrency throttle, not retried before `probe_at`.
+    /// Lowest limit that drew a concurrency throttle, not retried before `probe_at` and
+    /// [`PROBE_AFTER_SUCCESSES`] counted successes.
     ceiling: Option<u32>,
     probe_at: u64,
+    /// Counted successes since the last concurrency decrease.
+    since_decrease: u32,
     /// Counted successes since the last change of the learned limit or the last throttle.
     successes: u32,
-    /// Start of the current quiet period (the last throttle, or the last decay step written back).
-    calm_since: u64,
+    /// Start of the limit's quiet period: the last concurrency throttle, the last time the
+    /// limit bound, or the last decay step written back.
+    limit_calm_since: u64,
     last_decrease_at: Option<u64>,
     /// For reports without a slot: a throttle before this instant belongs to the burst that
     /// already decreased.
     no_decrease_before: u64,
     paused_until: Option<u64>,
     pace: Option<Pace>,
-    /// Pace scale in per mille, as of `calm_since`.
-    rate_scale: u64,
     /// The learned RPM last reported in an adjustment note.
     noted_rpm: Option<u32>,
     last_throttle: Option<Throttle>,
@@ -189,13 +199,13 @@ impl Default for Adaptive {
             good: None,
             ceiling: None,
             probe_at: 0,
+            since_decrease: 0,
             successes: 0,
-            calm_since: 0,
+            limit_calm_since: 0,
             last_decrease_at: None,
             no_decrease_before: 0,
             paused_until: None,
             pace: None,
-            rate_scale: FULL_SCALE,
             noted_rpm: None,
             last_throttle: None,
         }
@@ -222,9 +232,8 @@ impl Adaptive {
         let pace = self
             .pace
             .filter(|p| now.saturating_sub(p.at) < RATE_STALE_MS)?;
-        let scale = u128::from(self.rate_scale_at(now).max(1));
-        let us = u128::from(pace.announced_us) * u128::from(FULL_SCALE) * u128::from(FULL_SCALE)
-            / (u128::from(RATE_MARGIN_PERMILLE) * scale);
+        let us = u128::from(pace.announced_us) * u128::from(FULL_SCALE)
+            / u128::from(RATE_MARGIN_PERMILLE);
         let us = u64::try_from(us)
             .unwrap_or(u64::MAX)
             .min(MAX_PAUSE_MS * 1_000);
@@ -243,9 +252,9 @@ impl Adaptive {
     /// When decay next changes the effective limit, if it will (for waiters blocked on slots).
     pub(crate) fn next_decay(&self, b: Bounds, now: u64) -> Option<u64> {
         self.learned_limit_at(b, now)?;
-        let steps = self.quiet_steps(now);
+        let steps = quiet_steps(self.limit_calm_since, now);
         Some(
-            self.calm_since
+            self.limit_calm_since
                 .saturating_add((steps.saturating_add(1)).saturating_mul(QUIET_MS)),
         )
     }
@@ -279,26 +288,18 @@ impl Adaptive {
                 .min(MAX_PAUSE_MS);
             let until = now.saturating_add(pause_ms);
             self.pause(until);
-            self.calm_since = now;
+            if spent.is_empty() {
+                self.limit_calm_since = now;
+            }
             self.successes = 0;
             causes.push(throttle_cause(outcome, pause_ms));
             let fresh = match ctx.admitted_at {
                 Some(at) => self.last_decrease_at.is_none_or(|d| at > d),
                 None => now >= self.no_decrease_before,
             };
-            if fresh {
-                if spent.is_empty() {
-                    limit_reason = Some(self.decrease(now, b));
-                } else {
-                    let scale = self.rate_scale;
-                    self.rate_scale = (scale * RATE_BACKOFF.0 / RATE_BACKOFF.1).max(MIN_RATE_SCALE);
-                    if self.rate_scale != scale && self.pace.is_some() {
-                        notes.push(format!(
-                            "rate budget overrun: pacing at {}% of the announced rate",
-                            self.rate_scale * RATE_MARGIN_PERMILLE / 10_000
-                        ));
-                    }
-                }
+            // A rate-blamed throttle leaves the limit alone: the pause and the pace answer it.
+            if fresh && spent.is_empty() {
+                limit_reason = Some(self.decrease(now, b));
                 self.last_decrease_at = Some(now);
                 self.no_decrease_before = until.max(now.saturating_add(DEFAULT_PAUSE_MS));
             }
@@ -389,38 +390,27 @@ impl Adaptive {
 
     // ---- internals ----
 
-    /// Whole quiet periods since `calm_since`.
-    fn quiet_steps(&self, now: u64) -> u64 {
-        now.saturating_sub(self.calm_since) / QUIET_MS
-    }
-
     fn learned_limit_at(&self, b: Bounds, now: u64) -> Option<u32> {
         let learned = self.learned_limit?;
         let gap = b.limit.saturating_sub(learned);
-        let gap = shift_down(u64::from(gap), self.quiet_steps(now));
+        let gap = shift_down(u64::from(gap), quiet_steps(self.limit_calm_since, now));
         let value = u64::from(b.limit).saturating_sub(gap);
         let value = u32::try_from(value).unwrap_or(b.limit);
         (value < b.limit).then(|| value.max(b.min_limit))
     }
 
-    fn rate_scale_at(&self, now: u64) -> u64 {
-        let gap = FULL_SCALE.saturating_sub(self.rate_scale);
-        FULL_SCALE - shift_down(gap, self.quiet_steps(now))
-    }
-
     /// Writes decay back so that growth and decrease work from the value admission already
     /// sees. Returns why the limit moved, if it did.
     fn settle(&mut self, now: u64, b: Bounds) -> Option<String> {
-        let steps = self.quiet_steps(now);
+        let steps = quiet_steps(self.limit_calm_since, now);
         if steps == 0 {
             return None;
         }
         let before = self.learned_limit;
         self.learned_limit = self.learned_limit_at(b, now);
-        self.rate_scale = self.rate_scale_at(now);
         self.ceiling = None;
-        self.calm_since = self
-            .calm_since
+        self.limit_calm_since = self
+            .limit_calm_since
             .saturating_add(steps.saturating_mul(QUIET_MS));
         (before != self.learned_limit).then(|| {
             format!(
@@ -436,6 +426,7 @@ impl Adaptive {
         let e = self.effective_limit(b, now);
         self.ceiling = Some(e);
         self.probe_at = now.saturating_add(PROBE_AFTER_MS);
+        self.since_decrease = 0;
         self.successes = 0;
         match self.good.filter(|&g| g < e) {
             Some(good) => {
@@ -456,7 +447,11 @@ impl Adaptive {
         if !limited {
             return None;
         }
+        // The limit bound and held: our own restraint, not the origin's lenience, kept things
+        // quiet, so this is no quiet period. Probing, not decay, finds a raised limit now.
+        self.limit_calm_since = now;
         let e = self.effective_limit(b, now);
+        self.since_decrease = self.since_decrease.saturating_add(1);
         self.successes += 1;
         if self.successes < e {
             return None;
@@ -469,7 +464,7 @@ impl Adaptive {
         }
         let next = match self.ceiling {
             Some(c) if e + 1 >= c => {
-                if now < self.probe_at {
+                if now < self.probe_at || self.since_decrease < PROBE_AFTER_SUCCESSES {
                     return None;
                 }
                 e + 1
@@ -494,6 +489,11 @@ impl Adaptive {
         self.learned_limit = if value >= b.limit { None } else { Some(value) };
         self.successes = 0;
     }
+}
+
+/// Whole quiet periods from `since` to `now`.
+fn quiet_steps(since: u64, now: u64) -> u64 {
+    now.saturating_sub(since) / QUIET_MS
 }
 
 /// `n >> steps`, 0 once every bit is gone.
@@ -522,28 +522,31 @@ fn rpm_changed(noted: Option<u32>, now: Option<u32>) -> bool {
     }
 }
 
-/// The spacing an announced request budget asks for, in microseconds.
+/// The spacing an announced request budget asks for, in microseconds: the tighter of `limit`
+/// per window (when the window length is known) and `remaining` until `reset`.
 fn announced_pace(rate: &RateInfo) -> Option<(u64, Basis)> {
-    if let (Some(limit), Some(window_ms)) = (rate.limit, rate.window_ms) {
-        if limit > 0 && window_ms > 0 {
-            let us = window_ms.saturating_mul(1_000) / limit;
-            return Some((us.max(1), Basis::PerWindow { limit, window_ms }));
-        }
-    }
-    if let (Some(remaining), Some(reset_ms)) = (rate.remaining, rate.reset_ms) {
+    let per_window = match (rate.limit, rate.window_ms) {
+        (Some(limit), Some(window_ms)) if limit > 0 && window_ms > 0 => Some((
+            (window_ms.saturating_mul(1_000) / limit).max(1),
+            Basis::PerWindow { limit, window_ms },
+        )),
+        _ => None,
+    };
+    let until_reset = match (rate.remaining, rate.reset_ms) {
         // A spent budget is handled by the pause; a reset already due says nothing about pace.
-        if remaining > 0 && reset_ms > 0 {
-            let us = reset_ms.saturating_mul(1_000) / remaining;
-            return Some((
-                us.max(1),
-                Basis::Remaining {
-                    remaining,
-                    reset_ms,
-                },
-            ));
-        }
+        (Some(remaining), Some(reset_ms)) if remaining > 0 && reset_ms > 0 => Some((
+            (reset_ms.saturating_mul(1_000) / remaining).max(1),
+            Basis::Remaining {
+                remaining,
+                reset_ms,
+            },
+        )),
+        _ => None,
+    };
+    match (per_window, until_reset) {
+        (Some(a), Some(b)) => Some(if b.0 > a.0 { b } else { a }),
+        (a, b) => a.or(b),
     }
-    None
 }
 
 /// The budgets an outcome reports as spent, with their resets.

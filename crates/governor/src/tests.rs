@@ -455,8 +455,8 @@ fn adaptive_halving_pause_recovery() {
     g.observe(2_200, &throttle);
     assert_eq!(g.snapshot(2_200).effective_limit, 3);
     // Recovery counts successes only while the limit is in use. 4 drew the last throttle, so
-    // it is not retried within the probe period; after it, each window of successes adds one,
-    // until the learned limit is forgotten at 8.
+    // it is not retried before the probe period and 100 successes; after them, each window of
+    // successes adds one, until the learned limit is forgotten at 8.
     for id in [100, 200, 201, 202] {
         assert!(g.release(2_200, id));
     }
@@ -473,7 +473,7 @@ fn adaptive_halving_pause_recovery() {
         }
         g.snapshot(now).effective_limit
     };
-    for _ in 0..10 {
+    for _ in 0..34 {
         assert_eq!(window(&mut g, 5_000), 3);
     }
     let limits: Vec<u32> = (0..6).map(|_| window(&mut g, 32_200)).collect();

@@ -37,12 +37,24 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/admin/pools/{pool}/jobs", get(jobs_api::list_jobs))
         .route("/admin/pools/{pool}/jobs/{job}", get(jobs_api::get_job))
         .route(
+            "/admin/pools/{pool}/jobs/{job}/redeliver",
+            post(jobs_api::redeliver),
+        )
+        .route(
+            "/admin/pools/{pool}/deliveries",
+            get(jobs_api::list_deliveries),
+        )
+        .route(
             "/admin/pools/{pool}/webhooks",
             get(jobs_api::list_destinations).post(jobs_api::create_destination),
         )
         .route(
             "/admin/pools/{pool}/webhooks/{id}",
             axum::routing::patch(jobs_api::patch_destination).delete(jobs_api::delete_destination),
+        )
+        .route(
+            "/admin/pools/{pool}/webhooks/{id}/rotate",
+            post(jobs_api::rotate_secret),
         )
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
@@ -145,6 +157,9 @@ async fn openapi() -> Json<utoipa::openapi::OpenApi> {
         jobs_api::create_destination,
         jobs_api::patch_destination,
         jobs_api::delete_destination,
+        jobs_api::rotate_secret,
+        jobs_api::list_deliveries,
+        jobs_api::redeliver,
         admin::create_key,
         admin::list_keys,
         admin::revoke_key,
@@ -170,6 +185,12 @@ async fn openapi() -> Json<utoipa::openapi::OpenApi> {
         jobs_api::DestinationList,
         jobs_api::NewDestination,
         jobs_api::DestinationPatch,
+        jobs_api::DeliveryView,
+        jobs_api::RotateSecret,
+        jobs_api::RotatedSecret,
+        jobs_api::AttemptView,
+        jobs_api::AttemptPage,
+        jobs_api::Redelivery,
         admin::KeyView,
         admin::KeyList,
         admin::Revoked,

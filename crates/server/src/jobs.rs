@@ -116,11 +116,11 @@ pub async fn accept(
     pool: &Arc<PoolRuntime>,
     parts: &http::request::Parts,
     body: hyper::body::Incoming,
-    caller_key: &str,
-    fairness: u64,
+    caller: &crate::auth::Caller,
     priority: Priority,
     reason: Reason,
 ) -> Result<Accepted, ApiError> {
+    let fairness = caller.fairness;
     let max = pool.spec.async_jobs.max_body_bytes;
     let body = http_body_util::Limited::new(body, max as usize)
         .collect()
@@ -144,7 +144,7 @@ pub async fn accept(
         id: new_job_id(),
         pool: pool.name.clone(),
         reason: reason.as_str().into(),
-        key_id: caller_key.to_string(),
+        key_id: caller.key_id.to_string(),
         fairness,
         priority: priority.as_str().into(),
         created_at: now,

@@ -1,5 +1,6 @@
 //! HTTP routes of async jobs and webhook destinations: the poll route (pool auth) and the admin
-//! reads and destination CRUD (admin auth).
+//! reads, destination CRUD, secret rotation, the delivery attempt log and manual redelivery
+//! (admin auth).
 
 use std::sync::Arc;
 
@@ -8,7 +9,9 @@ use axum::http::{HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use bytes::Bytes;
-use nthbouncer_store::{JobEvent, StoredDestination};
+use nthbouncer_store::{
+    AttemptQuery, DeliveryAttempt, DeliveryState, JobEvent, Redeliver, StoredDestination,
+};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -136,6 +139,44 @@ pub struct JobDetail {
     #[schema(value_type = Vec<Object>)]
     pub history: Vec<JobEvent>,
     pub attempt: u32,
+    /// One per destination the job is (or was) delivered to.
+    pub deliveries: Vec<DeliveryView>,
+}
+
+/// A job's delivery to one destination, as it stands.
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DeliveryView {
+    pub id: u64,
+    pub destination_id: String,
+    /// `pending`, `delivered` or `failed`.
+    pub status: String,
+    pub attempts: u32,
+    /// When the next attempt is due (pending only).
+    pub next_attempt_at: Option<u64>,
+    /// The current round was a manual redelivery.
+    pub manual: bool,
+    pub last_status: Option<u16>,
+    pub last_error: Option<String>,
+    pub delivered_at: Option<u64>,
+    pub updated_at: u64,
+}
+
+impl From<DeliveryState> for DeliveryView {
+    fn from(d: DeliveryState) -> Self {
+        DeliveryView {
+            id: d.id,
+            destination_id: d.destination_id,
+            status: d.status,
+            attempts: d.attempts,
+            next_attempt_at: d.next_attempt_at,
+            manual: d.manual,
+            last_status: d.last_status,
+            last_error: d.last_error,
+            delivered_at: d.delivered_at,
+            updated_at: d.updated_at,
+        }
+    }
 }
 
 #[utoipa::path(get, path = "/admin/pools/{pool}/jobs/{jobId}", tag = "admin",
@@ -151,10 +192,12 @@ pub async fn get_job(
         .await?
         .ok_or_else(job_not_found)?;
     let history = state.jobs.job_events(&job.id).await?;
+    let deliveries = state.jobs.job_deliveries(&job.id).await?;
     Ok(Json(JobDetail {
         job: JobView::of(&job, state.now()),
         history,
         attempt: job.attempt,
+        deliveries: deliveries.into_iter().map(DeliveryView::from).collect(),
     }))
 }
 
@@ -171,6 +214,8 @@ pub struct DestinationView {
     pub deactivated_at: Option<u64>,
     pub managed_by: String,
     pub created_at: u64,
+    /// After a rotation: until when the previous secret still signs (next to the new one).
+    pub previous_secret_expires_at: Option<u64>,
 }
 
 impl DestinationView {
@@ -189,6 +234,7 @@ impl DestinationView {
             deactivated_at: d.deactivated_at,
             managed_by: d.managed_by.clone(),
             created_at: d.created_at,
+            previous_secret_expires_at: d.previous_secret_expires_at,
         }
     }
 }
@@ -224,9 +270,13 @@ pub struct NewDestination {
     pub deactivate_after: Option<u32>,
 }
 
-/// Refuses URLs that name a private address literally, unless private webhooks are allowed.
-/// (Names are resolved and checked again at every delivery attempt.)
-fn check_destination_url(state: &AppState, url: &str) -> Result<(), ApiError> {
+/// How long saving a destination waits for its name to resolve.
+const SAVE_RESOLVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Refuses URLs that name or resolve to a private address, unless private webhooks are allowed.
+/// A name that cannot be resolved now is accepted: every delivery attempt resolves it again and
+/// connects only to an address that passes the same check (DNS rebinding).
+async fn check_destination_url(state: &AppState, url: &str) -> Result<(), ApiError> {
     let uri = nthbouncer_config::parse_http_url("url", url)
         .map_err(|e| ApiError::invalid("url", e.rule))?;
     if state.server.allow_private_webhooks {
@@ -238,11 +288,26 @@ fn check_destination_url(state: &AppState, url: &str) -> Result<(), ApiError> {
         .trim_start_matches('[')
         .trim_end_matches(']')
         .to_ascii_lowercase();
-    let private = host == "localhost"
+    let mut private = host == "localhost"
         || host.ends_with(".localhost")
         || host
             .parse::<std::net::IpAddr>()
             .is_ok_and(|ip| crate::netcheck::is_private(&ip));
+    if !private && host.parse::<std::net::IpAddr>().is_err() {
+        let port = uri
+            .port_u16()
+            .unwrap_or(if uri.scheme_str() == Some("https") {
+                443
+            } else {
+                80
+            });
+        let lookup = tokio::net::lookup_host((host.as_str(), port));
+        if let Ok(Ok(addrs)) = tokio::time::timeout(SAVE_RESOLVE_TIMEOUT, lookup).await {
+            private = addrs
+                .into_iter()
+                .any(|a| crate::netcheck::is_private(&a.ip()));
+        }
+    }
     if private {
         return Err(ApiError::invalid(
             "url",
@@ -264,7 +329,7 @@ pub async fn create_destination(
 ) -> Result<(StatusCode, Json<DestinationView>), ApiError> {
     let pool = pool_or_404(&state, &name)?;
     let req: NewDestination = parse_json(&body)?;
-    check_destination_url(&state, &req.url)?;
+    check_destination_url(&state, &req.url).await?;
     let secret = match req.secret {
         Some(s) => {
             nthbouncer_config::async_jobs::check_webhook_secret("secret", &s)
@@ -301,6 +366,8 @@ pub async fn create_destination(
         deactivated_at: None,
         managed_by: "api".into(),
         created_at: state.now(),
+        previous_secret: None,
+        previous_secret_expires_at: None,
     };
     state.jobs.create_destination(&d).await?;
     state.refresh_destinations(&pool).await?;
@@ -338,7 +405,7 @@ pub async fn patch_destination(
         return Err(crate::state::managed_by_config(&name));
     }
     if let Some(url) = patch.url {
-        check_destination_url(&state, &url)?;
+        check_destination_url(&state, &url).await?;
         d.url = url;
     }
     if let Some(n) = patch.deactivate_after {
@@ -396,4 +463,230 @@ fn destination_not_found() -> ApiError {
         "destination_not_found",
         "no such webhook destination in this pool",
     )
+}
+
+/// Longest grace a rotated secret may keep signing.
+const MAX_ROTATION_GRACE_S: u64 = 604_800;
+const DEFAULT_ROTATION_GRACE_S: u64 = 86_400;
+
+#[derive(Deserialize, ToSchema, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RotateSecret {
+    /// How long the previous secret keeps signing next to the new one (seconds, 0..=604800,
+    /// default 86400). During the grace every delivery carries both signatures.
+    pub grace_s: Option<u64>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RotatedSecret {
+    pub id: String,
+    /// The new `whsec_` secret, shown this once.
+    pub secret: String,
+    /// Until when the previous secret also signs (`null`: it was dropped at once).
+    pub previous_secret_expires_at: Option<u64>,
+}
+
+#[utoipa::path(post, path = "/admin/pools/{pool}/webhooks/{id}/rotate", tag = "admin", request_body = RotateSecret,
+    responses((status = 200, body = RotatedSecret, description = "rotated; the new secret is shown this once"),
+              (status = 400, description = "invalid"), (status = 404, description = "destination_not_found"),
+              (status = 409, description = "managed_by_config (the secret lives in the config file)")))]
+pub async fn rotate_secret(
+    State(state): AppStateRef,
+    Path((name, id)): Path<(String, String)>,
+    body: Bytes,
+) -> Result<Json<RotatedSecret>, ApiError> {
+    let pool = pool_or_404(&state, &name)?;
+    let req: RotateSecret = if body.iter().all(u8::is_ascii_whitespace) {
+        RotateSecret::default()
+    } else {
+        parse_json(&body)?
+    };
+    let grace_s = req.grace_s.unwrap_or(DEFAULT_ROTATION_GRACE_S);
+    if grace_s > MAX_ROTATION_GRACE_S {
+        return Err(ApiError::invalid(
+            "graceS",
+            format!("graceS must be between 0 and {MAX_ROTATION_GRACE_S}"),
+        ));
+    }
+    let _guard = state.admin_lock.lock().await;
+    let d = pool
+        .destinations
+        .load()
+        .iter()
+        .find(|d| d.id == id)
+        .cloned()
+        .ok_or_else(destination_not_found)?;
+    if d.managed_by == "config" {
+        return Err(crate::state::managed_by_config(&name));
+    }
+    let secret = nthbouncer_config::keys::generate_webhook_secret();
+    let until = (grace_s > 0).then(|| state.now().saturating_add(grace_s * 1000));
+    if !state
+        .jobs
+        .rotate_destination_secret(&pool.name, &id, &secret, until)
+        .await?
+    {
+        return Err(destination_not_found());
+    }
+    state.refresh_destinations(&pool).await?;
+    Ok(Json(RotatedSecret {
+        id,
+        secret,
+        previous_secret_expires_at: until,
+    }))
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct AttemptListQuery {
+    pub job_id: Option<String>,
+    pub destination_id: Option<String>,
+    pub limit: Option<u32>,
+    pub cursor: Option<String>,
+}
+
+/// One logged delivery attempt.
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AttemptView {
+    pub id: u64,
+    pub delivery_id: u64,
+    pub job_id: String,
+    pub destination_id: String,
+    /// 1-based, across every round of the delivery.
+    pub attempt: u32,
+    /// When it was made (epoch ms).
+    pub at: u64,
+    /// The HTTP status answered; `null` when none arrived (refused, unreachable, timed out).
+    pub status_code: Option<u16>,
+    pub latency_ms: u64,
+    /// The start of the response body (at most 1 KiB).
+    pub response_body: Option<String>,
+    pub error: Option<String>,
+    /// Part of a manual redelivery (does not count towards the failure streak).
+    pub manual: bool,
+    /// What the attempt left the delivery in: `delivered`, `retrying` or `failed`.
+    pub outcome: String,
+}
+
+impl From<DeliveryAttempt> for AttemptView {
+    fn from(a: DeliveryAttempt) -> Self {
+        AttemptView {
+            id: a.id,
+            delivery_id: a.delivery_id,
+            job_id: a.job_id,
+            destination_id: a.destination_id,
+            attempt: a.attempt,
+            at: a.at,
+            status_code: a.status_code,
+            latency_ms: a.latency_ms,
+            response_body: a.response_body,
+            error: a.error,
+            manual: a.manual,
+            outcome: a.outcome,
+        }
+    }
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct AttemptPage {
+    pub items: Vec<AttemptView>,
+    pub next: Option<String>,
+}
+
+#[utoipa::path(get, path = "/admin/pools/{pool}/deliveries", tag = "admin",
+    params(("jobId" = Option<String>, Query, description = "only this job's attempts"),
+           ("destinationId" = Option<String>, Query, description = "only this destination's attempts"),
+           ("limit" = Option<u32>, Query, description = "1..=1000, default 100"),
+           ("cursor" = Option<String>, Query, description = "the previous page's next")),
+    responses((status = 200, body = AttemptPage, description = "delivery attempts, newest first"),
+              (status = 400, description = "invalid"), (status = 404, description = "pool_not_found")))]
+pub async fn list_deliveries(
+    State(state): AppStateRef,
+    Path(name): Path<String>,
+    Query(q): Query<AttemptListQuery>,
+) -> Result<Json<AttemptPage>, ApiError> {
+    let pool = pool_or_404(&state, &name)?;
+    let limit = q.limit.unwrap_or(100).clamp(1, 1000);
+    let before =
+        match &q.cursor {
+            Some(c) => Some(c.parse::<u64>().map_err(|_| {
+                ApiError::invalid("cursor", "cursor must be a previous page's next")
+            })?),
+            None => None,
+        };
+    let mut items = state
+        .jobs
+        .list_attempts(&AttemptQuery {
+            pool: pool.name.clone(),
+            job_id: q.job_id,
+            destination_id: q.destination_id,
+            before,
+            limit: limit + 1,
+        })
+        .await?;
+    let next = if items.len() > limit as usize {
+        items.truncate(limit as usize);
+        items.last().map(|a| a.id.to_string())
+    } else {
+        None
+    };
+    Ok(Json(AttemptPage {
+        items: items.into_iter().map(AttemptView::from).collect(),
+        next,
+    }))
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Redelivery {
+    pub job_id: String,
+    /// Deliveries queued: one per active destination of the pool.
+    pub deliveries: u32,
+}
+
+#[utoipa::path(post, path = "/admin/pools/{pool}/jobs/{jobId}/redeliver", tag = "admin",
+    responses((status = 202, body = Redelivery, description = "queued: the job is sent again to every active destination \
+               (a new round of the retry schedule whose failures do not count towards the streak)"),
+              (status = 404, description = "job_not_found"),
+              (status = 409, description = "job_not_terminal, or no_active_destination")))]
+pub async fn redeliver(
+    State(state): AppStateRef,
+    Path((name, job_id)): Path<(String, String)>,
+) -> Result<(StatusCode, Json<Redelivery>), ApiError> {
+    let pool = pool_or_404(&state, &name)?;
+    if !valid_job_id(&job_id) {
+        return Err(job_not_found());
+    }
+    let destinations = pool.active_destination_ids();
+    if destinations.is_empty() {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "no_active_destination",
+            "the pool has no active webhook destination to deliver to",
+        ));
+    }
+    match state
+        .jobs
+        .redeliver_job(&pool.name, &job_id, &destinations, state.now())
+        .await?
+    {
+        Redeliver::NoSuchJob => Err(job_not_found()),
+        Redeliver::NotTerminal => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "job_not_terminal",
+            "the job has not ended yet; it is delivered when it does",
+        )),
+        Redeliver::Queued(n) => {
+            state.notify_deliveries();
+            Ok((
+                StatusCode::ACCEPTED,
+                Json(Redelivery {
+                    job_id,
+                    deliveries: n,
+                }),
+            ))
+        }
+    }
 }

@@ -10,6 +10,8 @@
 //!   throttling), checked together with the pool key on every pool route.
 //! - [`proxy`]: the proxy and upstream client. [`outcome`]: upstream answers → governor outcomes.
 //! - [`api`], [`admin`]: the API host's routes. [`access_log`], [`metrics`]: observability.
+//! - [`jobs`], [`jobs_api`]: async jobs and their routes. [`webhooks`]: the delivery outbox's
+//!   dispatcher, Standard Webhooks signing, and the client that refuses private addresses.
 //! - [`error`]: the one error type, which knows its status and JSON code.
 //!
 //! Admission decisions belong to the gate (`nthbouncer-coord`); durable state to the store
@@ -34,6 +36,7 @@ pub mod proxy;
 pub mod registry;
 pub mod serve;
 pub mod state;
+pub mod webhooks;
 
 pub use serve::{check_config, start, Options, Running};
 pub use state::StartError;

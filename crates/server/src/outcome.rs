@@ -62,7 +62,9 @@ pub fn rate_info(report: &RateReport) -> Option<RateInfo> {
         limit: req.and_then(|w| w.limit),
         remaining: req.and_then(|w| w.remaining),
         reset_ms: req.and_then(|w| w.reset_ms),
-        window_ms: req.and_then(|w| w.window_ms).or(implied.filter(|_| req.is_some())),
+        window_ms: req
+            .and_then(|w| w.window_ms)
+            .or(implied.filter(|_| req.is_some())),
         token_limit: tok.and_then(|w| w.limit),
         token_remaining: tok.and_then(|w| w.remaining),
         token_reset_ms: tok.and_then(|w| w.reset_ms),
@@ -74,7 +76,7 @@ pub fn rate_info(report: &RateReport) -> Option<RateInfo> {
 mod tests {
     use super::*;
     use http::{HeaderName, HeaderValue};
-    use nthbouncer_coord::{Coordination, PoolGate, PoolSettings};
+    use nthbouncer_coord::{Coordination, PoolSettings};
     use serde_json::json;
 
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
@@ -119,7 +121,10 @@ mod tests {
             })
         );
         let o = from_response(429, &headers(&SANDBOX_429), 0);
-        assert_eq!((o.status, o.throttled, o.retry_after_ms), (Some(429), 1, Some(1_200)));
+        assert_eq!(
+            (o.status, o.throttled, o.retry_after_ms),
+            (Some(429), 1, Some(1_200))
+        );
         // GitHub style: a fixed window, no implied length.
         let o = from_response(
             200,
@@ -134,7 +139,10 @@ mod tests {
         assert_eq!(o.rate.unwrap().window_ms, None);
         // A bare Retry-After names its dialect and carries no rate.
         let o = from_response(503, &headers(&[("retry-after", "3")]), 0);
-        assert_eq!((o.dialect, o.rate, o.retry_after_ms), (Some("retry-after"), None, Some(3_000)));
+        assert_eq!(
+            (o.dialect, o.rate, o.retry_after_ms),
+            (Some("retry-after"), None, Some(3_000))
+        );
     }
 
     /// Lock-release reports act like proxy outcomes: the same answer, reported as raw headers
@@ -196,6 +204,9 @@ mod tests {
         );
         let cause = |s: &nthbouncer_coord::Snapshot| s.last_throttle.clone().unwrap().cause;
         assert_eq!(cause(&p), "status 429, retry-after 1200ms (proxy, openai)");
-        assert_eq!(cause(&l), "status 429, retry-after 1200ms (lock release, openai)");
+        assert_eq!(
+            cause(&l),
+            "status 429, retry-after 1200ms (lock release, openai)"
+        );
     }
 }

@@ -565,18 +565,7 @@ async fn accept_job(
     priority: Priority,
     reason: Reason,
 ) -> Response<Body> {
-    match crate::jobs::accept(
-        state,
-        pool,
-        parts,
-        body,
-        &caller.key_id,
-        caller.fairness,
-        priority,
-        reason,
-    )
-    .await
-    {
+    match crate::jobs::accept(state, pool, parts, body, caller, priority, reason).await {
         Ok(accepted) => {
             log.write(
                 Some(&caller.key_id),

@@ -117,6 +117,8 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
     });
     state.load_pools(&config).await?;
     let background = tokio::spawn(crate::jobs::resume_and_sweep(state.clone()));
+    // Ends when `state.stopping` is cancelled; pending deliveries go out at the next start.
+    let webhooks = tokio::spawn(crate::webhooks::run_dispatcher(state.clone()));
 
     let dispatcher = Arc::new(Dispatcher {
         api: crate::api::router(state.clone()),
@@ -128,6 +130,7 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
         accept_loop(listener, dispatcher, cancel2, access_log_task).await;
         // Unfinished jobs stay in the store and resume at the next start.
         background.abort();
+        webhooks.abort();
     });
     tracing::info!(%addr, api_host = %state.api_host, pools = state.registry.load().pools.len(), "nthbouncer listening");
     Ok(Running {

@@ -228,6 +228,8 @@ impl AppState {
                                 deactivated_at: None,
                                 managed_by: "config".into(),
                                 created_at: now,
+                                previous_secret: None,
+                                previous_secret_expires_at: None,
                             })
                             .await?;
                     }
@@ -243,10 +245,12 @@ impl AppState {
         Ok(())
     }
 
-    /// Re-reads a pool's destinations into its runtime view.
+    /// Re-reads a pool's destinations into its runtime view (and wakes the webhook dispatcher,
+    /// which fails deliveries to destinations that are no longer active).
     pub async fn refresh_destinations(&self, pool: &PoolRuntime) -> Result<(), ApiError> {
         let list = self.jobs.list_destinations(Some(&pool.name)).await?;
         pool.destinations.store(Arc::new(list));
+        self.notify_deliveries();
         Ok(())
     }
 

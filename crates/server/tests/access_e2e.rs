@@ -335,8 +335,13 @@ async fn hmac_streamed_bodies_are_verified_as_they_stream() {
         1,
         "the forged body must arrive aborted, if at all"
     );
-    let state = gw.state("p").await;
-    assert_eq!(state["inFlight"], 0, "the slot was freed");
+    gw.wait_state("p", "the slot freed", |s| s["inFlight"] == 0)
+        .await;
+    let reasons = log_reasons(&gw, "p").await;
+    assert_eq!(
+        reasons.first().map(String::as_str),
+        Some("hmac: signature mismatch")
+    );
 }
 
 #[tokio::test]

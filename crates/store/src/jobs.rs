@@ -110,6 +110,12 @@ pub struct StoredDestination {
     /// `"config"` or `"api"`.
     pub managed_by: String,
     pub created_at: u64,
+    /// The secret replaced by the last rotation, still used to sign (next to `secret`) until
+    /// `previous_secret_expires_at`.
+    #[serde(default)]
+    pub previous_secret: Option<String>,
+    #[serde(default)]
+    pub previous_secret_expires_at: Option<u64>,
 }
 
 /// How a run attempt ended.
@@ -117,6 +123,127 @@ pub struct StoredDestination {
 pub enum Finish {
     Completed(JobResult),
     Failed(String),
+}
+
+/// Delivery states of the outbox (`deliveries.status`).
+pub mod delivery_status {
+    pub const PENDING: &str = "pending";
+    pub const DELIVERED: &str = "delivered";
+    pub const FAILED: &str = "failed";
+}
+
+/// A pending delivery whose time has come, with what its attempt needs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DueDelivery {
+    pub id: u64,
+    pub job: StoredJob,
+    pub destination: StoredDestination,
+    /// Attempts made so far, every round included (the next one is `attempts + 1`).
+    pub attempts: u32,
+    /// Attempts made in the current round (a manual redelivery starts a new round); drives the
+    /// retry schedule.
+    pub round_attempts: u32,
+    /// Bumped by every redelivery: an attempt's result applies only to the round it started in.
+    pub round: u32,
+    /// The current round was asked for by hand (its failures do not count towards the
+    /// destination's streak).
+    pub manual: bool,
+}
+
+/// What happens to a delivery after an attempt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeliveryNext {
+    Delivered,
+    Retry { at: u64 },
+    Failed,
+}
+
+/// One delivery attempt to record, with the delivery's next state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AttemptRecord {
+    pub delivery_id: u64,
+    pub round: u32,
+    pub job_id: String,
+    pub destination_id: String,
+    pub pool: String,
+    /// 1-based, across every round.
+    pub attempt: u32,
+    pub at: u64,
+    pub status_code: Option<u16>,
+    pub latency_ms: u64,
+    /// The start of the response body (truncated by the caller).
+    pub response_body: Option<String>,
+    pub error: Option<String>,
+    pub manual: bool,
+    pub next: DeliveryNext,
+    /// The destination answered `410 Gone`: deactivate it at once.
+    pub gone: bool,
+}
+
+/// What recording an attempt changed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AttemptApplied {
+    /// The attempt was logged (false when its delivery no longer exists).
+    pub recorded: bool,
+    /// The destination's failure streak moved.
+    pub streak_changed: bool,
+    /// This attempt deactivated the destination (its other pending deliveries failed with it).
+    pub deactivated: bool,
+}
+
+/// A logged delivery attempt.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeliveryAttempt {
+    pub id: u64,
+    pub delivery_id: u64,
+    pub job_id: String,
+    pub destination_id: String,
+    pub attempt: u32,
+    pub at: u64,
+    pub status_code: Option<u16>,
+    pub latency_ms: u64,
+    pub response_body: Option<String>,
+    pub error: Option<String>,
+    pub manual: bool,
+    /// `delivered`, `retrying` or `failed`: what the attempt left the delivery in.
+    pub outcome: String,
+}
+
+/// Filters for reading delivery attempts, newest first.
+#[derive(Clone, Debug, Default)]
+pub struct AttemptQuery {
+    pub pool: String,
+    pub job_id: Option<String>,
+    pub destination_id: Option<String>,
+    /// Only attempts with `id < before` (the pagination cursor).
+    pub before: Option<u64>,
+    pub limit: u32,
+}
+
+/// A delivery of one job to one destination, as it stands.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeliveryState {
+    pub id: u64,
+    pub job_id: String,
+    pub destination_id: String,
+    /// `pending`, `delivered` or `failed`.
+    pub status: String,
+    pub attempts: u32,
+    pub next_attempt_at: Option<u64>,
+    pub manual: bool,
+    pub last_status: Option<u16>,
+    pub last_error: Option<String>,
+    pub delivered_at: Option<u64>,
+    pub updated_at: u64,
+}
+
+/// The result of asking for a job's redelivery.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Redeliver {
+    NoSuchJob,
+    NotTerminal,
+    /// How many deliveries were reset to pending (or created).
+    Queued(u32),
 }
 
 #[async_trait::async_trait]
@@ -169,4 +296,43 @@ pub trait JobStore: Send + Sync + 'static {
     /// consecutive_failures, deactivated_at); `false` if unknown.
     async fn update_destination(&self, d: &StoredDestination) -> Result<bool>;
     async fn delete_destination(&self, pool: &str, id: &str) -> Result<bool>;
+    /// Replaces a destination's secret, keeping the old one for signing until
+    /// `previous_expires_at` (`None`: drop it now). `false` if unknown.
+    async fn rotate_destination_secret(
+        &self,
+        pool: &str,
+        id: &str,
+        secret: &str,
+        previous_expires_at: Option<u64>,
+    ) -> Result<bool>;
+
+    /// Pending deliveries to an active destination that are due at `now`, oldest due first,
+    /// with their job and destination.
+    async fn due_deliveries(
+        &self,
+        destination_id: &str,
+        now: u64,
+        limit: u32,
+    ) -> Result<Vec<DueDelivery>>;
+    /// The earliest `next_attempt_at` after `after` among a destination's pending deliveries.
+    async fn next_delivery_at(&self, destination_id: &str, after: u64) -> Result<Option<u64>>;
+    /// Records attempts, each in order and atomically with its delivery's new state and its
+    /// destination's streak (reset on success; +1 on a failure that was not manual;
+    /// deactivation at `deactivate_after` or on `gone`, which fails the destination's other
+    /// pending deliveries). One transaction for the batch.
+    async fn record_attempts(&self, records: &[AttemptRecord]) -> Result<Vec<AttemptApplied>>;
+    /// Fails pending deliveries whose destination is not in `active_destination_ids` (deleted,
+    /// deactivated, or its pool gone); returns how many.
+    async fn fail_undeliverable(&self, active_destination_ids: &[String], now: u64) -> Result<u64>;
+    async fn list_attempts(&self, query: &AttemptQuery) -> Result<Vec<DeliveryAttempt>>;
+    async fn job_deliveries(&self, job_id: &str) -> Result<Vec<DeliveryState>>;
+    /// A manual redelivery of a terminal job: one pending delivery per destination in
+    /// `destination_ids` (reset if it exists), due at `now`, starting a new round.
+    async fn redeliver_job(
+        &self,
+        pool: &str,
+        job_id: &str,
+        destination_ids: &[String],
+        now: u64,
+    ) -> Result<Redeliver>;
 }

@@ -1,8 +1,8 @@
 //! Durable state behind one small trait.
 //!
 //! This crate owns what must survive a restart: pools created through the admin API, pool keys
-//! (hashes only), and the pool access log. (Jobs, webhook destinations and the delivery outbox
-//! join later.) [`Store`] is the seam; [`sqlite::SqliteStore`] is the embedded default, and a
+//! (hashes only), the pool access log, async jobs, webhook destinations, and the delivery outbox
+//! with its attempt log. [`Store`] is the seam; [`sqlite::SqliteStore`] is the embedded default, and a
 //! PostgreSQL implementation must fit the same trait unchanged.
 //!
 //! It must not know about HTTP or the governor. Pool settings are stored as opaque JSON (the
@@ -15,7 +15,9 @@ pub mod sqlite;
 mod sqlite_jobs;
 
 pub use jobs::{
-    Finish, JobEvent, JobRequest, JobResult, JobStore, NewJob, StoredDestination, StoredJob,
+    AttemptApplied, AttemptQuery, AttemptRecord, DeliveryAttempt, DeliveryNext, DeliveryState,
+    DueDelivery, Finish, JobEvent, JobRequest, JobResult, JobStore, NewJob, Redeliver,
+    StoredDestination, StoredJob,
 };
 
 use serde::{Deserialize, Serialize};

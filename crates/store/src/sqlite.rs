@@ -123,6 +123,41 @@ const MIGRATIONS: &[&str] = &[
         UNIQUE (job_id, destination_id)
     );
     CREATE INDEX IF NOT EXISTS deliveries_due ON deliveries (status, next_attempt_at);",
+    // v3: webhook delivery: the attempt log, redelivery rounds, secret rotation.
+    //
+    // `deliveries.round` fences an attempt's result to the round it started in (a redelivery
+    // asked for meanwhile starts a new one); `round_attempts` drives the retry schedule.
+    // `delivery_attempts` keeps `pool` so the admin reads filter without a join, and
+    // AUTOINCREMENT ids as the (monotonic) pagination cursor.
+    "ALTER TABLE webhook_destinations ADD COLUMN previous_secret TEXT;
+    ALTER TABLE webhook_destinations ADD COLUMN previous_secret_expires_at INTEGER;
+    ALTER TABLE deliveries ADD COLUMN manual INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE deliveries ADD COLUMN round INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE deliveries ADD COLUMN round_attempts INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE deliveries ADD COLUMN last_status INTEGER;
+    ALTER TABLE deliveries ADD COLUMN last_error TEXT;
+    ALTER TABLE deliveries ADD COLUMN delivered_at INTEGER;
+    CREATE INDEX IF NOT EXISTS deliveries_destination_due
+        ON deliveries (destination_id, status, next_attempt_at);
+    CREATE TABLE IF NOT EXISTS delivery_attempts (
+        id             INTEGER PRIMARY KEY AUTOINCREMENT,
+        delivery_id    INTEGER NOT NULL,
+        job_id         TEXT NOT NULL,
+        destination_id TEXT NOT NULL,
+        pool           TEXT NOT NULL,
+        attempt        INTEGER NOT NULL,
+        at             INTEGER NOT NULL,
+        status_code    INTEGER,
+        latency_ms     INTEGER NOT NULL,
+        response_body  TEXT,
+        error          TEXT,
+        manual         INTEGER NOT NULL DEFAULT 0,
+        outcome        TEXT NOT NULL
+    );
+    CREATE INDEX IF NOT EXISTS delivery_attempts_pool ON delivery_attempts (pool, id);
+    CREATE INDEX IF NOT EXISTS delivery_attempts_job ON delivery_attempts (job_id, id);
+    CREATE INDEX IF NOT EXISTS delivery_attempts_destination
+        ON delivery_attempts (destination_id, id);",
 ];
 
 /// The schema version this build writes (`PRAGMA user_version`).

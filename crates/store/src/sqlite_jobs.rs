@@ -1,23 +1,38 @@
-//! [`JobStore`] on SQLite: the `jobs`, `job_events`, `webhook_destinations` and `deliveries`
-//! tables (schema v2 in `sqlite.rs`). Request and result heads are JSON text; bodies are BLOBs.
+//! [`JobStore`] on SQLite: the `jobs`, `job_events`, `webhook_destinations`, `deliveries` and
+//! `delivery_attempts` tables (schema v2 and v3 in `sqlite.rs`). Request and result heads are
+//! JSON text; bodies are BLOBs.
 
 use rusqlite::{params, Connection, OptionalExtension, Row, Transaction};
 
-use crate::jobs::status;
+use crate::jobs::{delivery_status, status};
 use crate::sqlite::{Ctx, SqliteStore};
 use crate::{
-    Finish, JobEvent, JobRequest, JobResult, JobStore, NewJob, Result, StoreError,
-    StoredDestination, StoredJob,
+    AttemptApplied, AttemptQuery, AttemptRecord, DeliveryAttempt, DeliveryNext, DeliveryState,
+    DueDelivery, Finish, JobEvent, JobRequest, JobResult, JobStore, NewJob, Redeliver, Result,
+    StoreError, StoredDestination, StoredJob,
 };
 
+// A terminal job's `destinations` is the number of its deliveries (the destinations that were
+// active when it ended, plus any a redelivery added), so `delivered + failed <= destinations`
+// always holds in the poll body; before that it is the count taken at accept time.
 const JOB_COLUMNS: &str =
     "id, pool, status, reason, key_id, fairness, priority, created_at, updated_at, expires_at, \
-     retention_ms, attempt, destinations, error, request, request_body, result, result_body, \
+     retention_ms, attempt, \
+     CASE WHEN status IN ('completed', 'failed', 'expired') \
+          THEN (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id) ELSE destinations END, \
+     error, request, request_body, result, result_body, \
      (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id AND d.status = 'delivered'), \
      (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id AND d.status = 'failed')";
 
 const DEST_COLUMNS: &str =
-    "id, pool, url, secret, active, deactivate_after, consecutive_failures, deactivated_at, managed_by, created_at";
+    "id, pool, url, secret, active, deactivate_after, consecutive_failures, deactivated_at, managed_by, created_at, \
+     previous_secret, previous_secret_expires_at";
+
+const DELIVERY_COLUMNS: &str = "id, job_id, destination_id, status, attempts, next_attempt_at, \
+     manual, last_status, last_error, delivered_at, updated_at";
+
+const ATTEMPT_COLUMNS: &str = "id, delivery_id, job_id, destination_id, attempt, at, status_code, \
+     latency_ms, response_body, error, manual, outcome";
 
 #[derive(serde::Serialize, serde::Deserialize)]
 struct RequestHead {
@@ -97,7 +112,195 @@ fn dest_from_row(row: &Row<'_>) -> rusqlite::Result<StoredDestination> {
         deactivated_at: row.get(7)?,
         managed_by: row.get(8)?,
         created_at: row.get(9)?,
+        previous_secret: row.get(10)?,
+        previous_secret_expires_at: row.get(11)?,
     })
+}
+
+fn delivery_from_row(row: &Row<'_>) -> rusqlite::Result<DeliveryState> {
+    let status: String = row.get(3)?;
+    let next: u64 = row.get(5)?;
+    Ok(DeliveryState {
+        id: row.get(0)?,
+        job_id: row.get(1)?,
+        destination_id: row.get(2)?,
+        next_attempt_at: (status == delivery_status::PENDING).then_some(next),
+        status,
+        attempts: row.get(4)?,
+        manual: row.get(6)?,
+        last_status: row.get(7)?,
+        last_error: row.get(8)?,
+        delivered_at: row.get(9)?,
+        updated_at: row.get(10)?,
+    })
+}
+
+fn attempt_from_row(row: &Row<'_>) -> rusqlite::Result<DeliveryAttempt> {
+    Ok(DeliveryAttempt {
+        id: row.get(0)?,
+        delivery_id: row.get(1)?,
+        job_id: row.get(2)?,
+        destination_id: row.get(3)?,
+        attempt: row.get(4)?,
+        at: row.get(5)?,
+        status_code: row.get(6)?,
+        latency_ms: row.get(7)?,
+        response_body: row.get(8)?,
+        error: row.get(9)?,
+        manual: row.get(10)?,
+        outcome: row.get(11)?,
+    })
+}
+
+/// Builds the attempt-log SELECT for the filters that are set (each combination its own cached
+/// statement, so the planner can seek the matching `(…, id)` index).
+fn attempts_sql(q: &AttemptQuery) -> (String, Vec<rusqlite::types::Value>) {
+    use rusqlite::types::Value;
+    let mut sql = format!("SELECT {ATTEMPT_COLUMNS} FROM delivery_attempts WHERE pool = ?");
+    let mut args = vec![Value::Text(q.pool.clone())];
+    if let Some(job) = &q.job_id {
+        sql.push_str(" AND job_id = ?");
+        args.push(Value::Text(job.clone()));
+    }
+    if let Some(dest) = &q.destination_id {
+        sql.push_str(" AND destination_id = ?");
+        args.push(Value::Text(dest.clone()));
+    }
+    if let Some(before) = q.before {
+        sql.push_str(" AND id < ?");
+        args.push(Value::Integer(i64::try_from(before).unwrap_or(i64::MAX)));
+    }
+    sql.push_str(" ORDER BY id DESC LIMIT ?");
+    args.push(Value::Integer(i64::from(q.limit.clamp(1, 1000))));
+    (sql, args)
+}
+
+/// Applies one attempt inside the caller's transaction (see [`JobStore::record_attempts`]).
+fn apply_attempt(tx: &Transaction<'_>, r: &AttemptRecord) -> Result<AttemptApplied> {
+    let mut applied = AttemptApplied::default();
+    let success = r.next == DeliveryNext::Delivered;
+    if success {
+        let n = tx
+            .prepare_cached(
+                "UPDATE webhook_destinations SET consecutive_failures = 0 \
+                 WHERE id = ?1 AND consecutive_failures != 0",
+            )
+            .ctx("record_attempts")?
+            .execute([&r.destination_id])
+            .ctx("record_attempts")?;
+        applied.streak_changed = n > 0;
+    } else {
+        if !r.manual {
+            let n = tx
+                .prepare_cached(
+                    "UPDATE webhook_destinations SET consecutive_failures = consecutive_failures + 1 \
+                     WHERE id = ?1 AND active = 1",
+                )
+                .ctx("record_attempts")?
+                .execute([&r.destination_id])
+                .ctx("record_attempts")?;
+            applied.streak_changed = n > 0;
+        }
+        let n = if r.gone {
+            tx.prepare_cached(
+                "UPDATE webhook_destinations SET active = 0, deactivated_at = ?2 WHERE id = ?1 AND active = 1",
+            )
+            .ctx("record_attempts")?
+            .execute(params![r.destination_id, r.at])
+            .ctx("record_attempts")?
+        } else if !r.manual {
+            tx.prepare_cached(
+                "UPDATE webhook_destinations SET active = 0, deactivated_at = ?2 \
+                 WHERE id = ?1 AND active = 1 AND consecutive_failures >= deactivate_after",
+            )
+            .ctx("record_attempts")?
+            .execute(params![r.destination_id, r.at])
+            .ctx("record_attempts")?
+        } else {
+            0
+        };
+        applied.deactivated = n > 0;
+    }
+    // A deactivated destination gets no retries.
+    let next = match r.next {
+        DeliveryNext::Retry { .. } if applied.deactivated => DeliveryNext::Failed,
+        other => other,
+    };
+    let exists = tx
+        .prepare_cached("UPDATE deliveries SET attempts = attempts + 1 WHERE id = ?1")
+        .ctx("record_attempts")?
+        .execute([r.delivery_id])
+        .ctx("record_attempts")?
+        > 0;
+    if exists {
+        // Fenced by the round: a redelivery asked for while this attempt ran stays pending.
+        match next {
+            DeliveryNext::Delivered => tx
+                .prepare_cached(
+                    "UPDATE deliveries SET status = 'delivered', round_attempts = round_attempts + 1, \
+                     last_status = ?3, last_error = NULL, delivered_at = ?4, updated_at = ?4 \
+                     WHERE id = ?1 AND round = ?2 AND status != 'delivered'",
+                )
+                .ctx("record_attempts")?
+                .execute(params![r.delivery_id, r.round, r.status_code, r.at])
+                .ctx("record_attempts")?,
+            DeliveryNext::Retry { at } => tx
+                .prepare_cached(
+                    "UPDATE deliveries SET round_attempts = round_attempts + 1, next_attempt_at = ?5, \
+                     last_status = ?3, last_error = ?6, updated_at = ?4 \
+                     WHERE id = ?1 AND round = ?2 AND status = 'pending'",
+                )
+                .ctx("record_attempts")?
+                .execute(params![r.delivery_id, r.round, r.status_code, r.at, at, r.error])
+                .ctx("record_attempts")?,
+            DeliveryNext::Failed => tx
+                .prepare_cached(
+                    "UPDATE deliveries SET status = 'failed', round_attempts = round_attempts + 1, \
+                     last_status = ?3, last_error = ?5, updated_at = ?4 \
+                     WHERE id = ?1 AND round = ?2 AND status = 'pending'",
+                )
+                .ctx("record_attempts")?
+                .execute(params![r.delivery_id, r.round, r.status_code, r.at, r.error])
+                .ctx("record_attempts")?,
+        };
+        let outcome = match next {
+            DeliveryNext::Delivered => delivery_status::DELIVERED,
+            DeliveryNext::Retry { .. } => "retrying",
+            DeliveryNext::Failed => delivery_status::FAILED,
+        };
+        tx.prepare_cached(
+            "INSERT INTO delivery_attempts (delivery_id, job_id, destination_id, pool, attempt, at, \
+             status_code, latency_ms, response_body, error, manual, outcome) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+        )
+        .ctx("record_attempts")?
+        .execute(params![
+            r.delivery_id,
+            r.job_id,
+            r.destination_id,
+            r.pool,
+            r.attempt,
+            r.at,
+            r.status_code,
+            r.latency_ms,
+            r.response_body,
+            r.error,
+            r.manual,
+            outcome
+        ])
+        .ctx("record_attempts")?;
+        applied.recorded = true;
+    }
+    if applied.deactivated {
+        tx.prepare_cached(
+            "UPDATE deliveries SET status = 'failed', last_error = 'destination deactivated', updated_at = ?2 \
+             WHERE destination_id = ?1 AND status = 'pending'",
+        )
+        .ctx("record_attempts")?
+        .execute(params![r.destination_id, r.at])
+        .ctx("record_attempts")?;
+    }
+    Ok(applied)
 }
 
 fn event(
@@ -412,6 +615,13 @@ impl JobStore for SqliteStore {
             .ctx("delete_retained")?;
             tx.execute(
                 &format!(
+                    "DELETE FROM delivery_attempts WHERE job_id IN (SELECT id FROM jobs WHERE {cond})"
+                ),
+                [now],
+            )
+            .ctx("delete_retained")?;
+            tx.execute(
+                &format!(
                     "DELETE FROM deliveries WHERE job_id IN (SELECT id FROM jobs WHERE {cond})"
                 ),
                 [now],
@@ -444,7 +654,7 @@ impl JobStore for SqliteStore {
         let d = d.clone();
         self.write(move |conn| {
             conn.execute(
-                &format!("INSERT INTO webhook_destinations ({DEST_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"),
+                &format!("INSERT INTO webhook_destinations ({DEST_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)"),
                 params![
                     d.id,
                     d.pool,
@@ -455,7 +665,9 @@ impl JobStore for SqliteStore {
                     d.consecutive_failures,
                     d.deactivated_at,
                     d.managed_by,
-                    d.created_at
+                    d.created_at,
+                    d.previous_secret,
+                    d.previous_secret_expires_at
                 ],
             )
             .ctx("create_destination")
@@ -489,6 +701,213 @@ impl JobStore for SqliteStore {
                 )
                 .ctx("delete_destination")?;
             Ok(n > 0)
+        })
+        .await
+    }
+
+    async fn rotate_destination_secret(
+        &self,
+        pool: &str,
+        id: &str,
+        secret: &str,
+        previous_expires_at: Option<u64>,
+    ) -> Result<bool> {
+        let (pool, id, secret) = (pool.to_owned(), id.to_owned(), secret.to_owned());
+        self.write(move |conn| {
+            let n = conn
+                .execute(
+                    "UPDATE webhook_destinations SET \
+                     previous_secret = CASE WHEN ?4 IS NULL THEN NULL ELSE secret END, \
+                     previous_secret_expires_at = ?4, secret = ?3 WHERE id = ?1 AND pool = ?2",
+                    params![id, pool, secret, previous_expires_at],
+                )
+                .ctx("rotate_destination_secret")?;
+            Ok(n > 0)
+        })
+        .await
+    }
+
+    async fn due_deliveries(
+        &self,
+        destination_id: &str,
+        now: u64,
+        limit: u32,
+    ) -> Result<Vec<DueDelivery>> {
+        let destination_id = destination_id.to_owned();
+        self.read(move |conn| {
+            let destination = conn
+                .prepare_cached(&format!(
+                    "SELECT {DEST_COLUMNS} FROM webhook_destinations WHERE id = ?1 AND active = 1"
+                ))
+                .ctx("due_deliveries")?
+                .query_row([&destination_id], dest_from_row)
+                .optional()
+                .ctx("due_deliveries")?;
+            let Some(destination) = destination else {
+                return Ok(Vec::new());
+            };
+            let rows: Vec<(u64, String, u32, u32, u32, bool)> = {
+                let mut stmt = conn
+                    .prepare_cached(
+                        "SELECT id, job_id, attempts, round_attempts, round, manual FROM deliveries \
+                         WHERE destination_id = ?1 AND status = 'pending' AND next_attempt_at <= ?2 \
+                         ORDER BY next_attempt_at, id LIMIT ?3",
+                    )
+                    .ctx("due_deliveries")?;
+                let rows = stmt
+                    .query_map(params![destination_id, now, limit], |r| {
+                        Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?))
+                    })
+                    .ctx("due_deliveries")?;
+                rows.collect::<rusqlite::Result<Vec<_>>>()
+                    .ctx("due_deliveries")?
+            };
+            let mut job_stmt = conn
+                .prepare_cached(&format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = ?1"))
+                .ctx("due_deliveries")?;
+            let mut due = Vec::with_capacity(rows.len());
+            for (id, job_id, attempts, round_attempts, round, manual) in rows {
+                // Deliveries go with their job at retention; a missing job has nothing to send.
+                if let Some(job) = job_stmt
+                    .query_row([&job_id], job_from_row)
+                    .optional()
+                    .ctx("due_deliveries")?
+                {
+                    due.push(DueDelivery {
+                        id,
+                        job,
+                        destination: destination.clone(),
+                        attempts,
+                        round_attempts,
+                        round,
+                        manual,
+                    });
+                }
+            }
+            Ok(due)
+        })
+        .await
+    }
+
+    async fn next_delivery_at(&self, destination_id: &str, after: u64) -> Result<Option<u64>> {
+        let destination_id = destination_id.to_owned();
+        self.read(move |conn| {
+            conn.prepare_cached(
+                "SELECT MIN(next_attempt_at) FROM deliveries \
+                 WHERE destination_id = ?1 AND status = 'pending' AND next_attempt_at > ?2",
+            )
+            .ctx("next_delivery_at")?
+            .query_row(params![destination_id, after], |r| r.get(0))
+            .ctx("next_delivery_at")
+        })
+        .await
+    }
+
+    async fn record_attempts(&self, records: &[AttemptRecord]) -> Result<Vec<AttemptApplied>> {
+        if records.is_empty() {
+            return Ok(Vec::new());
+        }
+        let records = records.to_vec();
+        self.write(move |conn| {
+            let tx = conn.transaction().ctx("record_attempts")?;
+            let mut applied = Vec::with_capacity(records.len());
+            for r in &records {
+                applied.push(apply_attempt(&tx, r)?);
+            }
+            tx.commit().ctx("record_attempts")?;
+            Ok(applied)
+        })
+        .await
+    }
+
+    async fn fail_undeliverable(&self, active_destination_ids: &[String], now: u64) -> Result<u64> {
+        let active = encode("fail_undeliverable", &active_destination_ids)?;
+        self.write(move |conn| {
+            let n = conn
+                .execute(
+                    "UPDATE deliveries SET status = 'failed', \
+                     last_error = 'destination deactivated or deleted', updated_at = ?2 \
+                     WHERE status = 'pending' AND destination_id NOT IN (SELECT value FROM json_each(?1))",
+                    params![active, now],
+                )
+                .ctx("fail_undeliverable")?;
+            Ok(n as u64)
+        })
+        .await
+    }
+
+    async fn list_attempts(&self, query: &AttemptQuery) -> Result<Vec<DeliveryAttempt>> {
+        let (sql, args) = attempts_sql(query);
+        self.read(move |conn| {
+            let mut stmt = conn.prepare_cached(&sql).ctx("list_attempts")?;
+            let rows = stmt
+                .query_map(rusqlite::params_from_iter(args), attempt_from_row)
+                .ctx("list_attempts")?;
+            rows.collect::<rusqlite::Result<Vec<_>>>()
+                .ctx("list_attempts")
+        })
+        .await
+    }
+
+    async fn job_deliveries(&self, job_id: &str) -> Result<Vec<DeliveryState>> {
+        let job_id = job_id.to_owned();
+        self.read(move |conn| {
+            let mut stmt = conn
+                .prepare_cached(&format!(
+                    "SELECT {DELIVERY_COLUMNS} FROM deliveries WHERE job_id = ?1 ORDER BY id"
+                ))
+                .ctx("job_deliveries")?;
+            let rows = stmt
+                .query_map([job_id], delivery_from_row)
+                .ctx("job_deliveries")?;
+            rows.collect::<rusqlite::Result<Vec<_>>>()
+                .ctx("job_deliveries")
+        })
+        .await
+    }
+
+    async fn redeliver_job(
+        &self,
+        pool: &str,
+        job_id: &str,
+        destination_ids: &[String],
+        now: u64,
+    ) -> Result<Redeliver> {
+        let (pool, job_id, dests) = (pool.to_owned(), job_id.to_owned(), destination_ids.to_vec());
+        self.write(move |conn| {
+            let tx = conn.transaction().ctx("redeliver_job")?;
+            let job_status: Option<String> = tx
+                .query_row(
+                    "SELECT status FROM jobs WHERE id = ?1 AND pool = ?2",
+                    params![job_id, pool],
+                    |r| r.get(0),
+                )
+                .optional()
+                .ctx("redeliver_job")?;
+            let Some(job_status) = job_status else {
+                return Ok(Redeliver::NoSuchJob);
+            };
+            if !status::is_terminal(&job_status) {
+                return Ok(Redeliver::NotTerminal);
+            }
+            let mut queued = 0u32;
+            {
+                let mut stmt = tx
+                    .prepare_cached(
+                        "INSERT INTO deliveries (job_id, destination_id, status, attempts, next_attempt_at, \
+                         created_at, updated_at, manual, round, round_attempts) \
+                         VALUES (?1, ?2, 'pending', 0, ?3, ?3, ?3, 1, 0, 0) \
+                         ON CONFLICT (job_id, destination_id) DO UPDATE SET status = 'pending', \
+                         next_attempt_at = excluded.next_attempt_at, updated_at = excluded.updated_at, \
+                         manual = 1, round = round + 1, round_attempts = 0, delivered_at = NULL",
+                    )
+                    .ctx("redeliver_job")?;
+                for d in &dests {
+                    queued += stmt.execute(params![job_id, d, now]).ctx("redeliver_job")? as u32;
+                }
+            }
+            tx.commit().ctx("redeliver_job")?;
+            Ok(Redeliver::Queued(queued))
         })
         .await
     }

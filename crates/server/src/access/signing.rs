@@ -465,6 +465,25 @@ mod tests {
         assert_eq!(p.finish_with_body(b"{}").await, Err(HmacFailure::Signature));
     }
 
+    /// The README's curl/openssl recipe produced this signature.
+    #[tokio::test]
+    async fn an_openssl_signature_verifies() {
+        let mut h = HeaderMap::new();
+        h.insert("host", "p.localhost:8080".parse().unwrap());
+        h.insert(TIMESTAMP_HEADER, "1700000000".parse().unwrap());
+        h.insert(NONCE_HEADER, "0123456789abcdef0123".parse().unwrap());
+        h.insert(
+            SIGNATURE_HEADER,
+            "v1=a3134113ef42fd45bd891ea8c3b6507ad2cb18c3e935c3e0f09f71a978900944"
+                .parse()
+                .unwrap(),
+        );
+        let uri: Uri = "/v1/x?a=1&b=two".parse().unwrap();
+        let p = HmacPolicy::new(vec![b"test-secret-0123456789".to_vec()], 300);
+        let pending = p.begin(&Method::POST, &uri, &h, NOW, store()).unwrap();
+        assert_eq!(pending.finish_with_body(br#"{"a":1}"#).await, Ok(()));
+    }
+
     #[test]
     fn the_head_is_checked_before_the_body() {
         let p = policy();
