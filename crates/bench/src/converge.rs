@@ -397,10 +397,12 @@ async fn run_one(
 }
 
 pub async fn run(args: ConvergeArgs) -> Result<(), BoxError> {
-    if args.warmup_s % BUCKET_S != 0 || args.measure_s % BUCKET_S != 0 || args.measure_s == 0 {
-        return Err(format!("--warmup-s and --measure-s must be multiples of {BUCKET_S}").into());
-    }
-    let args = Arc::new(args);
+    // Whole timeline rows only: the warm-up/measured split falls on a row boundary.
+    let args = Arc::new(ConvergeArgs {
+        warmup_s: args.warmup_s.div_ceil(BUCKET_S) * BUCKET_S,
+        measure_s: args.measure_s.div_ceil(BUCKET_S).max(1) * BUCKET_S,
+        ..args
+    });
     let mean_latency_s = (args.latency_ms as f64 + args.jitter_ms as f64 / 2.0) / 1_000.0;
     let by_limit = (args.origin_limit > 0).then(|| f64::from(args.origin_limit) / mean_latency_s);
     let by_rpm = (args.origin_rpm > 0).then(|| f64::from(args.origin_rpm) / 60.0);

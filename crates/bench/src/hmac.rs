@@ -80,6 +80,8 @@ struct Signing {
     body_sha256_hex: String,
     /// Random per run, so nonces never repeat across runs against the same server.
     nonce_prefix: String,
+    /// Shared by every client of every round: a nonce is never used twice.
+    next_nonce: AtomicU64,
 }
 
 struct Client {
@@ -89,8 +91,6 @@ struct Client {
     key: HeaderValue,
     body: Bytes,
     signing: Option<Arc<Signing>>,
-    task: usize,
-    next_nonce: u64,
 }
 
 fn unix_now() -> u64 {
@@ -111,7 +111,6 @@ impl Client {
         pool: &str,
         body: &Bytes,
         signing: Option<Arc<Signing>>,
-        task: usize,
     ) -> Result<Client, BoxError> {
         let stream = TcpStream::connect(args.nthbouncer).await?;
         stream.set_nodelay(true)?;
@@ -125,8 +124,6 @@ impl Client {
             key: HeaderValue::from_str(&args.key)?,
             body: body.clone(),
             signing,
-            task,
-            next_nonce: 0,
         })
     }
 
@@ -152,14 +149,15 @@ impl Client {
         Ok(req.body(Full::new(self.body.clone()))?)
     }
 
-    /// A fresh nonce of this client.
-    fn nonce(&mut self) -> String {
-        self.next_nonce += 1;
-        let prefix = self
-            .signing
-            .as_ref()
-            .map_or("", |s| s.nonce_prefix.as_str());
-        format!("{prefix}-{:04}-{:016x}", self.task, self.next_nonce)
+    /// A fresh nonce, unique across clients and rounds.
+    fn nonce(&self) -> String {
+        match &self.signing {
+            Some(s) => {
+                let n = s.next_nonce.fetch_add(1, Ordering::Relaxed);
+                format!("{}-{n:016x}", s.nonce_prefix)
+            }
+            None => String::new(),
+        }
     }
 
     /// The next request: signed with a fresh nonce when this client signs.
@@ -247,8 +245,8 @@ async fn run_once(
 ) -> Result<(), BoxError> {
     // Connections first, so the clock measures requests only.
     let mut clients = Vec::with_capacity(args.concurrency);
-    for i in 0..args.concurrency {
-        clients.push(Client::connect(args, pool, body, signing.clone(), i).await?);
+    for _ in 0..args.concurrency {
+        clients.push(Client::connect(args, pool, body, signing.clone()).await?);
     }
     let budget = Arc::new(AtomicU64::new(args.max_requests));
     let start = Instant::now();
@@ -276,12 +274,11 @@ async fn run_once(
 /// The signed pool must refuse unsigned and replayed requests and admit a signed one; the plain
 /// pool must admit an unsigned one.
 async fn check(args: &HmacArgs, body: &Bytes, signing: &Arc<Signing>) -> Result<(), BoxError> {
-    let mut plain = Client::connect(args, &args.plain_pool, body, None, 9999).await?;
+    let mut plain = Client::connect(args, &args.plain_pool, body, None).await?;
     if !plain.one().await? {
         return Err(format!("pool {} did not admit an unsigned request", args.plain_pool).into());
     }
-    let mut signed =
-        Client::connect(args, &args.signed_pool, body, Some(signing.clone()), 9999).await?;
+    let mut signed = Client::connect(args, &args.signed_pool, body, Some(signing.clone())).await?;
     let unsigned = signed.build(None)?;
     let (status, _) = signed.send(unsigned).await?;
     if status != StatusCode::UNAUTHORIZED {
@@ -322,6 +319,7 @@ pub async fn run(args: HmacArgs) -> Result<(), BoxError> {
         secret: args.secret.as_bytes().to_vec(),
         body_sha256_hex: hex::encode(Sha256::digest(&body)),
         nonce_prefix: format!("{:016x}", ids.hash_one(unix_now())),
+        next_nonce: AtomicU64::new(0),
     });
     check(&args, &body, &signing).await?;
     eprintln!(

@@ -32,6 +32,7 @@ use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Script};
 use tokio::net::TcpStream;
 
+use crate::cpu::{per_op, Probe};
 use crate::stats::{count, ms, percentile, table};
 use crate::BoxError;
 
@@ -129,6 +130,15 @@ pub struct LockArgs {
     /// Upper bound on the pairs of one run, whatever the duration.
     #[arg(long, default_value_t = 5_000_000)]
     max_pairs: u64,
+    /// Pid of the nthbouncer process, to report its CPU time per pair.
+    #[arg(long)]
+    nthbouncer_pid: Option<u32>,
+    /// Pid of redis-server, likewise.
+    #[arg(long)]
+    redis_pid: Option<u32>,
+    /// Clock ticks per second of `/proc/*/stat` (`getconf CLK_TCK`).
+    #[arg(long, default_value_t = 100)]
+    clk_tck: u64,
 }
 
 /// One system under test, seen from one client task.
@@ -413,6 +423,8 @@ struct Totals {
     refused: u64,
     lost: u64,
     elapsed: Duration,
+    /// CPU time of the server process during the runs (when its pid was given).
+    cpu: Option<Duration>,
     max_holders: i64,
     latencies_us: Vec<u32>,
     /// Pairs of each task, summed over rounds (task i of every round together).
@@ -425,18 +437,32 @@ impl Totals {
     }
 }
 
-/// Runs `lockers` concurrently for `seconds` and adds what they did to `totals`.
-async fn run_once<L: Locker>(
-    lockers: Vec<L>,
+/// How one run goes: its length, the Redis retry pause, the pair bound, the server to measure.
+#[derive(Clone, Copy)]
+struct RunSpec {
     seconds: f64,
     retry: Duration,
     max_pairs: u64,
+    server: Option<Probe>,
+}
+
+/// Runs `lockers` concurrently for `spec.seconds` and adds what they did to `totals`.
+async fn run_once<L: Locker>(
+    lockers: Vec<L>,
+    spec: RunSpec,
     totals: &mut Totals,
 ) -> Result<(), BoxError> {
+    let RunSpec {
+        seconds,
+        retry,
+        max_pairs,
+        server,
+    } = spec;
     let shared = Arc::new(Shared {
         budget: AtomicU64::new(max_pairs),
         ..Shared::default()
     });
+    let cpu_before = server.map(|p| p.cpu());
     let start = Instant::now();
     let until = start + Duration::from_secs_f64(seconds);
     let handles: Vec<_> = lockers
@@ -450,6 +476,10 @@ async fn run_once<L: Locker>(
     // Pairs that began before the deadline still count, so the clock stops when the last one
     // ended, not at the deadline.
     totals.elapsed += start.elapsed();
+    if let (Some(p), Some(before)) = (server, cpu_before) {
+        let used = p.cpu().saturating_sub(before);
+        totals.cpu = Some(totals.cpu.unwrap_or_default() + used);
+    }
     totals.max_holders = totals
         .max_holders
         .max(shared.max_holders.load(Ordering::SeqCst));
@@ -518,8 +548,26 @@ pub async fn run(args: LockArgs) -> Result<(), BoxError> {
         renew: Script::new(RENEW_LUA),
         release: Script::new(RELEASE_LUA),
     });
-    let retry = Duration::from_millis(args.redis_retry_ms);
-    let no_retry = Duration::ZERO;
+    let nb_probe = args
+        .nthbouncer_pid
+        .map(|pid| Probe::new(pid, args.clk_tck))
+        .transpose()?;
+    let redis_probe = args
+        .redis_pid
+        .map(|pid| Probe::new(pid, args.clk_tck))
+        .transpose()?;
+    let nb_spec = |seconds| RunSpec {
+        seconds,
+        retry: Duration::ZERO,
+        max_pairs: args.max_pairs,
+        server: nb_probe,
+    };
+    let redis_spec = |seconds| RunSpec {
+        seconds,
+        retry: Duration::from_millis(args.redis_retry_ms),
+        max_pairs: args.max_pairs,
+        server: redis_probe,
+    };
     let mut rows = Vec::new();
     let mut summary = Vec::new();
     let mut all_ok = true;
@@ -558,25 +606,18 @@ pub async fn run(args: LockArgs) -> Result<(), BoxError> {
         if args.warmup_seconds > 0.0 {
             let mut discard = Totals::default();
             let l = nb_lockers(&args, &pool.name).await?;
-            run_once(
-                l,
-                args.warmup_seconds,
-                no_retry,
-                args.max_pairs,
-                &mut discard,
-            )
-            .await?;
+            run_once(l, nb_spec(args.warmup_seconds), &mut discard).await?;
             let l = redis_lockers(&args, &client, &scripts, &set, pool.limit).await?;
-            run_once(l, args.warmup_seconds, retry, args.max_pairs, &mut discard).await?;
+            run_once(l, redis_spec(args.warmup_seconds), &mut discard).await?;
         }
         for round in 0..args.rounds {
             for nb_turn in [round % 2 == 0, round % 2 == 1] {
                 if nb_turn {
                     let l = nb_lockers(&args, &pool.name).await?;
-                    run_once(l, args.seconds, no_retry, args.max_pairs, &mut nb).await?;
+                    run_once(l, nb_spec(args.seconds), &mut nb).await?;
                 } else {
                     let l = redis_lockers(&args, &client, &scripts, &set, pool.limit).await?;
-                    run_once(l, args.seconds, retry, args.max_pairs, &mut rd).await?;
+                    run_once(l, redis_spec(args.seconds), &mut rd).await?;
                 }
             }
         }
@@ -619,10 +660,19 @@ pub async fn run(args: LockArgs) -> Result<(), BoxError> {
                 ),
                 count(t.refused as f64),
                 format!("{}..{}", count(min as f64), count(max as f64)),
+                t.cpu.map_or("-".into(), |c| per_op(c, t.pairs)),
             ]);
         }
+        let cpu_ratio = match (nb.cpu, rd.cpu) {
+            (Some(a), Some(b)) if nb.pairs > 0 && rd.pairs > 0 => format!(
+                "; server CPU per pair nthbouncer/redis = {:.2}",
+                (a.as_secs_f64() / nb.pairs as f64)
+                    / (b.as_secs_f64() / rd.pairs as f64).max(f64::EPSILON)
+            ),
+            _ => String::new(),
+        };
         summary.push(format!(
-            "  {scenario}: nthbouncer/redis = {:.2}",
+            "  {scenario}: pairs/s nthbouncer/redis = {:.2}{cpu_ratio}",
             nb.rate() / rd.rate().max(f64::EPSILON)
         ));
     }
@@ -651,12 +701,13 @@ pub async fn run(args: LockArgs) -> Result<(), BoxError> {
                 "max holders / limit",
                 "refused",
                 "pairs per task",
+                "server CPU µs/pair",
             ],
             &rows,
         )
     );
     println!();
-    println!("ratio (pairs/s):");
+    println!("ratios:");
     for line in summary {
         println!("{line}");
     }

@@ -11,6 +11,8 @@
 //!   HAProxy, and compares throughput and latency.
 //! - [`upstream`]: the fast local origin the proxy benchmark puts behind every proxy.
 //! - [`hmac`]: admitted proxy requests per second with HMAC request signing on vs off.
+//! - [`cpu`]: CPU time of the server processes, from `/proc`.
+//! - [`webhooks`]: webhook deliveries per second from a full outbox (runs the server in-process).
 //! - [`stats`]: percentiles and table formatting.
 //!
 //! Processes (nthbouncer, nginx, HAProxy, redis-server) are started and stopped by `bench/run`;
@@ -19,11 +21,13 @@
 #![forbid(unsafe_code)]
 
 mod converge;
+mod cpu;
 mod hmac;
 mod lock;
 mod proxy;
 mod stats;
 mod upstream;
+mod webhooks;
 
 use std::error::Error;
 use std::process::ExitCode;
@@ -59,6 +63,8 @@ enum Command {
     Converge(converge::ConvergeArgs),
     /// Serve a small fixed body on HTTP/1.1 keep-alive (the proxy benchmark's origin).
     Upstream(upstream::UpstreamArgs),
+    /// Webhook deliveries per second from a full outbox to a local receiver (in-process server).
+    Webhooks(webhooks::WebhooksArgs),
     /// Print free loopback TCP ports, one a line.
     FreePorts {
         #[arg(long, default_value_t = 1)]
@@ -92,6 +98,7 @@ fn main() -> ExitCode {
             Command::Hmac(args) => hmac::run(args).await,
             Command::Converge(args) => converge::run(args).await,
             Command::Upstream(args) => upstream::run(args).await,
+            Command::Webhooks(args) => webhooks::run(args).await,
             Command::FreePorts { count } => free_ports(count),
         }
     });

@@ -17,6 +17,7 @@ use hyper::{Request, StatusCode, Uri};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
+use crate::cpu::{per_op, Probe};
 use crate::stats::{count, ms, table};
 use crate::upstream::BODY;
 use crate::BoxError;
@@ -76,6 +77,13 @@ pub struct ProxyArgs {
     /// Unmeasured warm-up per target (opens the proxies' upstream connections).
     #[arg(long, default_value_t = 1)]
     warmup_seconds: u64,
+    /// `NAME=PID`: the process serving that target (with its children), to report its CPU time
+    /// per request. For the baseline, the upstream.
+    #[arg(long = "pid")]
+    pids: Vec<Named>,
+    /// Clock ticks per second of `/proc/*/stat` (`getconf CLK_TCK`).
+    #[arg(long, default_value_t = 100)]
+    clk_tck: u64,
 }
 
 /// What one wrk run reported.
@@ -94,11 +102,16 @@ struct Totals {
     p50_us: Vec<u32>,
     p99_us: Vec<u32>,
     errors: u64,
+    cpu: Option<Duration>,
 }
 
 impl Totals {
     fn rate(&self) -> f64 {
         self.requests as f64 * 1e6 / (self.duration_us.max(1) as f64)
+    }
+    fn cpu_per_request(&self) -> Option<f64> {
+        let cpu = self.cpu?;
+        (self.requests > 0).then(|| cpu.as_secs_f64() / self.requests as f64)
     }
     /// Mean over rounds: wrk's histograms cannot be merged from its summary, and the rounds are
     /// equally long.
@@ -211,6 +224,20 @@ pub async fn run(args: ProxyArgs) -> Result<(), BoxError> {
     }
     let n = args.targets.len();
     let mut totals: Vec<Totals> = (0..n).map(|_| Totals::default()).collect();
+    let mut probes = Vec::with_capacity(n);
+    for t in &args.targets {
+        let pid = args.pids.iter().find(|p| p.name == t.name);
+        let probe = match pid {
+            Some(p) => Some(Probe::new(
+                p.value
+                    .parse()
+                    .map_err(|_| format!("--pid {}={}: not a pid", p.name, p.value))?,
+                args.clk_tck,
+            )?),
+            None => None,
+        };
+        probes.push(probe);
+    }
     eprintln!(
         "proxy: {} targets, wrk -t{} -c{}: warm-up {} s each, then {} × {} s rounds",
         n, args.wrk_threads, args.connections, args.warmup_seconds, args.rounds, args.seconds
@@ -231,10 +258,17 @@ pub async fn run(args: ProxyArgs) -> Result<(), BoxError> {
         // heaviest one).
         for i in 0..n {
             let idx = (i + round) % n;
-            let (Some(t), Some(total)) = (args.targets.get(idx), totals.get_mut(idx)) else {
+            let (Some(t), Some(total), Some(probe)) =
+                (args.targets.get(idx), totals.get_mut(idx), probes.get(idx))
+            else {
                 continue;
             };
+            let before = probe.map(|p| p.cpu());
             let r = wrk(&args, &t.value, host_of(&args, &t.name), args.seconds).await?;
+            if let (Some(p), Some(before)) = (probe, before) {
+                let used = p.cpu().saturating_sub(before);
+                total.cpu = Some(total.cpu.unwrap_or_default() + used);
+            }
             total.requests += r.requests;
             total.duration_us += r.duration_us;
             total.p50_us.push(r.p50_us);
@@ -265,12 +299,14 @@ pub async fn run(args: ProxyArgs) -> Result<(), BoxError> {
             Totals::mean(&total.p50_us).map_or("-".into(), ms),
             p99.map_or("-".into(), ms),
             added,
+            total.cpu.map_or("-".into(), |c| per_op(c, total.requests)),
             count(total.errors as f64),
         ]);
     }
     for m in &args.missing {
         rows.push(vec![
             m.name.clone(),
+            "-".into(),
             "-".into(),
             "-".into(),
             "-".into(),
@@ -297,6 +333,7 @@ pub async fn run(args: ProxyArgs) -> Result<(), BoxError> {
                 "p50 ms",
                 "p99 ms",
                 "p99 added vs direct",
+                "CPU µs/req",
                 "errors"
             ],
             &rows
@@ -308,14 +345,20 @@ pub async fn run(args: ProxyArgs) -> Result<(), BoxError> {
         .iter()
         .position(|t| t.name == args.subject)
         .and_then(|i| totals.get(i));
-    println!("ratio (req/s):");
+    println!("ratios:");
     for (i, (t, total)) in args.targets.iter().zip(&totals).enumerate() {
         if i == 0 || t.name == args.subject {
             continue;
         }
         if let Some(s) = subject {
+            let cpu = match (s.cpu_per_request(), total.cpu_per_request()) {
+                (Some(a), Some(b)) => {
+                    format!("; CPU per request = {:.2}", a / b.max(f64::EPSILON))
+                }
+                _ => String::new(),
+            };
             println!(
-                "  {}/{} = {:.2}",
+                "  {}/{}: req/s = {:.2}{cpu}",
                 args.subject,
                 t.name,
                 s.rate() / total.rate().max(f64::EPSILON)

@@ -23,7 +23,7 @@
 //! `good` is known to work (a whole window of successes ran at it), step back to `good` — the
 //! overshoot was our own probe. Otherwise halve `e` (multiplicative decrease, floor `min_limit`)
 //! and forget `good`: the origin got tighter and old knowledge is void. Either way `e` becomes
-//! the `ceiling`, a level not to be retried for [`PROBE_AFTER_MS`].
+//! the `ceiling`, a level not retried too soon (see below).
 //!
 //! **Concurrency: increase.** A success counts only if the limit bound while the request ran
 //! (every slot was taken at some point): successes at low concurrency prove nothing about
@@ -51,9 +51,8 @@
 //! throttle or a binding moment, and every [`QUIET_MS`] after that, the learned limit closes
 //! half its gap to the configured limit and the ceiling is forgotten; an overshoot later steps
 //! straight back to the last good level. An announced pace lapses after [`RATE_STALE_MS`]
-//! without a fresh announcement. Decay is a pure function of time (the
-//! getters take `now`), so admission sees it without any call; it is written back on the next
-//! observation.
+//! without a fresh announcement. Decay is a pure function of time (the getters take `now`), so
+//! admission sees it without any call; it is written back on the next observation.
 //!
 //! Never below `min_limit`, never above `limit`: every learned value is clamped on the way in
 //! and the effective limit is clamped on the way out.
@@ -80,11 +79,11 @@ pub(crate) const PROBE_AFTER_MS: u64 = 30_000;
 /// even when answers are slow (an LLM taking ten seconds makes only a few requests a minute).
 pub(crate) const PROBE_AFTER_SUCCESSES: u32 = 100;
 
-/// A quiet period after which learned values decay one step towards the configuration. For
-/// the limit, quiet means no concurrency throttle *and* the limit never bound (while it binds
-/// and holds, the calm is our own doing; probing tests the origin instead). For the pace scale,
-/// no rate-blamed throttle. Two minutes: long enough to span many requests of a busy pool,
-/// short enough that an idle-then-busy pool does not run on hour-old knowledge.
+/// A quiet period after which the learned limit decays one step towards the configuration.
+/// Quiet means no concurrency throttle *and* the limit never bound (while it binds and holds,
+/// the calm is our own doing; probing tests the origin instead). Two minutes: long enough to
+/// span many requests of a busy pool, short enough that an idle-then-busy pool does not run on
+/// hour-old knowledge.
 pub(crate) const QUIET_MS: u64 = 120_000;
 
 /// An announced pace not repeated for this long lapses: the answers that carried it stopped
@@ -100,7 +99,7 @@ pub(crate) const RATE_MARGIN_PERMILLE: u64 = 970;
 /// log line; announcements jitter with every answer.
 const RPM_NOTE_PERMILLE: u64 = 100;
 
-const FULL_SCALE: u64 = 1_000;
+const PER_MILLE: u64 = 1_000;
 
 /// The configured range the learned limit lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -163,7 +162,7 @@ struct Pace {
     basis: Basis,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct Adaptive {
     /// The learned limit as of `limit_calm_since` (decay applies on top). `None` means "no lower than
     /// configured". Always `< limit` and `>= min_limit` when set.
@@ -192,26 +191,6 @@ pub(crate) struct Adaptive {
     last_throttle: Option<Throttle>,
 }
 
-impl Default for Adaptive {
-    fn default() -> Self {
-        Adaptive {
-            learned_limit: None,
-            good: None,
-            ceiling: None,
-            probe_at: 0,
-            since_decrease: 0,
-            successes: 0,
-            limit_calm_since: 0,
-            last_decrease_at: None,
-            no_decrease_before: 0,
-            paused_until: None,
-            pace: None,
-            noted_rpm: None,
-            last_throttle: None,
-        }
-    }
-}
-
 impl Adaptive {
     /// `min(limit, learned)`, decayed to `now`, within the bounds.
     pub(crate) fn effective_limit(&self, b: Bounds, now: u64) -> u32 {
@@ -232,7 +211,7 @@ impl Adaptive {
         let pace = self
             .pace
             .filter(|p| now.saturating_sub(p.at) < RATE_STALE_MS)?;
-        let us = u128::from(pace.announced_us) * u128::from(FULL_SCALE)
+        let us = u128::from(pace.announced_us) * u128::from(PER_MILLE)
             / u128::from(RATE_MARGIN_PERMILLE);
         let us = u64::try_from(us)
             .unwrap_or(u64::MAX)
@@ -516,7 +495,7 @@ fn rpm_changed(noted: Option<u32>, now: Option<u32>) -> bool {
     match (noted, now) {
         (None, None) => false,
         (Some(a), Some(b)) => {
-            u64::from(a.abs_diff(b)) * FULL_SCALE > u64::from(a) * RPM_NOTE_PERMILLE
+            u64::from(a.abs_diff(b)) * PER_MILLE > u64::from(a) * RPM_NOTE_PERMILLE
         }
         _ => true,
     }

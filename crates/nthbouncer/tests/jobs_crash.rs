@@ -112,6 +112,8 @@ async fn accepted_jobs_survive_kill_9() {
     let port = free_port();
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("nthbouncer.toml");
+    // The destination is a placeholder nothing listens on: every delivery to it fails, so it
+    // must not reach its deactivation streak (which would flip the pool to sync) during the test.
     std::fs::File::create(&config)
         .unwrap()
         .write_all(
@@ -120,7 +122,8 @@ async fn accepted_jobs_survive_kill_9() {
                  [[pools]]\nname = \"p\"\nupstream = \"http://127.0.0.1:{up_port}\"\nkeys = [\"{KEY}\"]\n\
                  [pools.concurrency]\nlimit = {LIMIT}\nqueue_size = 10000\n\
                  [pools.async]\nenabled = true\n\
-                 [[pools.webhooks]]\nurl = \"http://127.0.0.1:9/hook\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\n",
+                 [[pools.webhooks]]\nurl = \"http://127.0.0.1:9/hook\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\n\
+                 deactivate_after = 1000000\n",
                 dir.path().join("data").display().to_string()
             )
             .as_bytes(),

@@ -19,12 +19,11 @@ mod jwt;
 mod signing;
 mod throttle;
 
-use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::{ConnectInfo, Path, Request, State};
+use axum::extract::{ConnectInfo, Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use http::{HeaderMap, HeaderName, Method, StatusCode, Uri};
@@ -95,6 +94,7 @@ impl Failure {
             Failure::IpNotAllowed
                 | Failure::Throttled { .. }
                 | Failure::Hmac(HmacFailure::NonceStoreFull)
+                | Failure::Hmac(HmacFailure::BodyIncomplete)
                 | Failure::Jwt(JwtFailure::KeysUnavailable)
                 | Failure::CloudflareAccess(JwtFailure::KeysUnavailable)
         )
@@ -265,9 +265,12 @@ impl AccessPolicy {
         }
     }
 
-    /// Counts a failed authentication of `client` (for failures found after [`authorize`]).
-    pub fn record_failure(&self, client: IpAddr, now: u64) {
-        self.state.throttle.record_failure(client, now);
+    /// Counts a failure of `client` found after [`authorize`] (a streamed body's signature), if
+    /// it is one that counts.
+    pub fn record_failure(&self, client: IpAddr, now: u64, failure: Failure) {
+        if failure.counts() {
+            self.state.throttle.record_failure(client, now);
+        }
     }
 }
 
@@ -388,10 +391,7 @@ pub fn refuse(
     key_id: Option<&str>,
     failure: Failure,
 ) -> Response {
-    match failure {
-        Failure::Throttled { .. } => pool.metrics.refused_429.increment(1),
-        _ => pool.metrics.unauthorized.increment(1),
-    }
+    count_refusal(pool, failure);
     let e = failure.error();
     log.write(
         key_id,
@@ -403,6 +403,39 @@ pub fn refuse(
         None,
     );
     e.into_response()
+}
+
+fn count_refusal(pool: &PoolRuntime, failure: Failure) {
+    match failure {
+        Failure::Throttled { .. } => pool.metrics.refused_429.increment(1),
+        _ => pool.metrics.unauthorized.increment(1),
+    }
+}
+
+/// The pool named by a `/pools/{pool}/…` path, percent-decoded the way the router decodes it for
+/// the handlers (so an encoded name cannot reach a pool around these checks).
+fn pool_segment(path: &str) -> Option<String> {
+    let mut segments = path.strip_prefix('/')?.split('/');
+    if segments.next()? != "pools" {
+        return None;
+    }
+    let raw = segments.next()?.as_bytes();
+    let mut out = Vec::with_capacity(raw.len());
+    let mut i = 0;
+    while let Some(&b) = raw.get(i) {
+        let hex = |j: usize| raw.get(j).and_then(|c| (*c as char).to_digit(16));
+        match (b, hex(i + 1), hex(i + 2)) {
+            (b'%', Some(h), Some(l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            _ => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
 }
 
 fn route_label(method: &Method, path: &str) -> String {
@@ -419,21 +452,23 @@ fn route_label(method: &Method, path: &str) -> String {
 pub async fn require(
     State(state): State<Arc<AppState>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    Path(params): Path<HashMap<String, String>>,
     req: Request,
     next: Next,
 ) -> Response {
-    let Some(pool) = params.get("pool").and_then(|name| state.pool(name)) else {
-        // The handler answers pool_not_found.
+    let Some(pool) = pool_segment(req.uri().path()).and_then(|name| state.pool(&name)) else {
+        // No pool by that name: the handler answers pool_not_found.
         return next.run(req).await;
     };
     let client = client_addr(peer.ip(), req.headers(), &state.trusted_proxies);
+    let route = route_label(req.method(), req.uri().path());
+    // Like the handlers: acquire attempts are access-logged; renew, release and polls are not.
+    let logged = route == "lock acquire";
     let log = LogLine {
         log: &state.access_log,
         pool: &pool.name,
         at: state.now(),
         peer: SocketAddr::new(client, peer.port()),
-        route: route_label(req.method(), req.uri().path()),
+        route,
     };
     let (parts, mut body) = req.into_parts();
     let mut bytes = None;
@@ -464,7 +499,11 @@ pub async fn require(
     )
     .await;
     if let Err(failure) = checked {
-        return refuse(&pool, log, None, failure);
+        if logged {
+            return refuse(&pool, log, None, failure);
+        }
+        count_refusal(&pool, failure);
+        return failure.error().into_response();
     }
     next.run(Request::from_parts(parts, body)).await
 }
@@ -529,6 +568,19 @@ mod tests {
         assert_eq!(src.token(&h, true), Some(("d.e.f", false)));
         h.insert("x-nthpool-jwt", "g.h.i".parse().unwrap());
         assert_eq!(src.token(&h, false), Some(("g.h.i", false)));
+    }
+
+    #[test]
+    fn the_pool_segment_is_decoded_like_the_router_does() {
+        assert_eq!(pool_segment("/pools/p/lock/acquire").as_deref(), Some("p"));
+        assert_eq!(
+            pool_segment("/pools/%70/lock/acquire").as_deref(),
+            Some("p")
+        );
+        assert_eq!(pool_segment("/pools/a%2/x").as_deref(), Some("a%2"));
+        assert_eq!(pool_segment("/pools/%FF/lock/acquire"), None);
+        assert_eq!(pool_segment("/admin/pools/p"), None);
+        assert_eq!(pool_segment("/pools"), None);
     }
 
     #[test]

@@ -109,20 +109,10 @@ pub struct WebhookCount {
     pub destinations: u32,
 }
 
-/// Accepts a proxied request as a job: reads its body (up to the pool's `async.max_body_bytes`),
-/// writes the job durably, starts its runner, and answers `202`.
-pub async fn accept(
-    state: &Arc<AppState>,
-    pool: &Arc<PoolRuntime>,
-    parts: &http::request::Parts,
-    body: hyper::body::Incoming,
-    caller: &crate::auth::Caller,
-    priority: Priority,
-    reason: Reason,
-) -> Result<Accepted, ApiError> {
-    let fairness = caller.fairness;
+/// Reads a request body for a job, up to the pool's `async.max_body_bytes` (`413` beyond).
+pub async fn read_body(pool: &PoolRuntime, body: hyper::body::Incoming) -> Result<Bytes, ApiError> {
     let max = pool.spec.async_jobs.max_body_bytes;
-    let body = http_body_util::Limited::new(body, max as usize)
+    Ok(http_body_util::Limited::new(body, max as usize)
         .collect()
         .await
         .map_err(|e| {
@@ -132,9 +122,30 @@ pub async fn accept(
                 ApiError::invalid("body", "the request body could not be read")
             }
         })?
-        .to_bytes();
-    let headers: Vec<(String, String)> = parts
-        .headers
+        .to_bytes())
+}
+
+/// Accepts a proxied request (its body already read and verified) as a job: writes it durably,
+/// starts its runner, and returns the `202` body. Our headers, hop-by-hop headers and the
+/// credentials the caller authenticated with are not stored.
+pub async fn accept(
+    state: &Arc<AppState>,
+    pool: &Arc<PoolRuntime>,
+    parts: &http::request::Parts,
+    body: Bytes,
+    caller: &crate::auth::Caller,
+    priority: Priority,
+    reason: Reason,
+) -> Result<Accepted, ApiError> {
+    let fairness = caller.fairness;
+    let mut kept = parts.headers.clone();
+    crate::proxy::strip_hop_by_hop(&mut kept);
+    crate::proxy::strip_nthpool_headers(&mut kept);
+    pool.access.strip_credentials(&mut kept);
+    if caller.used_authorization {
+        kept.remove(http::header::AUTHORIZATION);
+    }
+    let headers: Vec<(String, String)> = kept
         .iter()
         .filter_map(|(k, v)| Some((k.as_str().to_string(), v.to_str().ok()?.to_string())))
         .collect();

@@ -352,7 +352,6 @@ pub fn outcome_of(report: &ReleaseBody, now_ms: u64) -> Result<Outcome, ApiError
         rate,
         via: Some(crate::outcome::VIA_LOCK),
         dialect: parsed.as_ref().and_then(crate::outcome::dialect),
-        ..Default::default()
     })
 }
 

@@ -317,6 +317,7 @@ pub async fn handle(
             log,
             &parts,
             body,
+            signed.take(),
             &caller,
             priority,
             Reason::Requested,
@@ -342,6 +343,7 @@ pub async fn handle(
                 log,
                 &parts,
                 body,
+                signed.take(),
                 &caller,
                 priority,
                 Reason::Busy,
@@ -355,6 +357,7 @@ pub async fn handle(
                 log,
                 &parts,
                 body,
+                signed.take(),
                 &caller,
                 priority,
                 Reason::WaitTimeout,
@@ -457,8 +460,9 @@ pub async fn handle(
         Ok(Ok(resp)) => resp,
         Ok(Err(err)) => {
             if let Some(failure) = access::rejection_in(&err) {
-                pool.access.record_failure(client, log.at);
-                return access::refuse(&pool, log, Some(&key_id), access::Failure::Hmac(failure));
+                let failure = access::Failure::Hmac(failure);
+                pool.access.record_failure(client, log.at, failure);
+                return access::refuse(&pool, log, Some(&key_id), failure);
             }
             let e = if chain_has::<LengthLimitError>(&err) {
                 ApiError::payload_too_large(max_body)
@@ -510,8 +514,9 @@ pub async fn handle(
     // The upstream may answer before a signed body ended: its answer waits for the verdict.
     if let Some(verdict) = verdict {
         if let Err(failure) = access::body_verdict(verdict, deadline).await {
-            pool.access.record_failure(client, log.at);
-            return access::refuse(&pool, log, Some(&key_id), access::Failure::Hmac(failure));
+            let failure = access::Failure::Hmac(failure);
+            pool.access.record_failure(client, log.at, failure);
+            return access::refuse(&pool, log, Some(&key_id), failure);
         }
     }
 
@@ -561,10 +566,34 @@ async fn accept_job(
     log: LogLine<'_>,
     parts: &http::request::Parts,
     body: Incoming,
+    signed: Option<access::Pending>,
     caller: &Caller,
     priority: Priority,
     reason: Reason,
 ) -> Response<Body> {
+    let body = match crate::jobs::read_body(pool, body).await {
+        Ok(b) => b,
+        Err(e) => {
+            log.write(
+                Some(&caller.key_id),
+                &e.status.as_u16().to_string(),
+                None,
+                e.status,
+                0,
+                None,
+                None,
+            );
+            return axum::response::IntoResponse::into_response(e);
+        }
+    };
+    // A signed request is only accepted once its body matches the signature.
+    if let Some(pending) = signed {
+        if let Err(f) = pending.finish_with_body(&body).await {
+            let failure = access::Failure::Hmac(f);
+            pool.access.record_failure(log.peer.ip(), log.at, failure);
+            return access::refuse(pool, log, Some(&caller.key_id), failure);
+        }
+    }
     match crate::jobs::accept(state, pool, parts, body, caller, priority, reason).await {
         Ok(accepted) => {
             log.write(

@@ -56,6 +56,8 @@ pub const JITTER: f64 = 0.1;
 pub const PER_DESTINATION: usize = 8;
 /// Attempts in flight overall.
 pub const TOTAL: usize = 64;
+/// Deliveries held in memory at once (sending, or sent and waiting for their record's commit).
+const HELD_MAX: usize = 4 * TOTAL;
 /// A 2xx must arrive within this (connect, send, response head).
 pub const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(15);
 /// How much of a response body the attempt log keeps.
@@ -418,17 +420,29 @@ async fn attempt(
     state: Arc<AppState>,
     client: Arc<WebhookClient>,
     recorder: Recorder,
+    sent: mpsc::UnboundedSender<u64>,
     due: DueDelivery,
 ) {
     let started = tokio::time::Instant::now();
     let answer = send(&client, &due, state.now()).await;
     let latency_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+    // The request is over: the destination's slot is free while the result is recorded.
+    let _ = sent.send(due.id);
     let jitter = rand::random::<f64>() * 2.0 - 1.0;
     let record = decide(&due, answer, state.now(), latency_ms, jitter);
     let (pool, destination) = (record.pool.clone(), record.destination_id.clone());
     tracing::debug!(%pool, %destination, job = %record.job_id, attempt = record.attempt,
         status = ?record.status_code, next = ?record.next, "webhook attempt");
-    match recorder.record(record).await {
+    let t_rec = tokio::time::Instant::now();
+    let res = recorder.record(record).await;
+    if std::env::var("NB_PROF").is_ok() {
+        eprintln!(
+            "send_ms={} record_ms={}",
+            latency_ms,
+            t_rec.elapsed().as_millis()
+        );
+    }
+    match res {
         Ok(applied) => {
             if applied.deactivated {
                 tracing::warn!(%pool, %destination, "webhook destination deactivated");
@@ -506,8 +520,16 @@ struct Dispatcher {
     tasks: JoinSet<()>,
     /// Task → (delivery id, destination id), to free both when the task ends however it ends.
     running: HashMap<TaskId, (u64, String)>,
+    /// Deliveries whose attempt has not been recorded yet: still `pending` and due in the store,
+    /// so a scan must skip them.
     in_flight: HashSet<u64>,
-    per_destination: HashMap<String, usize>,
+    /// Per destination: deliveries held (as `in_flight`).
+    held: HashMap<String, usize>,
+    /// Per destination: requests on the wire (the concurrency bound).
+    sending: HashMap<String, usize>,
+    /// Which held deliveries are still on the wire, and to which destination.
+    on_wire: HashMap<u64, String>,
+    sent_tx: mpsc::UnboundedSender<u64>,
     /// The active destinations at the last scan (`None` before the first).
     last_active: Option<Vec<String>>,
     last_stranded_sweep: u64,
@@ -518,6 +540,14 @@ struct Dispatcher {
 impl Dispatcher {
     /// Starts every due attempt there is room for; returns when the next pending delivery is due.
     async fn scan(&mut self) -> nthbouncer_store::Result<Option<u64>> {
+        let t_scan = tokio::time::Instant::now();
+        let r = self.scan_inner().await;
+        if std::env::var("NB_PROF").is_ok() {
+            eprintln!("scan_ms={}", t_scan.elapsed().as_micros() as f64 / 1000.0);
+        }
+        r
+    }
+    async fn scan_inner(&mut self) -> nthbouncer_store::Result<Option<u64>> {
         let now = self.state.now();
         let mut active: Vec<String> = {
             let registry = self.state.registry.load();
@@ -554,15 +584,18 @@ impl Dispatcher {
             self.cursor = self.cursor.wrapping_add(1);
             for i in 0..n {
                 let id = &active[(start + i) % n];
-                let busy = self.per_destination.get(id).copied().unwrap_or(0);
+                let sending = self.sending.get(id).copied().unwrap_or(0);
+                let sending_total: usize = self.sending.values().sum();
                 let free = PER_DESTINATION
-                    .saturating_sub(busy)
-                    .min(TOTAL.saturating_sub(self.in_flight.len()));
+                    .saturating_sub(sending)
+                    .min(TOTAL.saturating_sub(sending_total))
+                    .min(HELD_MAX.saturating_sub(self.in_flight.len()));
                 if free == 0 {
                     continue;
                 }
-                // In-flight deliveries are still pending and due: ask for enough to skip them.
-                let limit = u32::try_from(free + busy).unwrap_or(u32::MAX);
+                // Held deliveries are still pending and due: ask for enough to skip them.
+                let held = self.held.get(id).copied().unwrap_or(0);
+                let limit = u32::try_from(free + held).unwrap_or(u32::MAX);
                 let due = self.state.jobs.due_deliveries(id, now, limit).await?;
                 let fresh: Vec<DueDelivery> = due
                     .into_iter()
@@ -584,30 +617,44 @@ impl Dispatcher {
     }
 
     fn spawn(&mut self, due: DueDelivery) {
-        let key = (due.id, due.destination.id.clone());
+        let dest = due.destination.id.clone();
         self.in_flight.insert(due.id);
-        *self
-            .per_destination
-            .entry(due.destination.id.clone())
-            .or_default() += 1;
+        *self.held.entry(dest.clone()).or_default() += 1;
+        *self.sending.entry(dest.clone()).or_default() += 1;
+        self.on_wire.insert(due.id, dest.clone());
+        let delivery = due.id;
         let handle = self.tasks.spawn(attempt(
             self.state.clone(),
             self.client.clone(),
             self.recorder.clone(),
+            self.sent_tx.clone(),
             due,
         ));
-        self.running.insert(handle.id(), key);
+        self.running.insert(handle.id(), (delivery, dest));
     }
 
+    /// The request of `delivery` is over (its record may still be committing).
+    fn sent(&mut self, delivery: u64) {
+        if let Some(dest) = self.on_wire.remove(&delivery) {
+            decrement(&mut self.sending, &dest);
+        }
+    }
+
+    /// The attempt task ended (recorded, failed to record, or panicked).
     fn finished(&mut self, task: TaskId) {
         if let Some((delivery, destination)) = self.running.remove(&task) {
+            self.sent(delivery);
             self.in_flight.remove(&delivery);
-            if let Some(n) = self.per_destination.get_mut(&destination) {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    self.per_destination.remove(&destination);
-                }
-            }
+            decrement(&mut self.held, &destination);
+        }
+    }
+}
+
+fn decrement(counts: &mut HashMap<String, usize>, key: &str) {
+    if let Some(n) = counts.get_mut(key) {
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            counts.remove(key);
         }
     }
 }
@@ -622,6 +669,7 @@ pub async fn run_dispatcher(state: Arc<AppState>) {
             return;
         }
     };
+    let (sent_tx, mut sent_rx) = mpsc::unbounded_channel();
     let mut d = Dispatcher {
         recorder: Recorder::start(state.jobs.clone()),
         state: state.clone(),
@@ -629,7 +677,10 @@ pub async fn run_dispatcher(state: Arc<AppState>) {
         tasks: JoinSet::new(),
         running: HashMap::new(),
         in_flight: HashSet::new(),
-        per_destination: HashMap::new(),
+        held: HashMap::new(),
+        sending: HashMap::new(),
+        on_wire: HashMap::new(),
+        sent_tx,
         last_active: None,
         last_stranded_sweep: 0,
         cursor: 0,
@@ -647,6 +698,12 @@ pub async fn run_dispatcher(state: Arc<AppState>) {
         tokio::select! {
             _ = stopping.cancelled() => break,
             _ = state.deliveries_pending.notified() => {}
+            Some(delivery) = sent_rx.recv() => {
+                d.sent(delivery);
+                while let Ok(delivery) = sent_rx.try_recv() {
+                    d.sent(delivery);
+                }
+            }
             Some(done) = d.tasks.join_next_with_id(), if !d.tasks.is_empty() => {
                 let id = match done {
                     Ok((id, ())) => id,

@@ -361,6 +361,16 @@ async fn hmac_applies_to_the_lock_api() {
         .await
         .unwrap();
     assert_eq!(status_and_body(unsigned).await, (401, uniform()));
+    // The pool named in percent-encoding is the same pool, with the same checks.
+    let encoded = gw
+        .client
+        .post(format!("{}/pools/%70/lock/acquire", gw.base))
+        .header("host", api)
+        .header("x-nthpool-key", KEY)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(status_and_body(encoded).await, (401, uniform()));
 
     let body = br#"{"waitMs":0}"#;
     let acquire = Signed::new(Method::POST, "/pools/p/lock/acquire", body, now);

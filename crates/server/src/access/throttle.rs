@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv6Addr};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
@@ -40,6 +41,8 @@ struct Table {
 #[derive(Default)]
 pub struct FailureThrottle {
     table: Mutex<Table>,
+    /// Entries in the table: when 0 (no recent failure at all), checks skip the lock.
+    len: AtomicUsize,
 }
 
 fn bucket(ip: IpAddr) -> IpAddr {
@@ -55,6 +58,9 @@ fn bucket(ip: IpAddr) -> IpAddr {
 impl FailureThrottle {
     /// If `ip` is blocked at `now`, the milliseconds until it is not.
     pub fn blocked(&self, ip: IpAddr, now: u64) -> Option<u64> {
+        if self.len.load(Ordering::Acquire) == 0 {
+            return None;
+        }
         let table = self.table.lock();
         let e = table.entries.get(&bucket(ip))?;
         (e.blocked_until > now).then(|| e.blocked_until - now)
@@ -64,16 +70,16 @@ impl FailureThrottle {
     pub fn record_failure(&self, ip: IpAddr, now: u64) -> bool {
         let key = bucket(ip);
         let mut table = self.table.lock();
-        if !table.entries.contains_key(&key) && table.entries.len() >= MAX_TRACKED {
-            if now < table.next_sweep {
-                return false;
-            }
+        // Drop stale entries now and then (at most once a second), so that the table stays
+        // small and checks of a pool without recent failures skip the lock.
+        if now >= table.next_sweep {
             table.entries.retain(|_, e| e.live(now));
             table.next_sweep = now.saturating_add(1_000);
-            if table.entries.len() >= MAX_TRACKED {
-                tracing::warn!("failed-authentication table full; a new address goes uncounted");
-                return false;
-            }
+        }
+        if !table.entries.contains_key(&key) && table.entries.len() >= MAX_TRACKED {
+            self.len.store(table.entries.len(), Ordering::Release);
+            tracing::warn!("failed-authentication table full; a new address goes uncounted");
+            return false;
         }
         let e = table.entries.entry(key).or_insert(Entry {
             window_start: now,
@@ -91,7 +97,9 @@ impl FailureThrottle {
             e.window_start = e.blocked_until;
             e.failures = 0;
         }
-        e.blocked_until > now
+        let blocked = e.blocked_until > now;
+        self.len.store(table.entries.len(), Ordering::Release);
+        blocked
     }
 
     /// Addresses currently tracked (tests).
@@ -146,6 +154,16 @@ mod tests {
             t.record_failure(ip("::ffff:198.51.100.1"), 0);
         }
         assert!(t.blocked(ip("198.51.100.1"), 1).is_some());
+    }
+
+    #[test]
+    fn stale_entries_go_and_checks_skip_the_lock_again() {
+        let t = FailureThrottle::default();
+        t.record_failure(ip("192.0.2.1"), 0);
+        assert_eq!(t.tracked(), 1);
+        t.record_failure(ip("192.0.2.2"), FAILURE_WINDOW_MS + 1);
+        assert_eq!(t.tracked(), 1, "the first address aged out");
+        assert_eq!(t.len.load(Ordering::Acquire), 1);
     }
 
     #[test]
