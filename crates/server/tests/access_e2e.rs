@@ -901,3 +901,57 @@ impl ClockExt for ManualClock {
         nthbouncer_coord::Clock::now_ms(self) / 1000
     }
 }
+
+/// A signed request promoted to an async job is stored only when its body matches the
+/// signature; the stored job keeps none of the signing headers.
+#[tokio::test]
+async fn hmac_signed_async_jobs_verify_the_body() {
+    let up = Recorder::start().await;
+    let clock = clock();
+    let toml = format!(
+        "[server]\nallow_private_webhooks = true\n{}[pools.async]\nenabled = true\n[[pools.webhooks]]\nurl = \"http://127.0.0.1:9/hook\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\n",
+        hmac_pool(&up.url())
+    );
+    let gw = start(&toml, &clock).await;
+    let now = clock.now_s();
+    let body = br#"{"job":"real"}"#;
+    let good = Signed::new(Method::POST, "/work", body, now);
+    let r = good
+        .request(&gw, "p.localhost")
+        .header("x-nthpool-key", KEY)
+        .header("x-nthpool-async", "1")
+        .body(body.to_vec())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let job: Value = r.json().await.unwrap();
+    assert!(job["jobId"].is_string());
+
+    // The same signature over a different body: refused, no job.
+    let forged = Signed::new(Method::POST, "/work", body, now);
+    let r = forged
+        .request(&gw, "p.localhost")
+        .header("x-nthpool-key", KEY)
+        .header("x-nthpool-async", "1")
+        .body(br#"{"job":"forged"}"#.to_vec())
+        .send()
+        .await
+        .unwrap();
+    let (status, answer) = status_and_body(r).await;
+    assert_eq!(status, 401);
+    assert_eq!(answer, uniform());
+    let jobs: Value = gw
+        .api(Method::GET, "/admin/pools/p/jobs")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        jobs["items"].as_array().unwrap().len(),
+        1,
+        "only the genuine job was stored: {jobs}"
+    );
+}
