@@ -23,6 +23,7 @@
 mod converge;
 mod cpu;
 mod hmac;
+mod jobs;
 mod lock;
 mod proxy;
 mod stats;
@@ -63,6 +64,8 @@ enum Command {
     Converge(converge::ConvergeArgs),
     /// Serve a small fixed body on HTTP/1.1 keep-alive (the proxy benchmark's origin).
     Upstream(upstream::UpstreamArgs),
+    /// Async jobs accepted and completed per second vs the same requests sent synchronously.
+    Jobs(jobs::JobsArgs),
     /// Webhook deliveries per second from a full outbox to a local receiver (in-process server).
     Webhooks(webhooks::WebhooksArgs),
     /// Print free loopback TCP ports, one a line.
@@ -99,6 +102,7 @@ fn main() -> ExitCode {
             Command::Converge(args) => converge::run(args).await,
             Command::Upstream(args) => upstream::run(args).await,
             Command::Webhooks(args) => webhooks::run(args).await,
+            Command::Jobs(args) => jobs::run(args).await,
             Command::FreePorts { count } => free_ports(count),
         }
     });

@@ -433,16 +433,7 @@ async fn attempt(
     let (pool, destination) = (record.pool.clone(), record.destination_id.clone());
     tracing::debug!(%pool, %destination, job = %record.job_id, attempt = record.attempt,
         status = ?record.status_code, next = ?record.next, "webhook attempt");
-    let t_rec = tokio::time::Instant::now();
-    let res = recorder.record(record).await;
-    if std::env::var("NB_PROF").is_ok() {
-        eprintln!(
-            "send_ms={} record_ms={}",
-            latency_ms,
-            t_rec.elapsed().as_millis()
-        );
-    }
-    match res {
+    match recorder.record(record).await {
         Ok(applied) => {
             if applied.deactivated {
                 tracing::warn!(%pool, %destination, "webhook destination deactivated");
@@ -540,14 +531,6 @@ struct Dispatcher {
 impl Dispatcher {
     /// Starts every due attempt there is room for; returns when the next pending delivery is due.
     async fn scan(&mut self) -> nthbouncer_store::Result<Option<u64>> {
-        let t_scan = tokio::time::Instant::now();
-        let r = self.scan_inner().await;
-        if std::env::var("NB_PROF").is_ok() {
-            eprintln!("scan_ms={}", t_scan.elapsed().as_micros() as f64 / 1000.0);
-        }
-        r
-    }
-    async fn scan_inner(&mut self) -> nthbouncer_store::Result<Option<u64>> {
         let now = self.state.now();
         let mut active: Vec<String> = {
             let registry = self.state.registry.load();
@@ -593,17 +576,27 @@ impl Dispatcher {
                 if free == 0 {
                     continue;
                 }
-                // Held deliveries are still pending and due: ask for enough to skip them.
-                let held = self.held.get(id).copied().unwrap_or(0);
-                let limit = u32::try_from(free + held).unwrap_or(u32::MAX);
-                let due = self.state.jobs.due_deliveries(id, now, limit).await?;
-                let fresh: Vec<DueDelivery> = due
-                    .into_iter()
-                    .filter(|d| !self.in_flight.contains(&d.id))
-                    .take(free)
-                    .collect();
-                for d in fresh {
-                    self.spawn(d);
+                // Held deliveries are still pending and due in the store: the query skips them.
+                let exclude: Vec<u64> = if self.held.contains_key(id) {
+                    self.running
+                        .values()
+                        .filter(|(_, dest)| dest == id)
+                        .map(|(delivery, _)| *delivery)
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                let limit = u32::try_from(free).unwrap_or(u32::MAX);
+                let due = self
+                    .state
+                    .jobs
+                    .due_deliveries(id, now, limit, &exclude)
+                    .await?;
+                for d in due {
+                    // Belt and braces: never two attempts of one delivery at once.
+                    if !self.in_flight.contains(&d.id) {
+                        self.spawn(d);
+                    }
                 }
             }
         }

@@ -324,14 +324,16 @@ async fn wait_attempts(gw: &Gateway, job: &str, n: usize) -> Vec<Value> {
 
 /// Waits (bounded) until the job's poll body satisfies `pred`.
 async fn wait_poll(gw: &Gateway, job: &str, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+    let mut last = Value::Null;
     for _ in 0..2000 {
-        let v = poll(gw, job).await;
-        if pred(&v) {
-            return v;
+        last = poll(gw, job).await;
+        if pred(&last) {
+            return last;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    panic!("job {job} never reached: {what}");
+    let detail = get_json(gw, &format!("/admin/pools/p/jobs/{job}")).await;
+    panic!("job {job} never reached: {what}; last poll body {last}; detail {detail}");
 }
 
 async fn destination(gw: &Gateway, id: &str) -> Value {

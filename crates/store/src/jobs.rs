@@ -307,12 +307,13 @@ pub trait JobStore: Send + Sync + 'static {
     ) -> Result<bool>;
 
     /// Pending deliveries to an active destination that are due at `now`, oldest due first,
-    /// with their job and destination.
+    /// with their job and destination; deliveries in `exclude` (attempts in flight) are skipped.
     async fn due_deliveries(
         &self,
         destination_id: &str,
         now: u64,
         limit: u32,
+        exclude: &[u64],
     ) -> Result<Vec<DueDelivery>>;
     /// The earliest `next_attempt_at` after `after` among a destination's pending deliveries.
     async fn next_delivery_at(&self, destination_id: &str, after: u64) -> Result<Option<u64>>;

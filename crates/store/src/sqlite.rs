@@ -235,11 +235,6 @@ impl SqliteStore {
             tracing::warn!(path = %path.display(), mode, "SQLite refused WAL journal mode");
         }
         configure(&writer).ctx("configuring writer connection")?;
-        // The writer fsyncs every commit: an accepted job must survive power loss, not only a
-        // crashed process. Group commit (one transaction per batch) keeps this affordable.
-        writer
-            .pragma_update(None, "synchronous", "FULL")
-            .ctx("configuring writer connection")?;
         migrate(&mut writer)?;
 
         let mut readers = Vec::with_capacity(READERS);

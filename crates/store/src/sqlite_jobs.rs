@@ -340,6 +340,46 @@ fn enqueue_deliveries(
     Ok(())
 }
 
+/// Inserts a batch of jobs and their first history step in one transaction.
+fn insert_batch(conn: &mut Connection, rows: &[(NewJob, String)]) -> Result<()> {
+    let tx = conn.transaction().ctx("insert_jobs")?;
+    {
+        let mut stmt = tx
+            .prepare_cached(
+                "INSERT INTO jobs (id, pool, status, reason, key_id, fairness, priority, created_at, updated_at, \
+                 expires_at, retention_ms, attempt, destinations, request, request_body) \
+                 VALUES (?1, ?2, 'accepted', ?3, ?4, ?5, ?6, ?7, ?7, ?8, ?9, 0, ?10, ?11, ?12)",
+            )
+            .ctx("insert_jobs")?;
+        for (j, head) in rows {
+            stmt.execute(params![
+                j.id,
+                j.pool,
+                j.reason,
+                j.key_id,
+                j.fairness as i64,
+                j.priority,
+                j.created_at,
+                j.expires_at,
+                j.retention_ms,
+                j.destinations,
+                head,
+                j.request.body
+            ])
+            .ctx("insert_jobs")?;
+            event(
+                &tx,
+                &j.id,
+                j.created_at,
+                status::ACCEPTED,
+                0,
+                Some(&j.reason),
+            )?;
+        }
+    }
+    tx.commit().ctx("insert_jobs")
+}
+
 #[async_trait::async_trait]
 impl JobStore for SqliteStore {
     async fn insert_jobs(&self, jobs: &[NewJob]) -> Result<()> {
@@ -353,35 +393,16 @@ impl JobStore for SqliteStore {
             rows.push((j.clone(), encode("insert_jobs", &head)?));
         }
         self.write(move |conn| {
-            let tx = conn.transaction().ctx("insert_jobs")?;
-            {
-                let mut stmt = tx
-                    .prepare_cached(
-                        "INSERT INTO jobs (id, pool, status, reason, key_id, fairness, priority, created_at, updated_at, \
-                         expires_at, retention_ms, attempt, destinations, request, request_body) \
-                         VALUES (?1, ?2, 'accepted', ?3, ?4, ?5, ?6, ?7, ?7, ?8, ?9, 0, ?10, ?11, ?12)",
-                    )
-                    .ctx("insert_jobs")?;
-                for (j, head) in &rows {
-                    stmt.execute(params![
-                        j.id,
-                        j.pool,
-                        j.reason,
-                        j.key_id,
-                        j.fairness as i64,
-                        j.priority,
-                        j.created_at,
-                        j.expires_at,
-                        j.retention_ms,
-                        j.destinations,
-                        head,
-                        j.request.body
-                    ])
-                    .ctx("insert_jobs")?;
-                    event(&tx, &j.id, j.created_at, status::ACCEPTED, 0, Some(&j.reason))?;
-                }
-            }
-            tx.commit().ctx("insert_jobs")
+            // A 202 promises the job survives power loss, not only a crashed process: this
+            // commit fsyncs (and with it every earlier commit in the WAL). Other writes keep
+            // `synchronous=NORMAL`, which survives process crashes; group commit keeps the
+            // fsync per batch, not per job.
+            conn.pragma_update(None, "synchronous", "FULL")
+                .ctx("insert_jobs")?;
+            let committed = insert_batch(conn, &rows);
+            conn.pragma_update(None, "synchronous", "NORMAL")
+                .ctx("insert_jobs")?;
+            committed
         })
         .await
     }
@@ -734,8 +755,10 @@ impl JobStore for SqliteStore {
         destination_id: &str,
         now: u64,
         limit: u32,
+        exclude: &[u64],
     ) -> Result<Vec<DueDelivery>> {
         let destination_id = destination_id.to_owned();
+        let exclude = encode("due_deliveries", &exclude)?;
         self.read(move |conn| {
             let destination = conn
                 .prepare_cached(&format!(
@@ -753,11 +776,12 @@ impl JobStore for SqliteStore {
                     .prepare_cached(
                         "SELECT id, job_id, attempts, round_attempts, round, manual FROM deliveries \
                          WHERE destination_id = ?1 AND status = 'pending' AND next_attempt_at <= ?2 \
+                         AND id NOT IN (SELECT value FROM json_each(?4)) \
                          ORDER BY next_attempt_at, id LIMIT ?3",
                     )
                     .ctx("due_deliveries")?;
                 let rows = stmt
-                    .query_map(params![destination_id, now, limit], |r| {
+                    .query_map(params![destination_id, now, limit, exclude], |r| {
                         Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?))
                     })
                     .ctx("due_deliveries")?;

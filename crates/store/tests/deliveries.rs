@@ -111,7 +111,7 @@ async fn due_record_retry_and_deliver() {
     let j = store.get_job("p", "job_1").await.unwrap().unwrap();
     assert_eq!((j.destinations, j.delivered, j.failed), (2, 0, 0));
 
-    let due = store.due_deliveries("wh_a", 1_000, 10).await.unwrap();
+    let due = store.due_deliveries("wh_a", 1_000, 10, &[]).await.unwrap();
     assert_eq!(due.len(), 1);
     assert_eq!(due[0].job.id, "job_1");
     assert_eq!(due[0].job.result.as_ref().unwrap().body, b"ok");
@@ -120,7 +120,7 @@ async fn due_record_retry_and_deliver() {
         (0, 0, false)
     );
     assert!(store
-        .due_deliveries("wh_a", 999, 10)
+        .due_deliveries("wh_a", 999, 10, &[])
         .await
         .unwrap()
         .is_empty());
@@ -138,7 +138,7 @@ async fn due_record_retry_and_deliver() {
     assert!(applied[0].recorded && applied[0].streak_changed && !applied[0].deactivated);
     assert_eq!(destination(&store, "wh_a").await.consecutive_failures, 1);
     assert!(store
-        .due_deliveries("wh_a", 5_999, 10)
+        .due_deliveries("wh_a", 5_999, 10, &[])
         .await
         .unwrap()
         .is_empty());
@@ -149,7 +149,7 @@ async fn due_record_retry_and_deliver() {
     assert_eq!(store.next_delivery_at("wh_a", 6_000).await.unwrap(), None);
 
     // Then a success: delivered, streak reset, counts true.
-    let due = store.due_deliveries("wh_a", 6_000, 10).await.unwrap();
+    let due = store.due_deliveries("wh_a", 6_000, 10, &[]).await.unwrap();
     assert_eq!((due[0].attempts, due[0].round_attempts), (1, 1));
     let applied = store
         .record_attempts(&[record(&due[0], 6_000, Some(204), DeliveryNext::Delivered)])
@@ -220,7 +220,7 @@ async fn streaks_deactivation_gone_and_manual() {
 
     // Two failures in one batch: the second reaches deactivate_after = 2 and fails every other
     // pending delivery of that destination (job_3's), and its own retry.
-    let due = store.due_deliveries("wh_a", 1_000, 10).await.unwrap();
+    let due = store.due_deliveries("wh_a", 1_000, 10, &[]).await.unwrap();
     assert_eq!(due.len(), 3);
     let retry = DeliveryNext::Retry { at: 6_000 };
     let applied = store
@@ -240,7 +240,7 @@ async fn streaks_deactivation_gone_and_manual() {
     }
     assert!(
         store
-            .due_deliveries("wh_a", 10_000, 10)
+            .due_deliveries("wh_a", 10_000, 10, &[])
             .await
             .unwrap()
             .is_empty(),
@@ -258,7 +258,7 @@ async fn streaks_deactivation_gone_and_manual() {
     assert_eq!(attempts[0].outcome, "failed", "no retry after deactivation");
 
     // A manual failure does not count; a 410 deactivates at once, manual or not.
-    let due = store.due_deliveries("wh_b", 1_000, 10).await.unwrap();
+    let due = store.due_deliveries("wh_b", 1_000, 10, &[]).await.unwrap();
     let mut manual = record(&due[0], 1_000, Some(500), retry);
     manual.manual = true;
     let applied = store.record_attempts(&[manual]).await.unwrap();
@@ -281,7 +281,7 @@ async fn redelivery_rounds_are_fenced() {
     store.create_destination(&dest("wh_a", 20)).await.unwrap();
     store.create_destination(&dest("wh_b", 20)).await.unwrap();
     finished(&store, "job_1", 1_000, &["wh_a"]).await;
-    let due = store.due_deliveries("wh_a", 1_000, 10).await.unwrap();
+    let due = store.due_deliveries("wh_a", 1_000, 10, &[]).await.unwrap();
 
     // Unknown and unfinished jobs.
     let ids = vec!["wh_a".to_string(), "wh_b".to_string()];
@@ -322,7 +322,7 @@ async fn redelivery_rounds_are_fenced() {
         .record_attempts(&[record(&due[0], 2_500, Some(200), DeliveryNext::Delivered)])
         .await
         .unwrap();
-    let fresh = store.due_deliveries("wh_a", 3_000, 10).await.unwrap();
+    let fresh = store.due_deliveries("wh_a", 3_000, 10, &[]).await.unwrap();
     assert_eq!(fresh.len(), 1);
     assert_eq!(
         (
@@ -388,7 +388,7 @@ async fn undeliverable_rotation_and_retention() {
         Some("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")
     );
     assert_eq!(a.previous_secret_expires_at, Some(9_000));
-    let due = store.due_deliveries("wh_a", 2_000, 10).await.unwrap();
+    let due = store.due_deliveries("wh_a", 2_000, 10, &[]).await.unwrap();
     assert_eq!(due[0].destination.previous_secret_expires_at, Some(9_000));
     assert!(store
         .rotate_destination_secret("p", "wh_a", "whsec_other", None)
@@ -467,7 +467,7 @@ async fn upgrades_a_v2_database_with_data() {
 
     let a = destination(&store, "wh_a").await;
     assert_eq!((a.consecutive_failures, a.previous_secret), (3, None));
-    let due = store.due_deliveries("wh_a", 7_000, 10).await.unwrap();
+    let due = store.due_deliveries("wh_a", 7_000, 10, &[]).await.unwrap();
     assert_eq!(due.len(), 1);
     assert_eq!(
         (
