@@ -10,6 +10,10 @@
 //! delivery, the steady rate between the first and the last delivery, duplicates, and a check
 //! that the store recorded every delivery as delivered.
 //!
+//! The peer, for the ratio: `direct`, a plain hyper client POSTing the same bodies to the same
+//! kind of receiver at the same concurrency (8 per destination), with nothing signed, stored or
+//! retried: the ceiling of any sender on this machine.
+//!
 //! Each delivery is a signed POST (HMAC-SHA256 over the poll body) on a keep-alive connection,
 //! plus its attempt record (group commit, fsync) — the product's real cost, nothing turned off.
 //! Run it with `--threads 2` so the receiver does not share one thread with the server.
@@ -49,6 +53,8 @@ pub struct WebhooksArgs {
 /// What the receiver saw.
 #[derive(Default)]
 struct Seen {
+    /// One body as received (the direct phase sends its like).
+    sample: Option<Bytes>,
     pairs: HashSet<(String, String)>,
     requests: u64,
     first: Option<Instant>,
@@ -92,9 +98,15 @@ async fn receiver(seen: Arc<Mutex<Seen>>) -> Result<SocketAddr, BoxError> {
                             .unwrap_or("")
                             .to_string();
                         let signed = req.headers().contains_key("webhook-signature");
-                        let _ = req.into_body().collect().await;
+                        let body = req
+                            .into_body()
+                            .collect()
+                            .await
+                            .map(|b| b.to_bytes())
+                            .unwrap_or_default();
                         let now = Instant::now();
                         if let Ok(mut s) = seen.lock() {
+                            s.sample.get_or_insert(body);
                             s.requests += 1;
                             s.unsigned += u64::from(!signed);
                             s.first.get_or_insert(now);
@@ -212,9 +224,9 @@ pub async fn run(args: WebhooksArgs) -> Result<(), BoxError> {
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    let (requests, first, last, unsigned) = {
+    let (requests, first, last, unsigned, sample) = {
         let s = seen.lock().map_err(|_| "receiver state poisoned")?;
-        (s.requests, s.first, s.last, s.unsigned)
+        (s.requests, s.first, s.last, s.unsigned, s.sample.clone())
     };
 
     // Every delivery recorded as delivered (the attempt log is group-committed just after the
@@ -239,11 +251,14 @@ pub async fn run(args: WebhooksArgs) -> Result<(), BoxError> {
     }
     server.shutdown().await;
 
-    let (Some(first), Some(last)) = (first, last) else {
+    let (Some(first), Some(last), Some(sample)) = (first, last, sample) else {
         return Err("no delivery arrived".into());
     };
     let whole = last.duration_since(started).as_secs_f64();
     let steady = last.duration_since(first).as_secs_f64();
+    let concurrency = (8 * args.destinations).min(64);
+    let direct = direct(total, concurrency, sample).await?;
+    let rate = total as f64 / whole;
     println!("webhook deliveries to a local receiver (in-process server, SQLite outbox)");
     println!(
         "  deliveries        {total} ({jobs} jobs x {} destination{})",
@@ -267,8 +282,60 @@ pub async fn run(args: WebhooksArgs) -> Result<(), BoxError> {
         requests.saturating_sub(total as u64)
     );
     println!("  recorded          {recorded}/{total} delivered in the store");
+    println!(
+        "  direct (peer)     {direct:.0} requests/s: plain POSTs of the same body, {concurrency} at once"
+    );
+    println!(
+        "ratio nthbouncer/direct: {:.2} (deliveries per second, signed and recorded, vs bare POSTs)",
+        rate / direct
+    );
     if recorded < total || unsigned > 0 {
         return Err("the run is invalid: deliveries missing from the store or unsigned".into());
     }
     Ok(())
+}
+
+/// The peer: `total` POSTs of `body` to a fresh receiver, `concurrency` at a time, over
+/// keep-alive; nothing signed, stored or retried. Returns requests per second.
+async fn direct(total: usize, concurrency: usize, body: Bytes) -> Result<f64, BoxError> {
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let addr = receiver(seen.clone()).await?;
+    let client: hyper_util::client::legacy::Client<_, Full<Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .pool_max_idle_per_host(concurrency)
+            .build_http();
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::with_capacity(concurrency);
+    for _ in 0..concurrency {
+        let (client, next, body) = (client.clone(), next.clone(), body.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= total {
+                    return Ok::<(), String>(());
+                }
+                let req = Request::post(format!("http://{addr}/direct"))
+                    .header("content-type", "application/json")
+                    .header("webhook-id", format!("job_{i:032x}"))
+                    .header("webhook-signature", "none")
+                    .body(Full::new(body.clone()))
+                    .map_err(|e| e.to_string())?;
+                let resp = tokio::time::timeout(Duration::from_secs(30), client.request(req))
+                    .await
+                    .map_err(|_| "a direct request timed out".to_string())?
+                    .map_err(|e| e.to_string())?;
+                let _ = resp.into_body().collect().await;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let got = seen.lock().map(|s| s.pairs.len()).unwrap_or(0);
+    if got < total {
+        return Err(format!("direct: only {got} of {total} requests arrived").into());
+    }
+    Ok(total as f64 / elapsed)
 }

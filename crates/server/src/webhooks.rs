@@ -5,10 +5,11 @@
 //!   state. [`run_dispatcher`] sends them: woken by `AppState::deliveries_pending`, by a finished
 //!   attempt, or by the injected clock reaching the next retry (`Clock::sleep_until`), so the
 //!   retry schedule is tested by advancing a `ManualClock`, not by waiting hours.
-//! - At most [`PER_DESTINATION`] attempts run at once per destination and [`TOTAL`] overall.
-//!   Which deliveries are in flight is known only in memory: a crash leaves them `pending` in the
-//!   store, and the next start sends them again (at-least-once; receivers dedupe on
-//!   `webhook-id`, which is the job id on every attempt).
+//! - At most [`PER_DESTINATION`] requests are on the wire per destination and [`TOTAL`] overall;
+//!   a delivery stays marked in flight (skipped by scans) until its attempt's record commits.
+//!   That mark lives only in memory: a crash leaves such deliveries `pending` in the store, and
+//!   the next start sends them again (at-least-once; receivers dedupe on `webhook-id`, which is
+//!   the job id on every attempt).
 //! - Every attempt is recorded (group commit) atomically with its delivery's new state and its
 //!   destination's failure streak and deactivation, by [`nthbouncer_store::JobStore::record_attempts`].
 //!   A deactivation refreshes the pool's destinations at once, so a pool whose last destination
@@ -248,6 +249,18 @@ pub fn build_client(server: &ServerSpec) -> Result<WebhookClient, String> {
         .build(https))
 }
 
+/// `text` cut to at most `max` bytes, on a character boundary.
+fn cap(mut text: String, max: usize) -> String {
+    if text.len() > max {
+        let mut end = max;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+    }
+    text
+}
+
 /// An error and its causes, one line (`client error (Connect): refused: …`).
 fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut out = e.to_string();
@@ -347,10 +360,13 @@ async fn send(client: &WebhookClient, due: &DueDelivery, now: u64) -> Result<Ans
     Ok(answer)
 }
 
-/// Turns an attempt's answer into its record and the delivery's next state.
+/// Turns an attempt's answer into its record and the delivery's next state: `sent_at` is when
+/// the request was signed and sent (the attempt's time), `now` when it ended (retries count
+/// from it).
 fn decide(
     due: &DueDelivery,
     answer: Result<Answer, String>,
+    sent_at: u64,
     now: u64,
     latency_ms: u64,
     jitter: f64,
@@ -403,11 +419,11 @@ fn decide(
         destination_id: due.destination.id.clone(),
         pool: due.job.pool.clone(),
         attempt: due.attempts + 1,
-        at: now,
+        at: sent_at,
         status_code,
         latency_ms,
         response_body,
-        error,
+        error: error.map(|e| cap(e, RESPONSE_KEEP_BYTES)),
         manual: due.manual,
         next,
         gone,
@@ -424,12 +440,13 @@ async fn attempt(
     due: DueDelivery,
 ) {
     let started = tokio::time::Instant::now();
-    let answer = send(&client, &due, state.now()).await;
+    let sent_at = state.now();
+    let answer = send(&client, &due, sent_at).await;
     let latency_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
     // The request is over: the destination's slot is free while the result is recorded.
     let _ = sent.send(due.id);
     let jitter = rand::random::<f64>() * 2.0 - 1.0;
-    let record = decide(&due, answer, state.now(), latency_ms, jitter);
+    let record = decide(&due, answer, sent_at, state.now(), latency_ms, jitter);
     let (pool, destination) = (record.pool.clone(), record.destination_id.clone());
     tracing::debug!(%pool, %destination, job = %record.job_id, attempt = record.attempt,
         status = ?record.status_code, next = ?record.next, "webhook attempt");

@@ -73,6 +73,22 @@ fn verify_received(r: &Received, secret: &str, now_ms: u64) -> bool {
         )
 }
 
+/// Verifies a received webhook with the official Standard Webhooks library, unchanged (it checks
+/// the timestamp against the wall clock, so only for gateways whose clock is wall time).
+fn official_verify(r: &Received, secret: &str) -> Result<(), String> {
+    standardwebhooks::Webhook::new(secret)
+        .map_err(|e| e.to_string())?
+        .verify(&r.body, &r.headers)
+        .map_err(|e| e.to_string())
+}
+
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
 /// The specification's published test vector, against the independent verifier and against
 /// the signer nthbouncer uses.
 #[test]
@@ -98,6 +114,12 @@ fn the_spec_test_vector() {
         nthbouncer_server::webhooks::sign(&key, id, 1_614_265_330, body).unwrap(),
         expected
     );
+    // The official library agrees.
+    let official = standardwebhooks::Webhook::new(secret)
+        .unwrap()
+        .sign(id, 1_614_265_330, body)
+        .unwrap();
+    assert_eq!(official, expected);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -246,7 +268,11 @@ fn async_pool(up: &Upstream, server_extra: &str, pool_extra: &str) -> String {
 }
 
 async fn manual_gateway(toml: &str) -> (Gateway, Arc<ManualClock>) {
-    let clock = Arc::new(ManualClock::new(T0));
+    manual_gateway_at(toml, T0).await
+}
+
+async fn manual_gateway_at(toml: &str, start_ms: u64) -> (Gateway, Arc<ManualClock>) {
+    let clock = Arc::new(ManualClock::new(start_ms));
     let gw = gateway_with(toml, Some(clock.clone() as Arc<dyn Clock>)).await;
     (gw, clock)
 }
@@ -400,10 +426,7 @@ async fn delivers_the_poll_body_signed_per_the_standard() {
         "{}",
         r.header("user-agent")
     );
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64;
+    let now = wall_ms();
     assert!(
         verify_received(r, &secret, now),
         "the independent verifier refused the signature"
@@ -423,6 +446,8 @@ async fn delivers_the_poll_body_signed_per_the_standard() {
         !verify_received(r, &other, now),
         "another secret must not verify"
     );
+    official_verify(r, &secret).expect("the official Standard Webhooks library refused it");
+    assert!(official_verify(r, &other).is_err());
 
     // The body is the poll body.
     let body = r.json();
@@ -460,6 +485,37 @@ async fn delivers_the_poll_body_signed_per_the_standard() {
     assert!(none["items"].as_array().unwrap().is_empty());
     let detail = get_json(&gw, &format!("/admin/pools/p/jobs/{job}")).await;
     assert_eq!(detail["deliveries"][0]["status"], "delivered");
+    // The routes are in the OpenAPI document.
+    let doc = gw
+        .api(Method::GET, "/openapi.json")
+        .send()
+        .await
+        .unwrap()
+        .json::<Value>()
+        .await
+        .unwrap();
+    for path in [
+        "/admin/pools/{pool}/deliveries",
+        "/admin/pools/{pool}/jobs/{jobId}/redeliver",
+        "/admin/pools/{pool}/webhooks/{id}/rotate",
+    ] {
+        assert!(
+            doc["paths"].get(path).is_some(),
+            "{path} missing from /openapi.json"
+        );
+    }
+    for schema in [
+        "AttemptPage",
+        "AttemptView",
+        "RotatedSecret",
+        "Redelivery",
+        "DeliveryView",
+    ] {
+        assert!(
+            doc["components"]["schemas"].get(schema).is_some(),
+            "{schema}"
+        );
+    }
     assert_eq!(detail["deliveries"][0]["destinationId"], dest.as_str());
 }
 
@@ -593,11 +649,13 @@ async fn gone_deactivates_and_the_last_one_flips_the_pool_to_sync() {
     })
     .await;
     assert_eq!(v["webhook"]["destinations"], 2);
-    assert_eq!(
-        async_answer(&gw).await,
-        202,
-        "destination a is still active"
-    );
+    // Destination a is still active: the pool stays async (and the probe job is delivered to a
+    // before a starts answering 410, so that job 2 is the one that deactivates it).
+    let probe = submit(&gw).await;
+    wait_poll(&gw, &probe, "delivered to a", |v| {
+        v["webhook"]["delivered"] == 1
+    })
+    .await;
 
     // Now a answers 410 too: the pool's last destination goes, and the pool serves sync.
     a_rx.set_default(reply(410));
@@ -770,7 +828,10 @@ async fn manual_redelivery() {
 async fn rotation_sends_both_signatures_during_the_grace() {
     let up = Upstream::start().await;
     let rx = Receiver::start().await;
-    let (gw, clock) = manual_gateway(&async_pool(&up, "allow_private_webhooks = true", "")).await;
+    // The clock starts at wall time, so the official library's timestamp check applies too.
+    let t0 = wall_ms();
+    let (gw, clock) =
+        manual_gateway_at(&async_pool(&up, "allow_private_webhooks = true", ""), t0).await;
     let (dest, old) = add_destination(&gw, &rx.url("/hook"), json!({})).await;
 
     let r = gw
@@ -786,7 +847,7 @@ async fn rotation_sends_both_signatures_during_the_grace() {
     let rotated: Value = r.json().await.unwrap();
     let new = rotated["secret"].as_str().unwrap().to_string();
     assert!(new.starts_with("whsec_") && new != old);
-    assert_eq!(rotated["previousSecretExpiresAt"], T0 + 3_600_000);
+    assert_eq!(rotated["previousSecretExpiresAt"], t0 + 3_600_000);
     let listed = get_json(&gw, "/admin/pools/p/webhooks").await.to_string();
     assert!(
         !listed.contains(&new[10..]) && !listed.contains(&old[10..]),
@@ -806,6 +867,9 @@ async fn rotation_sends_both_signatures_during_the_grace() {
     assert!(verify(&old, &id, &ts, &got[0].body, parts[1]));
     assert!(verify_received(&got[0], &new, clock.now_ms()));
     assert!(verify_received(&got[0], &old, clock.now_ms()));
+    // Receivers on either secret accept it with the official library, unchanged.
+    official_verify(&got[0], &new).expect("official library, new secret");
+    official_verify(&got[0], &old).expect("official library, previous secret");
 
     // After the grace: only the new secret signs.
     clock.advance(3_600_001);
