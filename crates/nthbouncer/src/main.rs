@@ -96,9 +96,12 @@ fn main() -> ExitCode {
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Logs go to stderr: stdout is for what a command prints on purpose (the demo's commands,
+    // `keygen`'s key), so it stays clean enough to pipe.
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_target(false)
+        .with_writer(std::io::stderr)
         .init();
 }
 

@@ -21,7 +21,7 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::{LengthLimitError, Limited};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::{Client, ResponseFuture};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use nthbouncer_config::ServerSpec;
 use nthbouncer_coord::{AcquireRequest, Outcome, PoolGate, Priority, Refusal, SlotId, SlotKind};
@@ -158,6 +158,67 @@ impl Drop for SlotGuard {
             Err(_) => tracing::error!(
                 "slot released outside the runtime; it will be reclaimed at its deadline"
             ),
+        }
+    }
+}
+
+/// The upstream call up to its response head, holding the slot.
+///
+/// If the caller goes away first (this future is dropped), the origin is still working on the
+/// call: the rest of it runs detached and the slot is freed only when the origin answers or the
+/// request deadline passes. Freeing it at once would let the next waiter reach the origin while
+/// the origin still counts the abandoned call: one over the limit, seen from the origin.
+struct Exchange {
+    call: Option<ResponseFuture>,
+    guard: Option<SlotGuard>,
+    deadline: tokio::time::Instant,
+}
+
+impl Exchange {
+    fn new(call: ResponseFuture, guard: SlotGuard, deadline: tokio::time::Instant) -> Self {
+        Exchange {
+            call: Some(call),
+            guard: Some(guard),
+            deadline,
+        }
+    }
+}
+
+type UpstreamResult = Result<Response<Incoming>, hyper_util::client::legacy::Error>;
+
+impl Future for Exchange {
+    type Output = (UpstreamResult, SlotGuard);
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        let (Some(call), Some(_)) = (this.call.as_mut(), this.guard.as_ref()) else {
+            // Polled after completion: never happens through `.await`.
+            return Poll::Pending;
+        };
+        let result = std::task::ready!(Pin::new(call).poll(cx));
+        this.call = None;
+        match this.guard.take() {
+            Some(guard) => Poll::Ready((result, guard)),
+            None => Poll::Pending,
+        }
+    }
+}
+
+impl Drop for Exchange {
+    fn drop(&mut self) {
+        let (Some(call), Some(guard)) = (self.call.take(), self.guard.take()) else {
+            return;
+        };
+        if tokio::time::Instant::now() >= self.deadline {
+            return; // the request timed out: the slot is freed now (SPEC §4)
+        }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let deadline = self.deadline;
+            rt.spawn(async move {
+                // The answer is discarded: its caller is gone.
+                let _ = tokio::time::timeout_at(deadline, call).await;
+                drop(guard);
+            });
         }
     }
 }
@@ -387,7 +448,7 @@ pub async fn handle(
     pool.metrics
         .queue_wait
         .record(grant.headers.queued_ms as f64 / 1000.0);
-    let mut guard = SlotGuard::new(pool.gate.clone(), grant.slot_id);
+    let guard = SlotGuard::new(pool.gate.clone(), grant.slot_id);
     let deadline =
         tokio::time::Instant::now() + Duration::from_millis(pool.concurrency.request_timeout_ms);
 
@@ -454,11 +515,12 @@ pub async fn handle(
     let upstream_req = Request::from_parts(parts, body);
 
     let started = Instant::now();
-    let sent = tokio::time::timeout_at(deadline, state.client.request(upstream_req)).await;
+    let exchange = Exchange::new(state.client.request(upstream_req), guard, deadline);
+    let sent = tokio::time::timeout_at(deadline, exchange).await;
     let latency_ms = started.elapsed().as_millis() as u64;
-    let resp = match sent {
-        Ok(Ok(resp)) => resp,
-        Ok(Err(err)) => {
+    let (resp, mut guard) = match sent {
+        Ok((Ok(resp), guard)) => (resp, guard),
+        Ok((Err(err), _guard)) => {
             if let Some(failure) = access::rejection_in(&err) {
                 let failure = access::Failure::Hmac(failure);
                 pool.access.record_failure(client, log.at, failure);

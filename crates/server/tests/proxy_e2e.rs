@@ -156,7 +156,7 @@ async fn sse_stream_holds_its_slot_until_it_ends() {
 }
 
 #[tokio::test]
-async fn a_client_killed_mid_request_frees_its_slot() {
+async fn a_client_killed_mid_request_frees_its_slot_when_the_upstream_answers() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
     let req = gw.get("p", "/hold").header("x-seq", "doomed").send();
@@ -164,12 +164,23 @@ async fn a_client_killed_mid_request_frees_its_slot() {
     up.wait_arrivals(1).await;
     assert_eq!(gw.state("p").await["inFlight"], 1);
     task.abort();
-    gw.wait_state("p", "slot freed after the client vanished", |s| {
+    // The upstream is still working on the abandoned call, so it still counts: handing its
+    // slot to the next caller now would put two calls on an upstream limited to one.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(up.in_flight(), 1);
+    let refused = gw
+        .get("p", "/")
+        .header("x-nthpool-no-queue", "1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 429);
+    // Its answer frees the slot, and the pool serves again.
+    up.release(1);
+    gw.wait_state("p", "slot freed once the upstream answered", |s| {
         s["inFlight"] == 0
     })
     .await;
-    // The upstream request was cancelled too, and the pool serves again.
-    wait_until(|| up.in_flight() == 0, "upstream request cancelled").await;
     assert_eq!(
         gw.get("p", "/")
             .header("x-nthpool-no-queue", "1")
@@ -179,6 +190,29 @@ async fn a_client_killed_mid_request_frees_its_slot() {
             .status(),
         200
     );
+    assert_eq!(up.max_in_flight(), 1);
+}
+
+#[tokio::test]
+async fn a_client_killed_mid_request_to_a_hung_upstream_frees_its_slot_at_the_timeout() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml(
+        "p",
+        &up.url(),
+        "limit = 1\nrequest_timeout_ms = 300",
+    ))
+    .await;
+    let task = tokio::spawn(gw.get("p", "/hold").header("x-seq", "doomed").send());
+    up.wait_arrivals(1).await;
+    task.abort();
+    gw.wait_state("p", "slot freed at the request timeout", |s| {
+        s["inFlight"] == 0
+    })
+    .await;
+    // The upstream call was cancelled with it.
+    wait_until(|| up.in_flight() == 0, "upstream request cancelled").await;
+    let r = gw.get("p", "/").send().await.unwrap();
+    assert_eq!(r.status(), 200);
 }
 
 #[tokio::test]
