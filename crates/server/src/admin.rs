@@ -17,6 +17,7 @@ use subtle::ConstantTimeEq;
 use utoipa::ToSchema;
 
 use crate::error::ApiError;
+use crate::pagination;
 use crate::registry::{ManagedBy, PoolRuntime};
 use crate::state::{managed_by_config, AppState};
 
@@ -463,29 +464,17 @@ pub async fn access_log(
     Query(q): Query<AccessLogParams>,
 ) -> Result<Json<AccessLogPage>, ApiError> {
     let pool = pool_or_404(&state, &name)?;
-    let limit = q.limit.unwrap_or(100).clamp(1, 1000);
-    let before =
-        match &q.cursor {
-            Some(c) => Some(c.parse::<u64>().map_err(|_| {
-                ApiError::invalid("cursor", "cursor must be a previous page's next")
-            })?),
-            None => None,
-        };
+    let limit = pagination::page_size(q.limit, 1000);
     let query = AccessLogQuery {
-        before,
+        before: pagination::numeric_cursor(q.cursor.as_deref())?,
         since: q.since,
         until: q.until,
         outcome: q.outcome,
         key_id: q.key_id,
         limit: limit + 1,
     };
-    let mut entries = state.store.query_access_log(&pool.name, &query).await?;
-    let next = if entries.len() > limit as usize {
-        entries.truncate(limit as usize);
-        entries.last().map(|e| e.id.to_string())
-    } else {
-        None
-    };
+    let rows = state.store.query_access_log(&pool.name, &query).await?;
+    let (entries, next) = pagination::split(rows, limit, |e| e.id.to_string());
     Ok(Json(AccessLogPage {
         items: entries.into_iter().map(AccessLogView::from).collect(),
         next,

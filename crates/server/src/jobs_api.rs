@@ -18,6 +18,7 @@ use utoipa::ToSchema;
 use crate::admin::parse_json;
 use crate::error::ApiError;
 use crate::jobs::JobView;
+use crate::pagination;
 use crate::registry::PoolRuntime;
 use crate::state::AppState;
 
@@ -109,8 +110,8 @@ pub async fn list_jobs(
             ));
         }
     }
-    let limit = q.limit.unwrap_or(100).clamp(1, 500);
-    let mut jobs = state
+    let limit = pagination::page_size(q.limit, 500);
+    let rows = state
         .jobs
         .list_jobs(
             &pool.name,
@@ -119,12 +120,7 @@ pub async fn list_jobs(
             limit + 1,
         )
         .await?;
-    let next = if jobs.len() > limit as usize {
-        jobs.truncate(limit as usize);
-        jobs.last().map(|j| j.id.clone())
-    } else {
-        None
-    };
+    let (jobs, next) = pagination::split(rows, limit, |j| j.id.clone());
     let now = state.now();
     Ok(Json(JobPage {
         items: jobs.iter().map(|j| JobView::of(j, now)).collect(),
@@ -608,30 +604,18 @@ pub async fn list_deliveries(
     Query(q): Query<AttemptListQuery>,
 ) -> Result<Json<AttemptPage>, ApiError> {
     let pool = pool_or_404(&state, &name)?;
-    let limit = q.limit.unwrap_or(100).clamp(1, 1000);
-    let before =
-        match &q.cursor {
-            Some(c) => Some(c.parse::<u64>().map_err(|_| {
-                ApiError::invalid("cursor", "cursor must be a previous page's next")
-            })?),
-            None => None,
-        };
-    let mut items = state
+    let limit = pagination::page_size(q.limit, 1000);
+    let rows = state
         .jobs
         .list_attempts(&AttemptQuery {
             pool: pool.name.clone(),
             job_id: q.job_id,
             destination_id: q.destination_id,
-            before,
+            before: pagination::numeric_cursor(q.cursor.as_deref())?,
             limit: limit + 1,
         })
         .await?;
-    let next = if items.len() > limit as usize {
-        items.truncate(limit as usize);
-        items.last().map(|a| a.id.to_string())
-    } else {
-        None
-    };
+    let (items, next) = pagination::split(rows, limit, |a| a.id.to_string());
     Ok(Json(AttemptPage {
         items: items.into_iter().map(AttemptView::from).collect(),
         next,

@@ -32,6 +32,7 @@ pub mod lock;
 pub mod metrics;
 pub mod netcheck;
 pub mod outcome;
+pub mod pagination;
 pub mod proxy;
 pub mod registry;
 pub mod serve;
