@@ -362,6 +362,8 @@ pub struct PoolState {
     pub learned_rpm: Option<u32>,
     pub rpm_remaining: Option<u32>,
     pub paused_until: Option<u64>,
+    /// Epoch ms; present only while the learned pace holds the next admission back.
+    pub paced_until: Option<u64>,
     pub last_throttle: Option<LastThrottle>,
     pub admitted_total: u64,
     pub refused_total: u64,
@@ -389,6 +391,7 @@ pub async fn pool_state(
         learned_rpm: s.learned_rpm,
         rpm_remaining: s.rpm_remaining,
         paused_until: s.paused_until,
+        paced_until: s.paced_until,
         last_throttle: s.last_throttle.map(|t| LastThrottle {
             at: t.at,
             cause: t.cause,

@@ -1209,3 +1209,33 @@ async fn acquire_attempts_are_access_logged_renew_and_release_are_not() {
         "the key itself is never logged"
     );
 }
+
+/// An announced budget sets a learned pace: admissions are spaced to spend the window evenly,
+/// and the state shows until when the pace holds the next one back.
+#[tokio::test]
+async fn an_announced_budget_paces_admissions_and_the_state_shows_it() {
+    let up = Upstream::start().await;
+    let (gw, clock) = clocked(&pool_toml("p", &up.url(), "limit = 10")).await;
+    let id = slot(&grant(&gw, "p").await);
+    let report = json!({"status": 200, "rate": {"limit": 100, "remaining": 10, "resetMs": 10000}});
+    assert!(released(&gw, "p", &id, Some(report)).await);
+    let s = gw.state("p").await;
+    assert!(s["learnedRpm"].as_u64().is_some(), "{s}");
+    // A burst goes out, then the pace holds the next admission back.
+    let mut granted = 0;
+    let refused = loop {
+        let r = send(keyed(&gw, "p", "acquire")).await;
+        if r.status() != 200 {
+            break r;
+        }
+        granted += 1;
+        assert!(granted <= 10, "the pace never held anything back");
+    };
+    assert_eq!(refused.status(), 429);
+    let s = gw.state("p").await;
+    let paced = s["pacedUntil"].as_u64().unwrap_or_else(|| panic!("{s}"));
+    assert!(paced > T0 && paced <= T0 + 10_000, "{s}");
+    assert!(s["pausedUntil"].is_null(), "pacing is not a pause: {s}");
+    clock.advance(paced - T0);
+    assert_eq!(send(keyed(&gw, "p", "acquire")).await.status(), 200);
+}
