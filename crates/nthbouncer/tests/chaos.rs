@@ -4,87 +4,16 @@
 //! contract (2xx/429/502/504), and afterwards nothing is left in flight or queued.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::convert::Infallible;
-use std::io::Write;
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicI64, Ordering};
+mod support;
+
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http_body_util::Full;
-use hyper::body::Bytes;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use support::{counting_upstream, pool_toml, Server};
 
-const BIN: &str = env!("CARGO_BIN_EXE_nthbouncer");
 const KEY: &str = "chaos-test-key-0123456789";
 const ADMIN: &str = "chaos-test-admin-token-0123";
-
-struct Proc(Child);
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-#[derive(Default)]
-struct Counts {
-    in_flight: AtomicI64,
-    max: AtomicI64,
-    total: AtomicI64,
-}
-
-/// `/sleep?ms=N` answers after N ms; `/hang` never answers. Counts concurrent requests.
-async fn upstream() -> (u16, Arc<Counts>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let counts = Arc::new(Counts::default());
-    let c = counts.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
-            };
-            let c = c.clone();
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(
-                    move |req: hyper::Request<hyper::body::Incoming>| {
-                        let c = c.clone();
-                        async move {
-                            let now = c.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
-                            c.max.fetch_max(now, Ordering::SeqCst);
-                            c.total.fetch_add(1, Ordering::SeqCst);
-                            struct Dec(Arc<Counts>);
-                            impl Drop for Dec {
-                                fn drop(&mut self) {
-                                    self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
-                                }
-                            }
-                            let _dec = Dec(c.clone());
-                            if req.uri().path() == "/hang" {
-                                std::future::pending::<()>().await;
-                            }
-                            let ms: u64 = req
-                                .uri()
-                                .query()
-                                .and_then(|q| q.strip_prefix("ms="))
-                                .and_then(|v| v.parse().ok())
-                                .unwrap_or(5);
-                            tokio::time::sleep(Duration::from_millis(ms)).await;
-                            Ok::<_, Infallible>(hyper::Response::new(Full::new(
-                                Bytes::from_static(b"ok"),
-                            )))
-                        }
-                    },
-                );
-                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                    .serve_connection(TokioIo::new(stream), svc)
-                    .await;
-            });
-        }
-    });
-    (port, counts)
-}
 
 /// Accepts connections and closes them without an answer (the client sees the connection end).
 async fn resetting_upstream() -> u16 {
@@ -103,111 +32,23 @@ async fn resetting_upstream() -> u16 {
     port
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Server {
-    _proc: Proc,
-    port: u16,
-    client: reqwest::Client,
-    _dir: tempfile::TempDir,
-}
-
-impl Server {
-    async fn start(pools: &str) -> Server {
-        let port = free_port();
-        let dir = tempfile::tempdir().unwrap();
-        let config = dir.path().join("nthbouncer.toml");
-        std::fs::File::create(&config)
-            .unwrap()
-            .write_all(
-                format!(
-                    "[server]\nlisten = \"127.0.0.1:{port}\"\ndata_dir = {:?}\nadmin_token = \"{ADMIN}\"\n{pools}",
-                    dir.path().join("data").display().to_string()
-                )
-                .as_bytes(),
-            )
-            .unwrap();
-        let proc = Proc(
-            Command::new(BIN)
-                .args(["serve", "--config", config.to_str().unwrap()])
-                .env("RUST_LOG", "error")
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap(),
-        );
-        let client = reqwest::Client::builder()
-            .pool_max_idle_per_host(0)
-            .build()
-            .unwrap();
-        for _ in 0..400 {
-            let r = client
-                .get(format!("http://127.0.0.1:{port}/readyz"))
-                .header("host", "api.localhost")
-                .send()
-                .await;
-            if r.is_ok_and(|r| r.status() == 200) {
-                return Server {
-                    _proc: proc,
-                    port,
-                    client,
-                    _dir: dir,
-                };
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        panic!("server did not start");
-    }
-
-    fn get(&self, pool: &str, path: &str) -> reqwest::RequestBuilder {
-        self.client
-            .get(format!("http://127.0.0.1:{}{path}", self.port))
-            .header("host", format!("{pool}.localhost"))
-            .header("x-nthpool-key", KEY)
-    }
-
-    /// Waits (bounded) for the pool to be idle: nothing in flight, nothing queued.
-    async fn wait_idle(&self, pool: &str) {
-        let mut last = serde_json::Value::Null;
-        for _ in 0..1000 {
-            let s: serde_json::Value = self
-                .client
-                .get(format!(
-                    "http://127.0.0.1:{}/admin/pools/{pool}/state",
-                    self.port
-                ))
-                .header("host", "api.localhost")
-                .bearer_auth(ADMIN)
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            if s["inFlight"] == 0 && s["queued"] == 0 {
-                return;
-            }
-            last = s;
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        panic!("pool {pool} never went idle: {last}");
-    }
+/// `serve` with `pools`, talked to without keeping idle connections.
+async fn start(pools: &str) -> Server {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+    Server::start(ADMIN, "error", client, pools).await
 }
 
 fn pool(name: &str, port: u16, concurrency: &str) -> String {
-    format!("[[pools]]\nname = \"{name}\"\nupstream = \"http://127.0.0.1:{port}\"\nkeys = [\"{KEY}\"]\n[pools.concurrency]\n{concurrency}\n")
+    pool_toml(name, port, KEY, concurrency)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_5000_at_limit_8() {
-    let (up, counts) = upstream().await;
-    let server = Server::start(&pool(
+    let (up, counts) = counting_upstream().await;
+    let server = start(&pool(
         "flood",
         up,
         "limit = 8\nqueue_size = 10000\nqueue_timeout_ms = 60000",
@@ -218,7 +59,7 @@ async fn a_flood_of_5000_at_limit_8() {
     for _ in 0..5000 {
         let s = server.clone();
         tasks.push(tokio::spawn(async move {
-            match s.get("flood", "/sleep?ms=2").send().await {
+            match s.pool_get("flood", "/sleep?ms=2", KEY).send().await {
                 Ok(r) => r.status().as_u16(),
                 Err(e) => panic!("no answer: {e}"),
             }
@@ -250,14 +91,14 @@ async fn a_flood_of_5000_at_limit_8() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vanishing_clients_leak_nothing() {
-    let (up, counts) = upstream().await;
-    let server = Arc::new(Server::start(&pool("v", up, "limit = 4\nqueue_size = 10000")).await);
+    let (up, counts) = counting_upstream().await;
+    let server = Arc::new(start(&pool("v", up, "limit = 4\nqueue_size = 10000")).await);
     // Half give up while queued or in flight (client-side timeouts), half wait.
     let mut tasks = Vec::new();
     for i in 0..400 {
         let s = server.clone();
         tasks.push(tokio::spawn(async move {
-            let mut req = s.get("v", "/sleep?ms=20");
+            let mut req = s.pool_get("v", "/sleep?ms=20", KEY);
             if i % 2 == 0 {
                 req = req.timeout(Duration::from_millis(30 + (i % 7) as u64 * 10));
             }
@@ -283,7 +124,7 @@ async fn vanishing_clients_leak_nothing() {
     // The pool still serves at full width afterwards.
     assert_eq!(
         server
-            .get("v", "/sleep?ms=1")
+            .pool_get("v", "/sleep?ms=1", KEY)
             .send()
             .await
             .unwrap()
@@ -294,19 +135,19 @@ async fn vanishing_clients_leak_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hanging_and_resetting_upstreams_free_their_slots() {
-    let (up, _) = upstream().await;
+    let (up, _) = counting_upstream().await;
     let reset = resetting_upstream().await;
     let pools = format!(
         "{}{}",
         pool("hang", up, "limit = 2\nrequest_timeout_ms = 300"),
         pool("reset", reset, "limit = 2")
     );
-    let server = Arc::new(Server::start(&pools).await);
+    let server = Arc::new(start(&pools).await);
     let mut tasks = Vec::new();
     for _ in 0..6 {
         let s = server.clone();
         tasks.push(tokio::spawn(async move {
-            s.get("hang", "/hang")
+            s.pool_get("hang", "/hang", KEY)
                 .send()
                 .await
                 .unwrap()
@@ -315,7 +156,12 @@ async fn hanging_and_resetting_upstreams_free_their_slots() {
         }));
         let s = server.clone();
         tasks.push(tokio::spawn(async move {
-            s.get("reset", "/").send().await.unwrap().status().as_u16()
+            s.pool_get("reset", "/", KEY)
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
         }));
     }
     let mut statuses: Vec<u16> = Vec::new();

@@ -2,48 +2,13 @@
 //! graceful shutdown on SIGTERM.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Stdio};
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
-const BIN: &str = env!("CARGO_BIN_EXE_nthbouncer");
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn write_config(dir: &tempfile::TempDir, text: &str) -> std::path::PathBuf {
-    let path = dir.path().join("nthbouncer.toml");
-    std::fs::File::create(&path)
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    path
-}
-
-/// Kills the child when the test ends, whatever happens.
-struct Proc(Child);
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Waits (bounded) until something accepts connections on `port`.
-fn wait_ready(port: u16) {
-    for _ in 0..400 {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(25));
-    }
-    panic!("nothing listened on port {port}");
-}
+use support::{free_port, server_toml, spawn, wait_listening, write_config, Proc, BIN};
 
 #[test]
 fn invalid_configs_exit_non_zero_naming_the_key() {
@@ -56,7 +21,7 @@ fn invalid_configs_exit_non_zero_naming_the_key() {
         ("this is not toml", "(file)"),
     ];
     for (text, key) in cases {
-        let path = write_config(&dir, text);
+        let path = write_config(dir.path(), text);
         for args in [
             vec!["check-config", path.to_str().unwrap()],
             vec!["serve", "--config", path.to_str().unwrap()],
@@ -81,7 +46,7 @@ fn invalid_configs_exit_non_zero_naming_the_key() {
 fn check_config_prints_resolved_pools_with_secrets_masked() {
     let dir = tempfile::tempdir().unwrap();
     let path = write_config(
-        &dir,
+        dir.path(),
         "[[pools]]\nname = \"p\"\nupstream = \"http://127.0.0.1:1\"\nkeys = [\"legacy-key-0123456789\"]\n[pools.upstream_headers]\nauthorization = \"Bearer sk-do-not-print\"\n",
     );
     let out = Command::new(BIN)
@@ -141,40 +106,30 @@ fn http(port: u16, host: &str, path: &str, key: Option<&str>) -> (u16, String) {
 #[test]
 fn serve_proxies_to_a_sandbox_and_drains_on_sigterm() {
     let sandbox_port = free_port();
-    let _sandbox = Proc(
-        Command::new(BIN)
-            .args([
-                "sandbox",
-                "--listen",
-                &format!("127.0.0.1:{sandbox_port}"),
-                "--latency-ms",
-                "600",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+    let sandbox_listen = format!("127.0.0.1:{sandbox_port}");
+    let _sandbox = spawn(
+        &[
+            "sandbox",
+            "--listen",
+            &sandbox_listen,
+            "--latency-ms",
+            "600",
+        ],
+        None,
     );
     let port = free_port();
     let dir = tempfile::tempdir().unwrap();
     let key = "cli-test-key-0123456789";
     let path = write_config(
-        &dir,
+        dir.path(),
         &format!(
-            "[server]\nlisten = \"127.0.0.1:{port}\"\ndata_dir = {:?}\n[[pools]]\nname = \"demo\"\nupstream = \"http://127.0.0.1:{sandbox_port}\"\nkeys = [\"{key}\"]\n",
-            dir.path().join("data").display().to_string()
+            "{}[[pools]]\nname = \"demo\"\nupstream = \"http://127.0.0.1:{sandbox_port}\"\nkeys = [\"{key}\"]\n",
+            server_toml(port, dir.path())
         ),
     );
-    let mut server = Proc(
-        Command::new(BIN)
-            .args(["serve", "--config", path.to_str().unwrap()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    wait_ready(sandbox_port);
-    wait_ready(port);
+    let mut server = spawn(&["serve", "--config", path.to_str().unwrap()], None);
+    wait_listening(sandbox_port);
+    wait_listening(port);
     let (status, body) = http(port, "demo.localhost", "/echo", Some(key));
     assert_eq!(status, 200, "{body}");
     assert!(!body.contains(key), "the pool key reached the sandbox");
@@ -212,13 +167,7 @@ fn serve_proxies_to_a_sandbox_and_drains_on_sigterm() {
 fn demo_mode_serves_with_no_network() {
     let port = free_port();
     let dir = tempfile::tempdir().unwrap();
-    let path = write_config(
-        &dir,
-        &format!(
-            "[server]\nlisten = \"127.0.0.1:{port}\"\ndata_dir = {:?}\n",
-            dir.path().join("data").display().to_string()
-        ),
-    );
+    let path = write_config(dir.path(), &server_toml(port, dir.path()));
     let mut child = Command::new(BIN)
         .args(["serve", "--demo", "--config", path.to_str().unwrap()])
         .stdout(Stdio::piped())
@@ -227,7 +176,7 @@ fn demo_mode_serves_with_no_network() {
         .unwrap();
     let stdout = child.stdout.take().unwrap();
     let _guard = Proc(child);
-    wait_ready(port);
+    wait_listening(port);
     let mut key = None;
     for line in BufReader::new(stdout).lines() {
         let line = line.unwrap();

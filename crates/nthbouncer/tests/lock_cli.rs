@@ -3,16 +3,18 @@
 //! exit with their own codes and a message, lease trouble warns, signals behave.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use std::path::Path;
 use std::process::{Output, Stdio};
 use std::time::Duration;
 
 use nthbouncer_client::{LockClient, LockError};
 use nthbouncer_config::Config;
+use support::{admin_get, pool_toml, wait_until, BIN};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
-const BIN: &str = env!("CARGO_BIN_EXE_nthbouncer");
 const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
 const KEY: &str = "test-key-0123456789abcdef";
 
@@ -26,9 +28,7 @@ struct Gateway {
 /// A gateway on a loopback port with lock pool `p` configured by `concurrency` (TOML lines).
 async fn gateway(concurrency: &str) -> Gateway {
     let dir = tempfile::tempdir().unwrap();
-    let toml = format!(
-        "[[pools]]\nname = \"p\"\nupstream = \"http://127.0.0.1:9\"\nkeys = [\"{KEY}\"]\n[pools.concurrency]\n{concurrency}\n"
-    );
+    let toml = pool_toml("p", 9, KEY, concurrency);
     let mut config = Config::from_toml_str(&toml).unwrap();
     config.server.listen = "127.0.0.1:0".into();
     config.server.data_dir = dir.path().join("data");
@@ -79,14 +79,7 @@ impl Gateway {
     }
 
     async fn in_flight(&self) -> u64 {
-        let r = self
-            .http
-            .get(format!("{}/admin/pools/p/state", self.base))
-            .header("host", "api.localhost")
-            .bearer_auth(ADMIN_TOKEN)
-            .send()
-            .await
-            .unwrap();
+        let r = admin_get(&self.http, &self.base, ADMIN_TOKEN, "/admin/pools/p/state").await;
         assert_eq!(r.status(), 200);
         let v: serde_json::Value = r.json().await.unwrap();
         v["inFlight"].as_u64().unwrap()
@@ -110,13 +103,11 @@ fn stderr(out: &Output) -> String {
 
 /// Polls (bounded, 10 s) until `path` exists.
 async fn wait_for_file(path: &str) {
-    for _ in 0..1000 {
-        if Path::new(path).exists() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("timed out waiting for {path}");
+    let exists = wait_until(1000, Duration::from_millis(10), async || {
+        Path::new(path).exists()
+    })
+    .await;
+    assert!(exists, "timed out waiting for {path}");
 }
 
 /// A command that creates `started`, then waits until `go` exists, then exits 0.
