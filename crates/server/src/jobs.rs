@@ -294,7 +294,8 @@ async fn run(state: &Arc<AppState>, job: StoredJob) -> Result<(), String> {
         match fetched {
             Ok((result, outcome)) => {
                 guard.outcome = Some(outcome);
-                drop(guard);
+                // The slot is freed only once the result is committed: a crash before that
+                // reruns the job, so at most `limit` jobs can ever run twice.
                 let dests = pool.active_destination_ids();
                 store
                     .finish_attempt(
@@ -306,6 +307,7 @@ async fn run(state: &Arc<AppState>, job: StoredJob) -> Result<(), String> {
                     )
                     .await
                     .map_err(|e| e.to_string())?;
+                drop(guard);
                 state.notify_deliveries();
                 return Ok(());
             }
