@@ -16,6 +16,7 @@ use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use bytes::Bytes;
+use nthbouncer_config::ConcurrencySpec;
 use nthbouncer_coord::{AcquireRequest, Outcome, Priority, RateInfo, RenewError, SlotId, SlotKind};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -151,6 +152,27 @@ fn pool_and_caller(
     Ok((pool, caller))
 }
 
+/// The wait budget and priority an acquire body asks for (an empty body: the headers'), as the
+/// handler reads them. Public for the `lock_bodies` fuzz target.
+pub fn acquire_params(
+    bytes: &Bytes,
+    headers: &HeaderMap,
+    spec: &ConcurrencySpec,
+) -> Result<(u64, Priority), ApiError> {
+    let req: AcquireBody = if is_empty(bytes) {
+        AcquireBody::default()
+    } else {
+        parse_json(bytes)?
+    };
+    let wait_ms = admission::wait_budget(headers, spec, AdmissionCaller::Lock, req.wait_ms)?;
+    let priority = match &req.priority {
+        Some(p) => Priority::parse(p)
+            .ok_or_else(|| ApiError::invalid("priority", "priority must be high, normal or low"))?,
+        None => admission::priority_from_headers(headers)?,
+    };
+    Ok((wait_ms, priority))
+}
+
 #[utoipa::path(post, path = "/pools/{pool}/lock/acquire", tag = "lock", request_body(content = AcquireBody, description = "optional"),
     responses((status = 200, body = LockGrant, description = "granted, with x-nthpool-* headers"),
               (status = 401, description = "unauthorized"), (status = 403, description = "unauthorized (IP allowlist)"),
@@ -185,24 +207,7 @@ pub async fn acquire(
     };
     let parsed = async {
         let bytes = read_body(&headers, body).await?;
-        let req: AcquireBody = if is_empty(&bytes) {
-            AcquireBody::default()
-        } else {
-            parse_json(&bytes)?
-        };
-        let wait_ms = admission::wait_budget(
-            &headers,
-            &pool.concurrency,
-            AdmissionCaller::Lock,
-            req.wait_ms,
-        )?;
-        let priority = match &req.priority {
-            Some(p) => Priority::parse(p).ok_or_else(|| {
-                ApiError::invalid("priority", "priority must be high, normal or low")
-            })?,
-            None => admission::priority_from_headers(&headers)?,
-        };
-        Ok::<_, ApiError>((wait_ms, priority))
+        acquire_params(&bytes, &headers, &pool.concurrency)
     }
     .await;
     let (wait_ms, priority) = match parsed {
@@ -305,6 +310,16 @@ pub async fn renew(
     }
 }
 
+/// The outcome a release body reports (an empty body: none), as the handler reads it. Public for
+/// the `lock_bodies` fuzz target.
+pub fn release_outcome(bytes: &Bytes, now_ms: u64) -> Result<Option<Outcome>, ApiError> {
+    if is_empty(bytes) {
+        return Ok(None);
+    }
+    let report: ReleaseBody = parse_json(bytes)?;
+    outcome_of(&report, now_ms).map(Some)
+}
+
 /// Turns a release report into a governor outcome: `rate` wins over `headers`.
 pub fn outcome_of(report: &ReleaseBody, now_ms: u64) -> Result<Outcome, ApiError> {
     if let Some(s) = report.status {
@@ -385,12 +400,7 @@ pub async fn release(
     let (name, slot) = slot_params(path, &uri);
     let (pool, _caller) = pool_and_caller(&state, &name, &headers)?;
     let bytes = read_body(&headers, body).await?;
-    let outcome = if is_empty(&bytes) {
-        None
-    } else {
-        let report: ReleaseBody = parse_json(&bytes)?;
-        Some(outcome_of(&report, state.now())?)
-    };
+    let outcome = release_outcome(&bytes, state.now())?;
     let released = match SlotId::parse(&slot) {
         Some(slot) => pool.gate.release(slot, outcome).await,
         None => false,
