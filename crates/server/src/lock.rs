@@ -5,7 +5,7 @@
 //! Acquire attempts are written to the access log; renew and release are not. The slot id is
 //! 128 random bits and lives in the pool's own gate, so another pool cannot name it.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -93,9 +93,11 @@ pub struct ReleaseBody {
     pub retry_after_ms: Option<u64>,
     /// Pre-parsed rate fields; win over `headers`.
     pub rate: Option<RateBody>,
-    /// Raw upstream response headers to parse.
+    /// Raw upstream response headers to parse. Names are case-insensitive; a name sent in
+    /// several spellings is read in the byte order of the spellings (the first value wins), so
+    /// the same body always gives the same outcome.
     #[schema(value_type = Object)]
-    pub headers: Option<HashMap<String, HeaderValues>>,
+    pub headers: Option<BTreeMap<String, HeaderValues>>,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -372,7 +374,7 @@ pub fn outcome_of(report: &ReleaseBody, now_ms: u64) -> Result<Outcome, ApiError
 
 /// The reported headers as `(name, value)` pairs, one per value, keeping the names `keep` accepts.
 fn header_pairs<'a>(
-    headers: &'a HashMap<String, HeaderValues>,
+    headers: &'a BTreeMap<String, HeaderValues>,
     keep: impl Fn(&str) -> bool + 'a,
 ) -> impl Iterator<Item = (&'a str, &'a str)> + 'a {
     headers
@@ -406,4 +408,21 @@ pub async fn release(
         None => false,
     };
     Ok(Json(Released { released }))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_header_sent_in_two_spellings_gives_the_same_outcome_every_time() {
+        let body = Bytes::from_static(
+            br#"{"status":429,"headers":{"retry-after":"2","Retry-After":"1"}}"#,
+        );
+        for _ in 0..20 {
+            let outcome = release_outcome(&body, 0).unwrap().unwrap();
+            assert_eq!(outcome.retry_after_ms, Some(1_000));
+        }
+    }
 }
