@@ -12,6 +12,12 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand};
 use nthbouncer_config::{keys, Config, PoolSpec};
 
+/// mimalloc: the proxy path allocates and frees many small buffers per request (header maps,
+/// bodies, access-log rows); it costs measurably less CPU per request than glibc's malloc
+/// (bench/RESULTS.md, proxy).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "nthbouncer",

@@ -3,6 +3,11 @@
 //!
 //! When the channel is full (storage far slower than traffic), entries are dropped and counted
 //! (`nthbouncer_access_log_dropped_total`) rather than slowing admission.
+//!
+//! Under load the writer commits at most once per `MIN_COMMIT_INTERVAL` (unless a batch is
+//! full or a flush is asked for): a commit costs about as much as a few hundred rows, so many
+//! tiny batches would cost more than the rows themselves. A lone entry after a quiet spell is
+//! committed at once.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -11,9 +16,12 @@ use std::sync::Arc;
 use nthbouncer_store::{AccessLogEntry, Store};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
+use tokio::time::{Duration, Instant};
 
 const CHANNEL_CAPACITY: usize = 65_536;
-const MAX_BATCH: usize = 1024;
+const MAX_BATCH: usize = 4096;
+/// The shortest time between two commits while entries keep coming.
+const MIN_COMMIT_INTERVAL: Duration = Duration::from_millis(20);
 
 enum Msg {
     Entry(AccessLogEntry),
@@ -96,7 +104,21 @@ async fn writer(store: Arc<dyn Store>, mut rx: mpsc::Receiver<Msg>, keep: u64) {
     // Appends since the last trim, per pool: trimming every batch would double the write load.
     let mut since_trim: HashMap<String, u64> = HashMap::new();
     let trim_every = (keep / 10).max(100);
+    let mut last_commit: Option<Instant> = None;
     while rx.recv_many(&mut msgs, MAX_BATCH).await > 0 {
+        // Let the batch fill until the commit interval has passed since the last commit, unless
+        // it is full, someone waits for a flush, or the log is closing.
+        if let Some(last) = last_commit {
+            let until = last + MIN_COMMIT_INTERVAL;
+            while msgs.len() < MAX_BATCH && !msgs.iter().any(|m| matches!(m, Msg::Flush(_))) {
+                let room = MAX_BATCH - msgs.len();
+                tokio::select! {
+                    biased;
+                    n = rx.recv_many(&mut msgs, room) => if n == 0 { break },
+                    () = tokio::time::sleep_until(until) => break,
+                }
+            }
+        }
         for msg in msgs.drain(..) {
             match msg {
                 Msg::Entry(e) => batch.push(e),
@@ -109,11 +131,17 @@ async fn writer(store: Arc<dyn Store>, mut rx: mpsc::Receiver<Msg>, keep: u64) {
             });
             continue;
         }
+        last_commit = Some(Instant::now());
         if let Err(e) = store.append_access_log(&batch).await {
             tracing::warn!(error = %e, entries = batch.len(), "access log batch lost");
         }
         for entry in &batch {
-            *since_trim.entry(entry.pool.clone()).or_default() += 1;
+            match since_trim.get_mut(entry.pool.as_str()) {
+                Some(n) => *n += 1,
+                None => {
+                    since_trim.insert(entry.pool.clone(), 1);
+                }
+            }
         }
         for (pool, n) in since_trim.iter_mut() {
             if *n >= trim_every {

@@ -145,19 +145,24 @@ impl SlotGuard {
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
+        // Release is async at the seam (a Redis gate talks to Redis) and dropping must not
+        // block: poll it once here, and only if it is not done at once (the in-process gate
+        // always is) hand the rest to a task. That saves a task per request on the hot path.
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            tracing::error!(
+                "slot released outside the runtime; it will be reclaimed at its deadline"
+            );
+            return;
+        };
         let gate = self.gate.clone();
         let slot = self.slot;
         let outcome = self.outcome.take();
-        // Release is async at the seam (a Redis gate talks to Redis); dropping must not block.
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
-                rt.spawn(async move {
-                    gate.release(slot, outcome).await;
-                });
-            }
-            Err(_) => tracing::error!(
-                "slot released outside the runtime; it will be reclaimed at its deadline"
-            ),
+        let mut release = Box::pin(async move {
+            gate.release(slot, outcome).await;
+        });
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        if release.as_mut().poll(&mut cx).is_pending() {
+            rt.spawn(release);
         }
     }
 }
@@ -290,6 +295,52 @@ impl HttpBody for SlotBody {
     }
 }
 
+/// The access log's route of a proxied request: `proxy METHOD PATH`.
+fn route(method: &http::Method, path: &str) -> String {
+    let method = method.as_str();
+    let mut route = String::with_capacity(7 + method.len() + path.len());
+    route.push_str("proxy ");
+    route.push_str(method);
+    route.push(' ');
+    route.push_str(path);
+    route
+}
+
+/// The upstream URL of a request: the pool's scheme, authority and base path, then the
+/// request's path and query. `None` if that is not a valid URI.
+fn upstream_uri(upstream: &crate::registry::Upstream, uri: &http::Uri) -> Option<http::Uri> {
+    let path_and_query = uri.path_and_query();
+    if upstream.base_path.is_empty() {
+        // The common case: the request's own path and query, shared rather than re-parsed.
+        if let Some(pq) = path_and_query.filter(|pq| pq.as_str().starts_with('/')) {
+            let mut parts = http::uri::Parts::default();
+            parts.scheme = Some(upstream.scheme.clone());
+            parts.authority = Some(upstream.authority.clone());
+            parts.path_and_query = Some(pq.clone());
+            return http::Uri::from_parts(parts).ok();
+        }
+    }
+    let path_and_query = path_and_query.map(|pq| pq.as_str()).unwrap_or("/");
+    format!(
+        "{}://{}{}{}",
+        upstream.scheme, upstream.authority, upstream.base_path, path_and_query
+    )
+    .parse()
+    .ok()
+}
+
+/// `X-Forwarded-For`: the caller's value, if any, with the peer appended.
+fn forwarded_for(prior: Option<&str>, peer: std::net::IpAddr) -> Option<HeaderValue> {
+    use std::fmt::Write as _;
+    let mut value = String::with_capacity(prior.map_or(0, |p| p.len() + 2) + 39);
+    if let Some(prior) = prior {
+        value.push_str(prior);
+        value.push_str(", ");
+    }
+    let _ = write!(value, "{peer}");
+    HeaderValue::from_maybe_shared(Bytes::from(value)).ok()
+}
+
 /// Serves one request on a proxy pool's host.
 pub async fn handle(
     state: Arc<AppState>,
@@ -305,7 +356,7 @@ pub async fn handle(
         pool: &pool.name,
         at: state.now(),
         peer: SocketAddr::new(client, peer.port()),
-        route: format!("proxy {} {}", parts.method, parts.uri.path()),
+        route: route(&parts.method, parts.uri.path()),
     };
 
     // Pool key and access policies (SPEC §2, §9). A signed request with a body comes back with
@@ -454,18 +505,9 @@ pub async fn handle(
 
     // The upstream request: our URL, our Host, the caller's method/headers/body minus what
     // must not cross, plus the managed credentials.
-    let path_and_query = parts
-        .uri
-        .path_and_query()
-        .map(|pq| pq.as_str())
-        .unwrap_or("/");
-    let target = format!(
-        "{}://{}{}{}",
-        pool.upstream.scheme, pool.upstream.authority, pool.upstream.base_path, path_and_query
-    );
-    let uri: http::Uri = match target.parse() {
-        Ok(u) => u,
-        Err(_) => {
+    let uri = match upstream_uri(&pool.upstream, &parts.uri) {
+        Some(u) => u,
+        None => {
             let e = ApiError::invalid("path", "the request path cannot be forwarded");
             log.write(
                 Some(&key_id),
@@ -486,11 +528,8 @@ pub async fn handle(
     if caller.used_authorization {
         headers.remove(header::AUTHORIZATION);
     }
-    let forwarded_for = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
-        Some(prior) => format!("{prior}, {}", peer.ip()),
-        None => peer.ip().to_string(),
-    };
-    if let Ok(v) = HeaderValue::from_str(&forwarded_for) {
+    let prior = headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok());
+    if let Some(v) = forwarded_for(prior, peer.ip()) {
         headers.insert(X_FORWARDED_FOR.clone(), v);
     }
     headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
@@ -709,6 +748,41 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn upstream_uri_joins_base_path_and_request_path() {
+        for (upstream, request, want) in [
+            (
+                "http://127.0.0.1:9000",
+                "/a/b?c=d",
+                "http://127.0.0.1:9000/a/b?c=d",
+            ),
+            ("http://127.0.0.1:9000/", "/", "http://127.0.0.1:9000/"),
+            (
+                "https://api.example.com/v1/",
+                "/chat?x=1",
+                "https://api.example.com/v1/chat?x=1",
+            ),
+            ("http://h:1", "http://other/p?q", "http://h:1/p?q"),
+        ] {
+            let up = crate::registry::Upstream::parse("t", upstream).unwrap();
+            let uri: http::Uri = request.parse().unwrap();
+            assert_eq!(upstream_uri(&up, &uri).unwrap().to_string(), want);
+        }
+    }
+
+    #[test]
+    fn forwarded_for_appends_the_peer() {
+        let peer: std::net::IpAddr = "10.1.2.3".parse().unwrap();
+        assert_eq!(forwarded_for(None, peer).unwrap(), "10.1.2.3");
+        assert_eq!(
+            forwarded_for(Some("1.1.1.1"), peer).unwrap(),
+            "1.1.1.1, 10.1.2.3"
+        );
+        let v6: std::net::IpAddr = "::1".parse().unwrap();
+        assert_eq!(forwarded_for(None, v6).unwrap(), "::1");
+        assert_eq!(route(&http::Method::POST, "/x/y"), "proxy POST /x/y");
     }
 
     #[test]
