@@ -13,10 +13,14 @@
 //! - [`hmac`]: admitted proxy requests per second with HMAC request signing on vs off.
 //! - [`cpu`]: CPU time of the server processes, from `/proc`.
 //! - [`webhooks`]: webhook deliveries per second from a full outbox (runs the server in-process).
+//! - [`scale`]: resident memory of `nthbouncer serve` idle, with 10,000 parked waiters and with
+//!   1,000 pools (starts the release binary itself, one fresh server per scenario).
 //! - [`stats`]: percentiles and table formatting.
 //!
 //! Processes (nthbouncer, nginx, HAProxy, redis-server) are started and stopped by `bench/run`;
 //! this binary only generates load and reports, so a crash here never leaves a server behind.
+//! The exception is `scale`, which needs a fresh server per scenario: it kills each one when the
+//! scenario ends and lists their pids in a file that `bench/run` cleans up after.
 
 #![forbid(unsafe_code)]
 
@@ -26,6 +30,7 @@ mod hmac;
 mod jobs;
 mod lock;
 mod proxy;
+mod scale;
 mod stats;
 mod upstream;
 mod webhooks;
@@ -68,6 +73,8 @@ enum Command {
     Jobs(jobs::JobsArgs),
     /// Webhook deliveries per second from a full outbox to a local receiver (in-process server).
     Webhooks(webhooks::WebhooksArgs),
+    /// Resident memory of `nthbouncer serve`: idle, with 10,000 parked waiters, with 1,000 pools.
+    Scale(scale::ScaleArgs),
     /// Print free loopback TCP ports, one a line.
     FreePorts {
         #[arg(long, default_value_t = 1)]
@@ -103,6 +110,7 @@ fn main() -> ExitCode {
             Command::Upstream(args) => upstream::run(args).await,
             Command::Webhooks(args) => webhooks::run(args).await,
             Command::Jobs(args) => jobs::run(args).await,
+            Command::Scale(args) => scale::run(args).await,
             Command::FreePorts { count } => free_ports(count),
         }
     });

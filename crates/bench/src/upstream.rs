@@ -30,37 +30,40 @@ pub struct UpstreamArgs {
 pub async fn run(args: UpstreamArgs) -> Result<(), BoxError> {
     let listener = TcpListener::bind(args.listen).await?;
     println!("upstream listening on http://{}", listener.local_addr()?);
-    let accept = async {
-        loop {
-            let (stream, _) = match listener.accept().await {
-                Ok(a) => a,
-                Err(e) => {
-                    // Out of descriptors and the like: back off rather than spin.
-                    eprintln!("upstream: accept failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            let _ = stream.set_nodelay(true);
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(|_req: Request<Incoming>| async {
-                    let mut resp = Response::new(Full::new(Bytes::from_static(BODY)));
-                    resp.headers_mut().insert(
-                        hyper::header::CONTENT_TYPE,
-                        hyper::header::HeaderValue::from_static("text/plain"),
-                    );
-                    Ok::<_, Infallible>(resp)
-                });
-                // A connection error is the client's business (wrk closing mid-request at the
-                // end of a run); nothing to report.
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    };
     tokio::select! {
-        () = accept => Ok(()),
+        () = serve(listener) => Ok(()),
         () = tokio::time::sleep(Duration::from_secs(args.max_seconds)) => Ok(()),
+    }
+}
+
+/// Serves `listener` until the future is dropped (the scale benchmark runs it in its own
+/// process, behind the server under test).
+pub async fn serve(listener: TcpListener) {
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(a) => a,
+            Err(e) => {
+                // Out of descriptors and the like: back off rather than spin.
+                eprintln!("upstream: accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(|_req: Request<Incoming>| async {
+                let mut resp = Response::new(Full::new(Bytes::from_static(BODY)));
+                resp.headers_mut().insert(
+                    hyper::header::CONTENT_TYPE,
+                    hyper::header::HeaderValue::from_static("text/plain"),
+                );
+                Ok::<_, Infallible>(resp)
+            });
+            // A connection error is the client's business (wrk closing mid-request at the
+            // end of a run); nothing to report.
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
     }
 }
