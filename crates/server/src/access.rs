@@ -487,7 +487,9 @@ pub async fn require(
         Some(b) => BodyState::Whole(b),
         None => BodyState::Empty,
     };
-    let checked = authorize(
+    // Boxed: this middleware's state lives as long as the handler behind it (a lock acquire
+    // may wait in the queue), and the checks' state is not needed while it waits.
+    let checked = Box::pin(authorize(
         &state,
         &pool,
         client,
@@ -496,7 +498,7 @@ pub async fn require(
         &parts.headers,
         body_state,
         log.at,
-    )
+    ))
     .await;
     if let Err(failure) = checked {
         if logged {

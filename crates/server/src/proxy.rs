@@ -24,7 +24,9 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::{Client, ResponseFuture};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use nthbouncer_config::ServerSpec;
-use nthbouncer_coord::{AcquireRequest, Outcome, PoolGate, Priority, Refusal, SlotId, SlotKind};
+use nthbouncer_coord::{
+    AcquireRequest, Grant, Outcome, PoolGate, Priority, Refusal, SlotId, SlotKind,
+};
 
 use crate::access;
 use crate::access_log::LogLine;
@@ -349,7 +351,7 @@ pub async fn handle(
     peer: SocketAddr,
     original_host: Option<HeaderValue>,
 ) -> Response<Body> {
-    let (mut parts, body) = req.into_parts();
+    let (parts, body) = req.into_parts();
     let client = access::client_addr(peer.ip(), &parts.headers, &state.trusted_proxies);
     let log = LogLine {
         log: &state.access_log,
@@ -366,7 +368,9 @@ pub async fn handle(
     } else {
         access::BodyState::Streamed
     };
-    let authorized = access::authorize(
+    // Boxed, like `accept_job` and `forward`: an `async fn`'s state is as large as its largest
+    // await, and a parked waiter should carry only what waiting needs.
+    let authorized = Box::pin(access::authorize(
         &state,
         &pool,
         client,
@@ -375,7 +379,7 @@ pub async fn handle(
         &parts.headers,
         body_state,
         log.at,
-    )
+    ))
     .await;
     let (caller, mut signed) = match authorized {
         Ok(a) => (a.caller, a.pending),
@@ -423,7 +427,7 @@ pub async fn handle(
     // With no active webhook destination the pool behaves exactly as with async off.
     let live = pool.async_live();
     if asked_async && live {
-        return accept_job(
+        return Box::pin(accept_job(
             &state,
             &pool,
             log,
@@ -433,7 +437,7 @@ pub async fn handle(
             &caller,
             priority,
             Reason::Requested,
-        )
+        ))
         .await;
     }
     let promote_busy = live && pool.spec.async_jobs.on_open_wait && wait_ms > 0;
@@ -449,7 +453,7 @@ pub async fn handle(
     let grant = match pool.gate.acquire(request).await {
         Ok(g) => g,
         Err(Refusal::TooManyRequests { .. }) if promote_busy => {
-            return accept_job(
+            return Box::pin(accept_job(
                 &state,
                 &pool,
                 log,
@@ -459,11 +463,11 @@ pub async fn handle(
                 &caller,
                 priority,
                 Reason::Busy,
-            )
+            ))
             .await;
         }
         Err(Refusal::QueueTimeout { .. }) if promote_timeout => {
-            return accept_job(
+            return Box::pin(accept_job(
                 &state,
                 &pool,
                 log,
@@ -473,7 +477,7 @@ pub async fn handle(
                 &caller,
                 priority,
                 Reason::WaitTimeout,
-            )
+            ))
             .await;
         }
         Err(refusal) => {
@@ -499,6 +503,58 @@ pub async fn handle(
     pool.metrics
         .queue_wait
         .record(grant.headers.queued_ms as f64 / 1000.0);
+    // Forwarding runs in its own boxed future: a waiter parked in the queue then holds only
+    // what admission needs, not the forwarding machinery as well (see `bench/run scale`).
+    Box::pin(forward(Admitted {
+        state: &state,
+        pool: &pool,
+        log,
+        parts,
+        body,
+        signed,
+        key_id,
+        used_authorization: caller.used_authorization,
+        client,
+        peer,
+        original_host,
+        grant,
+    }))
+    .await
+}
+
+/// A proxied request the gate admitted, on its way to the upstream.
+struct Admitted<'a> {
+    state: &'a Arc<AppState>,
+    pool: &'a Arc<PoolRuntime>,
+    log: LogLine<'a>,
+    parts: http::request::Parts,
+    body: Incoming,
+    signed: Option<access::Pending>,
+    key_id: Arc<str>,
+    used_authorization: bool,
+    client: std::net::IpAddr,
+    peer: SocketAddr,
+    original_host: Option<HeaderValue>,
+    grant: Grant,
+}
+
+/// Sends an admitted request upstream and streams the answer back, holding the slot.
+async fn forward(admitted: Admitted<'_>) -> Response<Body> {
+    let Admitted {
+        state,
+        pool,
+        log,
+        mut parts,
+        body,
+        mut signed,
+        key_id,
+        used_authorization,
+        client,
+        peer,
+        original_host,
+        grant,
+    } = admitted;
+    let max_body = state.server.max_body_bytes;
     let guard = SlotGuard::new(pool.gate.clone(), grant.slot_id);
     let deadline =
         tokio::time::Instant::now() + Duration::from_millis(pool.concurrency.request_timeout_ms);
@@ -525,7 +581,7 @@ pub async fn handle(
     strip_hop_by_hop(headers);
     strip_nthpool_headers(headers);
     pool.access.strip_credentials(headers);
-    if caller.used_authorization {
+    if used_authorization {
         headers.remove(header::AUTHORIZATION);
     }
     let prior = headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok());
@@ -563,7 +619,7 @@ pub async fn handle(
             if let Some(failure) = access::rejection_in(&err) {
                 let failure = access::Failure::Hmac(failure);
                 pool.access.record_failure(client, log.at, failure);
-                return access::refuse(&pool, log, Some(&key_id), failure);
+                return access::refuse(pool, log, Some(&key_id), failure);
             }
             let e = if chain_has::<LengthLimitError>(&err) {
                 ApiError::payload_too_large(max_body)
@@ -617,7 +673,7 @@ pub async fn handle(
         if let Err(failure) = access::body_verdict(verdict, deadline).await {
             let failure = access::Failure::Hmac(failure);
             pool.access.record_failure(client, log.at, failure);
-            return access::refuse(&pool, log, Some(&key_id), failure);
+            return access::refuse(pool, log, Some(&key_id), failure);
         }
     }
 
