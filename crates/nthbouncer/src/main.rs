@@ -108,6 +108,8 @@ fn init_tracing() {
         .with_env_filter(filter)
         .with_target(false)
         .with_writer(std::io::stderr)
+        // Colours only for a person at a terminal, not in files and log collectors.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
 }
 
