@@ -28,6 +28,7 @@ pub mod auth;
 pub mod error;
 pub mod jobs;
 pub mod jobs_api;
+pub mod leases;
 pub mod lock;
 pub mod metrics;
 pub mod netcheck;

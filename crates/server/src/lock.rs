@@ -18,6 +18,7 @@ use axum::Json;
 use bytes::Bytes;
 use nthbouncer_config::ConcurrencySpec;
 use nthbouncer_coord::{AcquireRequest, Outcome, Priority, RateInfo, RenewError, SlotId, SlotKind};
+use nthbouncer_store::LeaseRecord;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -235,6 +236,23 @@ pub async fn acquire(
     };
     match pool.gate.acquire(request).await {
         Ok(grant) => {
+            // On record before its holder hears of it, so a restart holds its slot back.
+            let lease = LeaseRecord {
+                slot_id: grant.slot_id.to_string(),
+                pool: pool.name.to_string(),
+                request_deadline: grant.request_deadline,
+            };
+            if let Err(e) = state.leases.granted(lease).await {
+                pool.gate.release(grant.slot_id, None).await;
+                tracing::error!(pool = %pool.name, error = %e, "cannot record a lock lease");
+                let e = ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "store_unavailable",
+                    "the lease could not be recorded; try again",
+                );
+                log.write(Some(&caller.key_id), "503", None, e.status, 0, None, None);
+                return e.into_response();
+            }
             pool.metrics.admitted_lock.increment(1);
             pool.metrics
                 .queue_wait
@@ -407,6 +425,9 @@ pub async fn release(
         Some(slot) => pool.gate.release(slot, outcome).await,
         None => false,
     };
+    if released {
+        state.leases.released(slot);
+    }
     Ok(Json(Released { released }))
 }
 

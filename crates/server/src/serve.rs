@@ -102,6 +102,7 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
         coordination: Arc::new(nthbouncer_coord::in_process::InProcessCoordination::new(
             clock.clone(),
         )),
+        leases: crate::leases::LeaseBook::start(store.clone(), clock.clone()),
         clock,
         store,
         job_intake: crate::jobs::JobIntake::start(jobs.clone()),
@@ -116,6 +117,7 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
         server,
     });
     state.load_pools(&config).await?;
+    crate::leases::reserve_outstanding(&state).await;
     let background = tokio::spawn(crate::jobs::resume_and_sweep(state.clone()));
     // Ends when `state.stopping` is cancelled; pending deliveries go out at the next start.
     let webhooks = tokio::spawn(crate::webhooks::run_dispatcher(state.clone()));

@@ -29,6 +29,8 @@ pub struct AppState {
     pub store: Arc<dyn Store>,
     pub jobs: Arc<dyn JobStore>,
     pub job_intake: crate::jobs::JobIntake,
+    /// Lock leases on record, for the restart (see `leases`).
+    pub leases: crate::leases::LeaseBook,
     /// Cancelled when the server stops: background work (job runners) ends with it, leaving
     /// unfinished jobs in the store for the next start.
     pub stopping: tokio_util::sync::CancellationToken,

@@ -91,6 +91,16 @@ pub struct AccessLogQuery {
     pub limit: u32,
 }
 
+/// A lock lease granted and not yet released, kept so that a restart can hold its slot back:
+/// the process that granted it is gone, but its holder may still be calling the origin.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseRecord {
+    pub slot_id: String,
+    pub pool: String,
+    /// Epoch ms; the lease can never outlive it, so neither does the record.
+    pub request_deadline: u64,
+}
+
 #[async_trait::async_trait]
 pub trait Store: Send + Sync + 'static {
     /// Cheap liveness probe for `/readyz`.
@@ -123,4 +133,15 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<Vec<AccessLogEntry>>;
     /// Keeps the newest `keep` entries of a pool; returns how many were removed.
     async fn trim_access_log(&self, pool: &str, keep: u64) -> Result<u64>;
+
+    /// Records granted leases and forgets released ones, in one transaction; records whose
+    /// request deadline is at or before `now` go too.
+    async fn apply_leases(
+        &self,
+        granted: &[LeaseRecord],
+        released: &[String],
+        now: u64,
+    ) -> Result<()>;
+    /// The recorded leases whose request deadline is after `now`.
+    async fn outstanding_leases(&self, now: u64) -> Result<Vec<LeaseRecord>>;
 }

@@ -22,7 +22,9 @@ use std::time::Duration;
 use rusqlite::types::{Type, Value};
 use rusqlite::{ffi, params, Connection, OptionalExtension, Row, TransactionBehavior};
 
-use crate::{AccessLogEntry, AccessLogQuery, Result, Store, StoreError, StoredKey, StoredPool};
+use crate::{
+    AccessLogEntry, AccessLogQuery, LeaseRecord, Result, Store, StoreError, StoredKey, StoredPool,
+};
 
 /// File name used by [`SqliteStore::open_in_dir`].
 pub const DB_FILE_NAME: &str = "nthbouncer.db";
@@ -158,6 +160,13 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX IF NOT EXISTS delivery_attempts_job ON delivery_attempts (job_id, id);
     CREATE INDEX IF NOT EXISTS delivery_attempts_destination
         ON delivery_attempts (destination_id, id);",
+    // v3 -> v4: lock leases outstanding, so a restart holds their slots back.
+    "CREATE TABLE IF NOT EXISTS leases (
+        slot_id          TEXT PRIMARY KEY,
+        pool             TEXT NOT NULL,
+        request_deadline INTEGER NOT NULL
+    ) WITHOUT ROWID;
+    CREATE INDEX IF NOT EXISTS leases_deadline ON leases (request_deadline);",
 ];
 
 /// The schema version this build writes (`PRAGMA user_version`).
@@ -717,6 +726,64 @@ impl Store for SqliteStore {
                 .ctx("trim_access_log")?;
             let removed = stmt.execute(params![pool, keep]).ctx("trim_access_log")?;
             Ok(removed as u64)
+        })
+        .await
+    }
+
+    async fn apply_leases(
+        &self,
+        granted: &[LeaseRecord],
+        released: &[String],
+        now: u64,
+    ) -> Result<()> {
+        let (granted, released) = (granted.to_vec(), released.to_vec());
+        self.write(move |conn| {
+            let tx = conn.transaction().ctx("apply_leases")?;
+            {
+                let mut insert = tx
+                    .prepare_cached(
+                        "INSERT OR REPLACE INTO leases (slot_id, pool, request_deadline) \
+                         VALUES (?1, ?2, ?3)",
+                    )
+                    .ctx("apply_leases")?;
+                for l in &granted {
+                    insert
+                        .execute(params![l.slot_id, l.pool, l.request_deadline])
+                        .ctx("apply_leases")?;
+                }
+                let mut delete = tx
+                    .prepare_cached("DELETE FROM leases WHERE slot_id = ?1")
+                    .ctx("apply_leases")?;
+                for id in &released {
+                    delete.execute([id]).ctx("apply_leases")?;
+                }
+                tx.execute("DELETE FROM leases WHERE request_deadline <= ?1", [now])
+                    .ctx("apply_leases")?;
+            }
+            tx.commit().ctx("apply_leases")
+        })
+        .await
+    }
+
+    async fn outstanding_leases(&self, now: u64) -> Result<Vec<LeaseRecord>> {
+        self.read(move |conn| {
+            let mut stmt = conn
+                .prepare_cached(
+                    "SELECT slot_id, pool, request_deadline FROM leases \
+                     WHERE request_deadline > ?1 ORDER BY pool",
+                )
+                .ctx("outstanding_leases")?;
+            let rows = stmt
+                .query_map([now], |r| {
+                    Ok(LeaseRecord {
+                        slot_id: r.get(0)?,
+                        pool: r.get(1)?,
+                        request_deadline: r.get(2)?,
+                    })
+                })
+                .ctx("outstanding_leases")?;
+            rows.collect::<rusqlite::Result<Vec<_>>>()
+                .ctx("outstanding_leases")
         })
         .await
     }

@@ -7,7 +7,9 @@ use std::collections::HashSet;
 use std::path::Path;
 
 use nthbouncer_store::sqlite::{self, SqliteStore, DB_FILE_NAME, SCHEMA_VERSION};
-use nthbouncer_store::{AccessLogEntry, AccessLogQuery, Store, StoreError, StoredKey, StoredPool};
+use nthbouncer_store::{
+    AccessLogEntry, AccessLogQuery, LeaseRecord, Store, StoreError, StoredKey, StoredPool,
+};
 use serde_json::json;
 
 fn open(dir: &Path) -> SqliteStore {
@@ -577,4 +579,40 @@ async fn concurrent_use_from_many_tasks() {
     assert_eq!(log.len() as u64, TASKS * ROUNDS * 5);
     let unique: HashSet<_> = log.iter().map(|e| e.id).collect();
     assert_eq!(unique.len(), log.len());
+}
+
+fn lease(id: &str, pool: &str, request_deadline: u64) -> LeaseRecord {
+    LeaseRecord {
+        slot_id: id.to_owned(),
+        pool: pool.to_owned(),
+        request_deadline,
+    }
+}
+
+#[tokio::test]
+async fn leases_outstanding_survive_a_reopen_until_released_or_past_their_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let store = open(dir.path());
+        let granted = [
+            lease("a", "p", 5_000),
+            lease("b", "p", 9_000),
+            lease("c", "q", 2_000),
+        ];
+        store.apply_leases(&granted, &[], 1_000).await.unwrap();
+        store.apply_leases(&[], &["b".into()], 1_000).await.unwrap();
+    }
+    let store = open(dir.path());
+    assert_eq!(
+        store.outstanding_leases(1_000).await.unwrap(),
+        vec![lease("a", "p", 5_000), lease("c", "q", 2_000)]
+    );
+    // Past its request deadline a lease cannot be held any more: it is not reported, and the
+    // next write forgets it.
+    assert_eq!(
+        store.outstanding_leases(2_000).await.unwrap(),
+        vec![lease("a", "p", 5_000)]
+    );
+    store.apply_leases(&[], &[], 5_000).await.unwrap();
+    assert_eq!(store.outstanding_leases(0).await.unwrap(), vec![]);
 }
