@@ -60,36 +60,26 @@ async fn status_and_body(r: reqwest::Response) -> (u16, Value) {
 
 /// Access-log reasons of a pool, newest first.
 async fn log_reasons(gw: &Gateway, pool: &str) -> Vec<String> {
-    gw.running.state.access_log.flush().await;
-    let r = gw
-        .api(
-            Method::GET,
-            &format!("/admin/pools/{pool}/access-log?limit=1000"),
-        )
-        .send()
+    access_log(gw, pool)
         .await
-        .unwrap();
-    let v: Value = r.json().await.unwrap();
-    v["items"]
-        .as_array()
-        .unwrap()
         .iter()
         .filter_map(|i| i["reason"].as_str().map(str::to_string))
         .collect()
 }
 
+/// Access-log entries of a pool, newest first (flushed first).
 async fn access_log(gw: &Gateway, pool: &str) -> Vec<Value> {
     gw.running.state.access_log.flush().await;
-    let r = gw
-        .api(
-            Method::GET,
-            &format!("/admin/pools/{pool}/access-log?limit=1000"),
-        )
-        .send()
-        .await
-        .unwrap();
-    let v: Value = r.json().await.unwrap();
+    let v = gw
+        .admin_json(&format!("/admin/pools/{pool}/access-log?limit=1000"))
+        .await;
     v["items"].as_array().unwrap().clone()
+}
+
+/// An unsigned lock acquire for pool segment `pool` on the API host, with the test key.
+fn unsigned_acquire(gw: &Gateway, pool: &str) -> reqwest::RequestBuilder {
+    gw.api_anon(Method::POST, &format!("/pools/{pool}/lock/acquire"))
+        .header("x-nthpool-key", KEY)
 }
 
 // ------------------------------------------------------------------------------------------
@@ -352,24 +342,10 @@ async fn hmac_applies_to_the_lock_api() {
     let now = clock.now_s();
     let api = "api.localhost";
 
-    let unsigned = gw
-        .client
-        .post(format!("{}/pools/p/lock/acquire", gw.base))
-        .header("host", api)
-        .header("x-nthpool-key", KEY)
-        .send()
-        .await
-        .unwrap();
+    let unsigned = send(unsigned_acquire(&gw, "p")).await;
     assert_eq!(status_and_body(unsigned).await, (401, uniform()));
     // The pool named in percent-encoding is the same pool, with the same checks.
-    let encoded = gw
-        .client
-        .post(format!("{}/pools/%70/lock/acquire", gw.base))
-        .header("host", api)
-        .header("x-nthpool-key", KEY)
-        .send()
-        .await
-        .unwrap();
+    let encoded = send(unsigned_acquire(&gw, "%70")).await;
     assert_eq!(status_and_body(encoded).await, (401, uniform()));
 
     let body = br#"{"waitMs":0}"#;
@@ -431,14 +407,9 @@ async fn nonces_survive_a_settings_change() {
         "keys": [KEY],
         "access": {"hmac": {"secrets": [SECRET_NEW]}},
     });
-    let r = gw
-        .api(Method::POST, "/admin/pools")
-        .json(&spec)
-        .send()
-        .await
-        .unwrap();
+    let r = send(gw.api(Method::POST, "/admin/pools").json(&spec)).await;
     assert_eq!(r.status(), 201, "{}", r.text().await.unwrap());
-    let shown = gw.api(Method::GET, "/admin/pools/p").send().await.unwrap();
+    let shown = send(gw.api(Method::GET, "/admin/pools/p")).await;
     let shown = shown.text().await.unwrap();
     assert!(
         !shown.contains(SECRET_NEW),
@@ -449,12 +420,7 @@ async fn nonces_survive_a_settings_change() {
     assert_eq!(req.send(&gw).await.0, 200);
     let mut updated = spec.clone();
     updated["concurrency"] = json!({"limit": 3});
-    let r = gw
-        .api(Method::PUT, "/admin/pools/p")
-        .json(&updated)
-        .send()
-        .await
-        .unwrap();
+    let r = send(gw.api(Method::PUT, "/admin/pools/p").json(&updated)).await;
     assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
     assert_eq!(
         req.send(&gw).await,
@@ -484,12 +450,7 @@ fn jwt_pool(upstream: &str, keys_toml: &str) -> String {
 }
 
 async fn with_jwt(gw: &Gateway, token: &str) -> (u16, Value) {
-    let r = gw
-        .get("p", "/anything")
-        .header("x-nthpool-jwt", token)
-        .send()
-        .await
-        .unwrap();
+    let r = send(gw.get("p", "/anything").header("x-nthpool-jwt", token)).await;
     status_and_body(r).await
 }
 
@@ -871,15 +832,7 @@ async fn repeated_failures_are_answered_429_for_a_while() {
     assert_eq!(status_and_body(r).await.1["error"], "too_many_requests");
     assert_eq!(from("203.0.113.67", KEY).await.unwrap().status(), 200);
     // The lock API shares the count.
-    let r = gw
-        .client
-        .post(format!("{}/pools/p/lock/acquire", gw.base))
-        .header("host", "api.localhost")
-        .header("x-forwarded-for", attacker)
-        .header("x-nthpool-key", KEY)
-        .send()
-        .await
-        .unwrap();
+    let r = send(unsigned_acquire(&gw, "p").header("x-forwarded-for", attacker)).await;
     assert_eq!(r.status(), 429);
     clock.advance(61_000);
     assert_eq!(from(attacker, KEY).await.unwrap().status(), 200);
@@ -941,14 +894,7 @@ async fn hmac_signed_async_jobs_verify_the_body() {
     let (status, answer) = status_and_body(r).await;
     assert_eq!(status, 401);
     assert_eq!(answer, uniform());
-    let jobs: Value = gw
-        .api(Method::GET, "/admin/pools/p/jobs")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let jobs = gw.admin_json("/admin/pools/p/jobs").await;
     assert_eq!(
         jobs["items"].as_array().unwrap().len(),
         1,

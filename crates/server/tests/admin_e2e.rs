@@ -12,29 +12,12 @@ use support::*;
 async fn admin_needs_the_token() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("p", &up.url(), "")).await;
-    let url = format!("{}/admin/pools", gw.base);
-    let r = gw
-        .client
-        .get(&url)
-        .header("host", "api.localhost")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 401);
-    assert_eq!(r.json::<Value>().await.unwrap()["error"], "unauthorized");
-    let r = gw
-        .client
-        .get(&url)
-        .header("host", "api.localhost")
-        .bearer_auth("wrong-token-0123456789")
-        .send()
-        .await
-        .unwrap();
+    let anon = || gw.api_anon(Method::GET, "/admin/pools");
+    expect_error(send(anon()).await, 401, "unauthorized").await;
+    let r = send(anon().bearer_auth("wrong-token-0123456789")).await;
     assert_eq!(r.status(), 401);
     // Unknown routes on the API host: JSON 404.
-    let r = gw.api(Method::GET, "/nope").send().await.unwrap();
-    assert_eq!(r.status(), 404);
-    assert_eq!(r.json::<Value>().await.unwrap()["error"], "not_found");
+    expect_error(send(gw.api(Method::GET, "/nope")).await, 404, "not_found").await;
 }
 
 #[tokio::test]
@@ -50,14 +33,10 @@ async fn pools_crud_applies_without_restart() {
         "upstream_headers": {"authorization": "Bearer sk-secret-credential"},
         "concurrency": {"limit": 2}
     });
-    let r = gw
-        .api(Method::POST, "/admin/pools")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 201);
-    let created: Value = r.json().await.unwrap();
+    let (status, created) = gw
+        .admin(Method::POST, "/admin/pools", Some(body.clone()))
+        .await;
+    assert_eq!(status, 201);
     assert_eq!(created["managedBy"], "api");
     assert_eq!(created["concurrency"]["limit"], 2);
     assert_eq!(
@@ -74,52 +53,28 @@ async fn pools_crud_applies_without_restart() {
     assert_eq!(gw.state("made").await["configuredLimit"], 2);
 
     // Duplicate → 409; invalid → 400 naming the field.
-    let r = gw
-        .api(Method::POST, "/admin/pools")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 409);
-    let r = gw
-        .api(Method::POST, "/admin/pools")
-        .json(&json!({"name": "bad", "upstream": up.url(), "concurrency": {"limit": 0}}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 400);
-    let e: Value = r.json().await.unwrap();
+    let create = |b: Value| gw.admin(Method::POST, "/admin/pools", Some(b));
+    assert_eq!(create(body.clone()).await.0, 409);
+    let (status, e) =
+        create(json!({"name": "bad", "upstream": up.url(), "concurrency": {"limit": 0}})).await;
+    assert_eq!(status, 400);
     assert_eq!(e["error"], "invalid");
     assert_eq!(e["field"], "concurrency.limit");
-    let r = gw
-        .api(Method::POST, "/admin/pools")
-        .json(&json!({"name": "bad", "upstream": up.url(), "concurrency": {"limit": "lots"}}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 400);
-    assert_eq!(
-        r.json::<Value>().await.unwrap()["field"],
-        "concurrency.limit"
-    );
-    let r = gw
-        .api(Method::POST, "/admin/pools")
-        .body("{not json")
-        .send()
-        .await
-        .unwrap();
+    let (status, e) =
+        create(json!({"name": "bad", "upstream": up.url(), "concurrency": {"limit": "lots"}}))
+            .await;
+    assert_eq!(status, 400);
+    assert_eq!(e["field"], "concurrency.limit");
+    let r = send(gw.api(Method::POST, "/admin/pools").body("{not json")).await;
     assert_eq!(r.status(), 400);
 
     // Update: the new limit applies to the live gate.
     let mut updated = body.clone();
     updated["concurrency"]["limit"] = json!(5);
-    let r = gw
-        .api(Method::PUT, "/admin/pools/made")
-        .json(&updated)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    let (status, _) = gw
+        .admin(Method::PUT, "/admin/pools/made", Some(updated))
+        .await;
+    assert_eq!(status, 200);
     assert_eq!(gw.state("made").await["configuredLimit"], 5);
     assert_eq!(
         gw.get("made", "/").send().await.unwrap().status(),
@@ -128,14 +83,7 @@ async fn pools_crud_applies_without_restart() {
     );
 
     // List shows both, with who owns them.
-    let list: Value = gw
-        .api(Method::GET, "/admin/pools")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let list = gw.admin_json("/admin/pools").await;
     let names: Vec<(&str, &str)> = list["items"]
         .as_array()
         .unwrap()
@@ -149,52 +97,27 @@ async fn pools_crud_applies_without_restart() {
         .collect();
     assert_eq!(names, vec![("fromfile", "config"), ("made", "api")]);
     assert!(list["next"].is_null());
-    let page: Value = gw
-        .api(Method::GET, "/admin/pools?limit=1")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let page = gw.admin_json("/admin/pools?limit=1").await;
     assert_eq!(page["items"].as_array().unwrap().len(), 1);
     assert_eq!(page["next"], "fromfile");
 
     // Config pools are read-only.
-    let r = gw
-        .api(Method::PUT, "/admin/pools/fromfile")
-        .json(&json!({"upstream": up.url()}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 409);
-    assert_eq!(
-        r.json::<Value>().await.unwrap()["error"],
-        "managed_by_config"
+    let r = send(
+        gw.api(Method::PUT, "/admin/pools/fromfile")
+            .json(&json!({"upstream": up.url()})),
     );
-    let r = gw
-        .api(Method::DELETE, "/admin/pools/fromfile")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 409);
+    expect_error(r.await, 409, "managed_by_config").await;
+    let (status, _) = gw
+        .admin(Method::DELETE, "/admin/pools/fromfile", None)
+        .await;
+    assert_eq!(status, 409);
 
     // Delete: gone at once.
-    let r = gw
-        .api(Method::DELETE, "/admin/pools/made")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 204);
-    let r = gw.get("made", "/").send().await.unwrap();
-    assert_eq!(r.status(), 404);
-    assert_eq!(r.json::<Value>().await.unwrap()["error"], "pool_not_found");
-    let r = gw
-        .api(Method::GET, "/admin/pools/made")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 404);
+    let (status, _) = gw.admin(Method::DELETE, "/admin/pools/made", None).await;
+    assert_eq!(status, 204);
+    expect_error(send(gw.get("made", "/")).await, 404, "pool_not_found").await;
+    let (status, _) = gw.admin(Method::GET, "/admin/pools/made", None).await;
+    assert_eq!(status, 404);
 }
 
 #[tokio::test]
@@ -206,21 +129,12 @@ async fn api_pools_and_keys_survive_a_restart() {
         dir.path().display().to_string()
     );
     let gw = gateway(&toml).await;
-    let r = gw
-        .api(Method::POST, "/admin/pools")
-        .json(&json!({"name": "kept", "upstream": up.url()}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 201);
-    let key: Value = gw
-        .api(Method::POST, "/admin/pools/kept/keys")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let pool = json!({"name": "kept", "upstream": up.url()});
+    assert_eq!(
+        gw.admin(Method::POST, "/admin/pools", Some(pool)).await.0,
+        201
+    );
+    let key = json_of(send(gw.api(Method::POST, "/admin/pools/kept/keys")).await).await;
     let key = key["key"].as_str().unwrap().to_string();
     gw.running.shutdown().await;
 
@@ -232,14 +146,7 @@ async fn api_pools_and_keys_survive_a_restart() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    let keys: Value = gw
-        .api(Method::GET, "/admin/pools/kept/keys")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let keys = gw.admin_json("/admin/pools/kept/keys").await;
     assert_eq!(keys["items"].as_array().unwrap().len(), 1);
     assert!(
         keys["items"][0].get("key").is_none(),
@@ -251,55 +158,27 @@ async fn api_pools_and_keys_survive_a_restart() {
 async fn keys_on_a_config_pool() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("p", &up.url(), "")).await;
-    let created: Value = gw
-        .api(Method::POST, "/admin/pools/p/keys")
-        .json(&json!({"label": "worker-1"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let r = send(
+        gw.api(Method::POST, "/admin/pools/p/keys")
+            .json(&json!({"label": "worker-1"})),
+    );
+    let created = json_of(r.await).await;
     assert_eq!(created["label"], "worker-1");
-    let list: Value = gw
-        .api(Method::GET, "/admin/pools/p/keys")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let list = gw.admin_json("/admin/pools/p/keys").await;
     let items = list["items"].as_array().unwrap();
     assert_eq!(items.len(), 3, "two config keys and one API key: {list}");
     let config_key = items.iter().find(|k| k["managedBy"] == "config").unwrap();
-    let r = gw
-        .api(
-            Method::DELETE,
-            &format!("/admin/pools/p/keys/{}", config_key["id"].as_str().unwrap()),
-        )
-        .send()
-        .await
-        .unwrap();
+    let path = format!("/admin/pools/p/keys/{}", config_key["id"].as_str().unwrap());
     assert_eq!(
-        r.status(),
+        gw.admin(Method::DELETE, &path, None).await.0,
         409,
         "config keys are revoked by editing the file"
     );
-    let r = gw
-        .api(Method::POST, "/admin/pools/p/keys")
-        .json(&json!({"expiresAt": 1}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 400);
-    assert_eq!(r.json::<Value>().await.unwrap()["field"], "expiresAt");
-    let r = gw
-        .api(Method::POST, "/admin/pools/p/keys")
-        .json(&json!({"colour": "red"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 400);
+    let create_key = |b: Value| gw.admin(Method::POST, "/admin/pools/p/keys", Some(b));
+    let (status, e) = create_key(json!({"expiresAt": 1})).await;
+    assert_eq!(status, 400);
+    assert_eq!(e["field"], "expiresAt");
+    assert_eq!(create_key(json!({"colour": "red"})).await.0, 400);
 }
 
 #[tokio::test]
@@ -320,14 +199,7 @@ async fn access_log_records_admitted_and_refused() {
         401
     );
     gw.running.state.access_log.flush().await;
-    let log: Value = gw
-        .api(Method::GET, "/admin/pools/p/access-log")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let log = gw.admin_json("/admin/pools/p/access-log").await;
     let items = log["items"].as_array().unwrap();
     assert_eq!(items.len(), 2, "{log}");
     // Newest first.
@@ -342,35 +214,13 @@ async fn access_log_records_admitted_and_refused() {
         !log.to_string().contains(KEY),
         "the key itself must never be logged"
     );
-    let only: Value = gw
-        .api(Method::GET, "/admin/pools/p/access-log?outcome=401")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let only = gw.admin_json("/admin/pools/p/access-log?outcome=401").await;
     assert_eq!(only["items"].as_array().unwrap().len(), 1);
-    let page: Value = gw
-        .api(Method::GET, "/admin/pools/p/access-log?limit=1")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let page = gw.admin_json("/admin/pools/p/access-log?limit=1").await;
     let next = page["next"].as_str().unwrap();
-    let page2: Value = gw
-        .api(
-            Method::GET,
-            &format!("/admin/pools/p/access-log?limit=1&cursor={next}"),
-        )
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let page2 = gw
+        .admin_json(&format!("/admin/pools/p/access-log?limit=1&cursor={next}"))
+        .await;
     assert_eq!(page2["items"][0]["outcome"], "admitted");
 }
 
@@ -379,29 +229,10 @@ async fn ops_routes() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("metered", &up.url(), "limit = 4")).await;
     assert_eq!(gw.get("metered", "/").send().await.unwrap().status(), 200);
-    let h = gw
-        .client
-        .get(format!("{}/healthz", gw.base))
-        .header("host", "api.localhost")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(h.status(), 200);
-    let r = gw
-        .client
-        .get(format!("{}/readyz", gw.base))
-        .header("host", "api.localhost")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let m = gw
-        .client
-        .get(format!("{}/metrics", gw.base))
-        .header("host", "api.localhost")
-        .send()
-        .await
-        .unwrap();
+    let ops = |path: &str| send(gw.api_anon(Method::GET, path));
+    assert_eq!(ops("/healthz").await.status(), 200);
+    assert_eq!(ops("/readyz").await.status(), 200);
+    let m = ops("/metrics").await;
     assert_eq!(m.status(), 200);
     let text = m.text().await.unwrap();
     assert!(
@@ -416,16 +247,7 @@ async fn ops_routes() {
         text.contains("nthbouncer_queue_wait_seconds_bucket{pool=\"metered\""),
         "histograms have buckets: {text}"
     );
-    let doc: Value = gw
-        .client
-        .get(format!("{}/openapi.json", gw.base))
-        .header("host", "api.localhost")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let doc = json_of(ops("/openapi.json").await).await;
     assert!(doc["openapi"].as_str().unwrap().starts_with("3.1"));
     for path in [
         "/admin/pools",

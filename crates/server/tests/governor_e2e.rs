@@ -64,18 +64,11 @@ async fn no_queue_gets_429_and_governor_headers() {
     let gw2 = gw.client.clone();
     let held = tokio::spawn(gw.get("p", "/hold").header("x-seq", "a").send());
     up.wait_arrivals(1).await;
-    let r = gw
-        .get("p", "/")
-        .header("x-nthpool-no-queue", "1")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 429);
+    let r = send(gw.no_queue("p", "/")).await;
     assert_eq!(r.headers()["x-nthpool-remaining-slots"], "0");
     assert_eq!(r.headers()["x-nthpool-effective-limit"], "1");
     assert!(r.headers().contains_key("x-nthpool-queued-ms"));
-    let body: serde_json::Value = r.json().await.unwrap();
-    assert_eq!(body["error"], "too_many_requests");
+    let body = expect_error(r, 429, "too_many_requests").await;
     assert!(body["message"].as_str().unwrap().contains("slot"));
     up.release(1);
     let ok = held.await.unwrap().unwrap();
@@ -90,12 +83,7 @@ async fn wait_budget_runs_out_with_504_queue_timeout() {
     let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
     let held = tokio::spawn(gw.get("p", "/hold").header("x-seq", "a").send());
     up.wait_arrivals(1).await;
-    let r = gw
-        .get("p", "/")
-        .header("x-nthpool-queue-timeout-ms", "100")
-        .send()
-        .await
-        .unwrap();
+    let r = send(gw.get("p", "/").header("x-nthpool-queue-timeout-ms", "100")).await;
     assert_eq!(r.status(), 504);
     let queued: u64 = r.headers()["x-nthpool-queued-ms"]
         .to_str()
@@ -103,8 +91,7 @@ async fn wait_budget_runs_out_with_504_queue_timeout() {
         .parse()
         .unwrap();
     assert!(queued >= 100, "waited {queued} ms, budget was 100");
-    let body: serde_json::Value = r.json().await.unwrap();
-    assert_eq!(body["error"], "queue_timeout");
+    expect_error(r, 504, "queue_timeout").await;
     // The timed-out waiter left the queue.
     assert_eq!(gw.state("p").await["queued"], 0);
     up.release(1);
@@ -130,10 +117,7 @@ async fn queue_overflow_gets_429() {
         s["inFlight"] == 1 && s["queued"] == 2
     })
     .await;
-    let r = gw.get("p", "/").send().await.unwrap();
-    assert_eq!(r.status(), 429);
-    let body: serde_json::Value = r.json().await.unwrap();
-    assert_eq!(body["error"], "too_many_requests");
+    let body = expect_error(send(gw.get("p", "/")).await, 429, "too_many_requests").await;
     assert!(body["message"].as_str().unwrap().contains("queue is full"));
     up.release(3);
     for t in tasks {
@@ -249,53 +233,27 @@ async fn rpm_gate_admits_60_per_rolling_minute() {
         if i == 30 {
             clock.advance(20_000);
         }
-        let r = gw
-            .get("p", "/")
-            .header("x-nthpool-no-queue", "1")
-            .send()
-            .await
-            .unwrap();
+        let r = send(gw.no_queue("p", "/")).await;
         assert_eq!(r.status(), 200, "request {i}");
         assert_eq!(
             r.headers()["x-nthpool-rpm-remaining"],
             (59 - i).to_string().as_str()
         );
     }
-    let r = gw
-        .get("p", "/")
-        .header("x-nthpool-no-queue", "1")
-        .send()
-        .await
-        .unwrap();
+    let r = send(gw.no_queue("p", "/")).await;
     assert_eq!(r.status(), 429);
     // The first 30 leave the window 60 s after they were admitted: 40 s from now.
     assert_eq!(r.headers()["retry-after"], "40");
     assert_eq!(r.headers()["x-nthpool-rpm-remaining"], "0");
     clock.advance(39_999);
-    let r = gw
-        .get("p", "/")
-        .header("x-nthpool-no-queue", "1")
-        .send()
-        .await
-        .unwrap();
+    let r = send(gw.no_queue("p", "/")).await;
     assert_eq!(r.status(), 429);
     assert_eq!(r.headers()["retry-after"], "1");
     clock.advance(1);
     for _ in 0..30 {
-        let r = gw
-            .get("p", "/")
-            .header("x-nthpool-no-queue", "1")
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
+        assert_eq!(send(gw.no_queue("p", "/")).await.status(), 200);
     }
-    let r = gw
-        .get("p", "/")
-        .header("x-nthpool-no-queue", "1")
-        .send()
-        .await
-        .unwrap();
+    let r = send(gw.no_queue("p", "/")).await;
     assert_eq!(r.status(), 429);
     assert_eq!(r.headers()["retry-after"], "20");
     // Refused requests consumed nothing: exactly 90 reached the upstream.

@@ -22,14 +22,24 @@ fn async_pool(name: &str, upstream: &str, concurrency: &str, async_extra: &str) 
 }
 
 async fn poll(gw: &Gateway, pool: &str, job: &str) -> (u16, Value) {
-    let r = gw
-        .api(Method::GET, &format!("/pools/{pool}/jobs/{job}"))
+    call(
+        gw.api(Method::GET, &format!("/pools/{pool}/jobs/{job}"))
+            .header("x-nthpool-key", KEY),
+    )
+    .await
+}
+
+/// The id of a job accepted from `r` (202 asserted).
+async fn accepted_id(r: reqwest::Response) -> String {
+    assert_eq!(r.status(), 202);
+    json_of(r).await["jobId"].as_str().unwrap().to_string()
+}
+
+/// A POST through pool `pool` with the test key, asking to run as an async job.
+fn post_async(gw: &Gateway, pool: &str, path: &str) -> reqwest::RequestBuilder {
+    gw.pool(pool, Method::POST, path)
         .header("x-nthpool-key", KEY)
-        .send()
-        .await
-        .unwrap();
-    let status = r.status().as_u16();
-    (status, r.json().await.unwrap_or(Value::Null))
+        .header("x-nthpool-async", "1")
 }
 
 async fn wait_status(gw: &Gateway, pool: &str, job: &str, want: &str) -> Value {
@@ -48,17 +58,11 @@ async fn wait_status(gw: &Gateway, pool: &str, job: &str, want: &str) -> Value {
 async fn requested_job_runs_and_polls_through_its_lifecycle() {
     let up = Upstream::start().await;
     let gw = gateway(&async_pool("p", &up.url(), "limit = 2", "")).await;
-    let r = gw
-        .pool("p", Method::POST, "/echo?x=1")
-        .header("x-nthpool-key", KEY)
-        .header("x-nthpool-async", "1")
+    let r = post_async(&gw, "p", "/echo?x=1")
         .header("content-type", "application/json")
-        .body("{\"prompt\":\"hi\"}")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 202);
-    let accepted: Value = r.json().await.unwrap();
+        .body("{\"prompt\":\"hi\"}");
+    let (status, accepted) = call(r).await;
+    assert_eq!(status, 202);
     let job = accepted["jobId"].as_str().unwrap().to_string();
     assert!(
         job.starts_with("job_")
@@ -100,24 +104,16 @@ async fn requested_job_runs_and_polls_through_its_lifecycle() {
     assert_eq!(done["webhook"]["destinations"], 1);
 
     // HEAD: the same answer without a body.
-    let h = gw
-        .api(Method::HEAD, &format!("/pools/p/jobs/{job}"))
-        .header("x-nthpool-key", KEY)
-        .send()
-        .await
-        .unwrap();
+    let h = send(
+        gw.api(Method::HEAD, &format!("/pools/p/jobs/{job}"))
+            .header("x-nthpool-key", KEY),
+    )
+    .await;
     assert_eq!(h.status(), 200);
     assert!(h.bytes().await.unwrap().is_empty());
 
     // Admin: the job and its history.
-    let detail: Value = gw
-        .api(Method::GET, &format!("/admin/pools/p/jobs/{job}"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let detail = gw.admin_json(&format!("/admin/pools/p/jobs/{job}")).await;
     let steps: Vec<&str> = detail["history"]
         .as_array()
         .unwrap()
@@ -125,30 +121,14 @@ async fn requested_job_runs_and_polls_through_its_lifecycle() {
         .map(|e| e["status"].as_str().unwrap())
         .collect();
     assert_eq!(steps, vec!["accepted", "queued", "running", "completed"]);
-    let list: Value = gw
-        .api(Method::GET, "/admin/pools/p/jobs?status=completed")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let list = gw.admin_json("/admin/pools/p/jobs?status=completed").await;
     assert_eq!(list["items"].as_array().unwrap().len(), 1);
-    let none: Value = gw
-        .api(Method::GET, "/admin/pools/p/jobs?status=failed")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let none = gw.admin_json("/admin/pools/p/jobs?status=failed").await;
     assert!(none["items"].as_array().unwrap().is_empty());
-    let bad = gw
-        .api(Method::GET, "/admin/pools/p/jobs?status=done")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(bad.status(), 400);
+    let (status, _) = gw
+        .admin(Method::GET, "/admin/pools/p/jobs?status=done", None)
+        .await;
+    assert_eq!(status, 400);
 }
 
 #[tokio::test]
@@ -160,15 +140,7 @@ async fn poll_needs_the_pool_and_its_key() {
         pool_toml("q", &up.url(), "")
     );
     let gw = gateway(&toml).await;
-    let accepted: Value = gw
-        .get("p", "/")
-        .header("x-nthpool-async", "1")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let accepted = json_of(send(gw.get_async("p", "/")).await).await;
     let job = accepted["jobId"].as_str().unwrap();
     // Another pool's job, an unknown job and a malformed id are all job_not_found.
     for (pool, id) in [
@@ -180,12 +152,10 @@ async fn poll_needs_the_pool_and_its_key() {
         assert_eq!(code, 404, "{pool}/{id}");
         assert_eq!(body["error"], "job_not_found");
     }
-    let r = gw
-        .api(Method::GET, &format!("/pools/p/jobs/{job}"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 401);
+    let (status, _) = gw
+        .admin(Method::GET, &format!("/pools/p/jobs/{job}"), None)
+        .await;
+    assert_eq!(status, 401);
 }
 
 #[tokio::test]
@@ -198,75 +168,34 @@ async fn async_disabled_and_the_fallback_to_sync() {
         pool_toml("off", &up.url(), "")
     ))
     .await;
-    let r = gw
-        .get("off", "/")
-        .header("x-nthpool-async", "1")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 400);
-    assert_eq!(r.json::<Value>().await.unwrap()["error"], "async_disabled");
+    expect_error(send(gw.get_async("off", "/")).await, 400, "async_disabled").await;
 
     // Enabled but every destination deactivated: the header is ignored, the answer is sync.
-    let list: Value = gw
-        .api(Method::GET, "/admin/pools/p/webhooks")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let list = gw.admin_json("/admin/pools/p/webhooks").await;
     let dest = list["items"][0]["id"].as_str().unwrap().to_string();
     assert!(
         !list.to_string().contains(&SECRET[10..]),
         "the secret must be masked"
     );
-    let r = gw
-        .api(Method::PATCH, &format!("/admin/pools/p/webhooks/{dest}"))
-        .json(&json!({"active": false}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let r = gw
-        .get("p", "/status/201")
-        .header("x-nthpool-async", "1")
-        .send()
-        .await
-        .unwrap();
+    let dest_path = format!("/admin/pools/p/webhooks/{dest}");
+    let set_active =
+        |active: bool| gw.admin(Method::PATCH, &dest_path, Some(json!({ "active": active })));
+    assert_eq!(set_active(false).await.0, 200);
+    let r = send(gw.get_async("p", "/status/201")).await;
     assert_eq!(
         r.status(),
         201,
         "with no active destination the pool serves sync"
     );
-    let jobs: Value = gw
-        .api(Method::GET, "/admin/pools/p/jobs")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let jobs = gw.admin_json("/admin/pools/p/jobs").await;
     assert!(
         jobs["items"].as_array().unwrap().is_empty(),
         "no job may be created in fallback"
     );
 
     // Re-enabled: async again.
-    let r = gw
-        .api(Method::PATCH, &format!("/admin/pools/p/webhooks/{dest}"))
-        .json(&json!({"active": true}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let r = gw
-        .get("p", "/")
-        .header("x-nthpool-async", "1")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 202);
+    assert_eq!(set_active(true).await.0, 200);
+    assert_eq!(send(gw.get_async("p", "/")).await.status(), 202);
 
     // Nothing attached at all: also sync.
     let gw2 = gateway(&format!(
@@ -274,12 +203,7 @@ async fn async_disabled_and_the_fallback_to_sync() {
         pool_toml("bare", &up.url(), "")
     ))
     .await;
-    let r = gw2
-        .get("bare", "/status/203")
-        .header("x-nthpool-async", "1")
-        .send()
-        .await
-        .unwrap();
+    let r = send(gw2.get_async("bare", "/status/203")).await;
     assert_eq!(r.status(), 203);
 }
 
@@ -296,29 +220,16 @@ async fn busy_and_wait_timeout_promote_to_jobs() {
     let held = tokio::spawn(gw.get("p", "/hold").header("x-seq", "holder").send());
     up.wait_arrivals(1).await;
     // Would wait → a job (busy).
-    let r = gw
-        .get("p", "/hold")
-        .header("x-seq", "busy")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 202);
-    let busy: Value = r.json().await.unwrap();
+    let busy = accepted_id(send(gw.get("p", "/hold").header("x-seq", "busy")).await).await;
     // Fail-fast callers are not promoted: they asked not to wait.
-    let r = gw
-        .get("p", "/")
-        .header("x-nthpool-no-queue", "1")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 429);
-    let (_, b) = poll(&gw, "p", busy["jobId"].as_str().unwrap()).await;
+    assert_eq!(send(gw.no_queue("p", "/")).await.status(), 429);
+    let (_, b) = poll(&gw, "p", &busy).await;
     assert_eq!(b["reason"], "busy");
     up.release(1);
     assert_eq!(held.await.unwrap().unwrap().status(), 200);
     up.wait_arrivals(2).await;
     up.release(1);
-    wait_status(&gw, "p", busy["jobId"].as_str().unwrap(), "completed").await;
+    wait_status(&gw, "p", &busy, "completed").await;
 
     // A wait that runs out → a job (wait_timeout), when only on_queue_timeout is set.
     let gw = gateway(&async_pool(
@@ -335,16 +246,9 @@ async fn busy_and_wait_timeout_promote_to_jobs() {
             .send(),
     );
     up.wait_arrivals(3).await;
-    let r = gw
-        .pool("t", Method::GET, "/")
-        .header("x-nthpool-key", KEY)
-        .header("x-nthpool-queue-timeout-ms", "50")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 202);
-    let job: Value = r.json().await.unwrap();
-    let (_, b) = gw_poll_t(&gw, job["jobId"].as_str().unwrap()).await;
+    let r = send(gw.get("t", "/").header("x-nthpool-queue-timeout-ms", "50")).await;
+    let job = accepted_id(r).await;
+    let (_, b) = gw_poll_t(&gw, &job).await;
     assert_eq!(b["reason"], "wait_timeout");
     up.release(1);
     assert_eq!(held.await.unwrap().unwrap().status(), 200);
@@ -358,27 +262,9 @@ async fn gw_poll_t(gw: &Gateway, job: &str) -> (u16, Value) {
 async fn oversized_async_bodies_get_413() {
     let up = Upstream::start().await;
     let gw = gateway(&async_pool("p", &up.url(), "", "max_body_bytes = 100")).await;
-    let r = gw
-        .pool("p", Method::POST, "/echo")
-        .header("x-nthpool-key", KEY)
-        .header("x-nthpool-async", "1")
-        .body(vec![b'x'; 101])
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 413);
-    assert_eq!(
-        r.json::<Value>().await.unwrap()["error"],
-        "payload_too_large"
-    );
-    let r = gw
-        .pool("p", Method::POST, "/echo")
-        .header("x-nthpool-key", KEY)
-        .header("x-nthpool-async", "1")
-        .body(vec![b'x'; 100])
-        .send()
-        .await
-        .unwrap();
+    let r = send(post_async(&gw, "p", "/echo").body(vec![b'x'; 101])).await;
+    expect_error(r, 413, "payload_too_large").await;
+    let r = send(post_async(&gw, "p", "/echo").body(vec![b'x'; 100])).await;
     assert_eq!(r.status(), 202);
 }
 
@@ -387,15 +273,7 @@ async fn results_over_the_cap_are_truncated_and_binary_is_base64() {
     let up = Upstream::start().await;
     let gw = gateway(&async_pool("p", &up.url(), "", "max_body_bytes = 64")).await;
     let big = "y".repeat(64);
-    let r = gw
-        .pool("p", Method::POST, "/echo")
-        .header("x-nthpool-key", KEY)
-        .header("x-nthpool-async", "1")
-        .body(big)
-        .send()
-        .await
-        .unwrap();
-    let job: Value = r.json().await.unwrap();
+    let job = json_of(send(post_async(&gw, "p", "/echo").body(big)).await).await;
     let done = wait_status(&gw, "p", job["jobId"].as_str().unwrap(), "completed").await;
     assert_eq!(done["result"]["truncated"], true);
     assert_eq!(done["result"]["body"].as_str().unwrap().len(), 64);
@@ -414,19 +292,9 @@ async fn jobs_share_the_limit_with_sync_traffic() {
             g.get("p", "/sleep?ms=10").send().await.unwrap().status()
         }));
         let r = gw
-            .get("p", "/sleep?ms=10")
-            .header("x-nthpool-async", "1")
-            .header("x-seq", format!("job{i}"))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 202);
-        jobs.push(
-            r.json::<Value>().await.unwrap()["jobId"]
-                .as_str()
-                .unwrap()
-                .to_string(),
-        );
+            .get_async("p", "/sleep?ms=10")
+            .header("x-seq", format!("job{i}"));
+        jobs.push(accepted_id(send(r).await).await);
     }
     for s in syncs {
         assert_eq!(s.await.unwrap(), 200);
@@ -462,39 +330,18 @@ async fn expiry_and_retention_on_an_injected_clock() {
     let gw = gateway_with(&toml, Some(clock.clone())).await;
 
     // Pool p: its only slot is held by a lock, so the job cannot run before its expiresAt.
-    let lock: Value = gw
+    let r = gw
         .api(Method::POST, "/pools/p/lock/acquire")
-        .header("x-nthpool-key", KEY)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+        .header("x-nthpool-key", KEY);
+    let lock = json_of(send(r).await).await;
     assert!(lock["slotId"].is_string(), "{lock}");
-    let stuck: Value = gw
-        .get("p", "/")
-        .header("x-nthpool-async", "1")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let stuck = json_of(send(gw.get_async("p", "/")).await).await;
     let stuck_id = stuck["jobId"].as_str().unwrap().to_string();
     wait_status(&gw, "p", &stuck_id, "queued").await;
 
     clock.advance(30_000);
     // Pool q: a job that completes 30 s in.
-    let done: Value = gw
-        .get("q", "/")
-        .header("x-nthpool-async", "1")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let done = json_of(send(gw.get_async("q", "/")).await).await;
     let done_id = done["jobId"].as_str().unwrap().to_string();
     wait_status(&gw, "q", &done_id, "completed").await;
 
@@ -529,68 +376,38 @@ async fn destinations_crud_and_cap() {
         pool_toml("p", &up.url(), "")
     ))
     .await;
-    let r = gw
-        .api(Method::POST, "/admin/pools/p/webhooks")
-        .json(&json!({"url": "http://127.0.0.1:9/hook"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 400, "loopback refused unless allowed");
-    let r = gw
-        .api(Method::POST, "/admin/pools/p/webhooks")
-        .json(&json!({"url": "https://hooks.example.com/a"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 201);
-    let created: Value = r.json().await.unwrap();
+    let add = |body: Value| gw.admin(Method::POST, "/admin/pools/p/webhooks", Some(body));
+    assert_eq!(
+        add(json!({"url": "http://127.0.0.1:9/hook"})).await.0,
+        400,
+        "loopback refused unless allowed"
+    );
+    let (status, created) = add(json!({"url": "https://hooks.example.com/a"})).await;
+    assert_eq!(status, 201);
     let secret = created["secret"].as_str().unwrap();
     assert!(
         secret.starts_with("whsec_"),
         "the secret is shown once at creation"
     );
-    let list: Value = gw
-        .api(Method::GET, "/admin/pools/p/webhooks")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let list = gw.admin_json("/admin/pools/p/webhooks").await;
     assert!(!list.to_string().contains(&secret[10..]));
-    let r = gw
-        .api(Method::POST, "/admin/pools/p/webhooks")
-        .json(&json!({"url": "https://hooks.example.com/b", "secret": "whsec_short"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 400);
-    assert_eq!(r.json::<Value>().await.unwrap()["field"], "secret");
-    let r = gw
-        .api(Method::POST, "/admin/pools/p/webhooks")
-        .json(&json!({"url": "https://hooks.example.com/b"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 201);
-    let r = gw
-        .api(Method::POST, "/admin/pools/p/webhooks")
-        .json(&json!({"url": "https://hooks.example.com/c"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 409, "capped by max_destinations_per_pool");
-    let id = created["id"].as_str().unwrap();
-    let r = gw
-        .api(Method::DELETE, &format!("/admin/pools/p/webhooks/{id}"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 204);
-    let r = gw
-        .api(Method::DELETE, &format!("/admin/pools/p/webhooks/{id}"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 404);
+    let (status, e) =
+        add(json!({"url": "https://hooks.example.com/b", "secret": "whsec_short"})).await;
+    assert_eq!(status, 400);
+    assert_eq!(e["field"], "secret");
+    assert_eq!(
+        add(json!({"url": "https://hooks.example.com/b"})).await.0,
+        201
+    );
+    assert_eq!(
+        add(json!({"url": "https://hooks.example.com/c"})).await.0,
+        409,
+        "capped by max_destinations_per_pool"
+    );
+    let path = format!(
+        "/admin/pools/p/webhooks/{}",
+        created["id"].as_str().unwrap()
+    );
+    assert_eq!(gw.admin(Method::DELETE, &path, None).await.0, 204);
+    assert_eq!(gw.admin(Method::DELETE, &path, None).await.0, 404);
 }

@@ -22,9 +22,7 @@ const T0: u64 = 1_700_000_000_000;
 
 /// A POST to `/pools/{pool}/lock/{rest}` on the API host, with no key.
 fn lock_post(gw: &Gateway, pool: &str, rest: &str) -> RequestBuilder {
-    gw.client
-        .post(format!("{}/pools/{pool}/lock/{rest}", gw.base))
-        .header("host", "api.localhost")
+    gw.api_anon(Method::POST, &format!("/pools/{pool}/lock/{rest}"))
 }
 
 /// The same with the test key.
@@ -43,6 +41,19 @@ async fn send(rb: RequestBuilder) -> Response {
     bounded("a response", rb.send()).await.unwrap()
 }
 
+/// Spawns an acquire with the test key that waits up to `wait_ms` for a slot.
+fn spawn_waiter(
+    gw: &Gateway,
+    pool: &str,
+    wait_ms: u64,
+) -> tokio::task::JoinHandle<reqwest::Result<Response>> {
+    tokio::spawn(
+        keyed(gw, pool, "acquire")
+            .json(&json!({ "waitMs": wait_ms }))
+            .send(),
+    )
+}
+
 /// Awaits a spawned request.
 async fn finish(what: &str, task: tokio::task::JoinHandle<reqwest::Result<Response>>) -> Response {
     bounded(what, task).await.unwrap().unwrap()
@@ -54,13 +65,22 @@ fn header(r: &Response, name: &str) -> Option<String> {
         .map(|v| v.to_str().unwrap().to_string())
 }
 
+/// Asserts header `name` of `r` is `want` (`None`: absent).
+fn assert_header(r: &Response, name: &str, want: Option<&str>) {
+    assert_eq!(header(r, name).as_deref(), want, "{name}");
+}
+
+/// An acquire with the test key whose body is `body`, sent as JSON.
+fn json_acquire(gw: &Gateway, pool: &str, body: &'static str) -> RequestBuilder {
+    keyed(gw, pool, "acquire")
+        .header("content-type", "application/json")
+        .body(body)
+}
+
 /// Asserts a JSON error answer with `status` and `code`; returns its body.
 async fn expect_error(r: Response, status: u16, code: &str) -> Value {
     assert_eq!(r.status(), status, "status of an expected {code}");
-    assert_eq!(
-        header(&r, "content-type").as_deref(),
-        Some("application/json")
-    );
+    assert_header(&r, "content-type", Some("application/json"));
     let body: Value = r.json().await.unwrap();
     assert_eq!(body["error"], code, "{body}");
     assert!(
@@ -146,15 +166,9 @@ async fn grant_has_the_seed_fields_exact_deadlines_and_governor_headers() {
     assert!(header(&r, "content-type")
         .unwrap()
         .starts_with("application/json"));
-    assert_eq!(
-        header(&r, "x-nthpool-remaining-slots").as_deref(),
-        Some("2")
-    );
-    assert_eq!(
-        header(&r, "x-nthpool-effective-limit").as_deref(),
-        Some("3")
-    );
-    assert_eq!(header(&r, "x-nthpool-queued-ms").as_deref(), Some("0"));
+    assert_header(&r, "x-nthpool-remaining-slots", Some("2"));
+    assert_header(&r, "x-nthpool-effective-limit", Some("3"));
+    assert_header(&r, "x-nthpool-queued-ms", Some("0"));
     assert_eq!(
         header(&r, "x-nthpool-rpm-remaining"),
         None,
@@ -180,33 +194,17 @@ async fn grant_has_the_seed_fields_exact_deadlines_and_governor_headers() {
 
     // `{}` with a JSON Content-Type, a little later: deadlines move with the clock.
     clock.advance(1_234);
-    let r = send(
-        keyed(&gw, "p", "acquire")
-            .header("content-type", "application/json")
-            .body("{}"),
-    )
-    .await;
+    let r = send(json_acquire(&gw, "p", "{}")).await;
     assert_eq!(r.status(), 200);
-    assert_eq!(
-        header(&r, "x-nthpool-remaining-slots").as_deref(),
-        Some("1")
-    );
+    assert_header(&r, "x-nthpool-remaining-slots", Some("1"));
     let g2: Value = r.json().await.unwrap();
     assert_eq!(g2["leaseDeadline"], T0 + 1_234 + 20_000);
     assert_eq!(g2["requestDeadline"], T0 + 1_234 + 90_000);
 
     // An empty body that claims to be JSON.
-    let r = send(
-        keyed(&gw, "p", "acquire")
-            .header("content-type", "application/json")
-            .body(""),
-    )
-    .await;
+    let r = send(json_acquire(&gw, "p", "")).await;
     assert_eq!(r.status(), 200);
-    assert_eq!(
-        header(&r, "x-nthpool-remaining-slots").as_deref(),
-        Some("0")
-    );
+    assert_header(&r, "x-nthpool-remaining-slots", Some("0"));
     let g3: Value = r.json().await.unwrap();
 
     // Unguessable: every grant has its own id.
@@ -225,29 +223,23 @@ async fn rpm_pool_grants_carry_rpm_remaining_and_refusals_an_exact_retry_after()
     for left in ["1", "0"] {
         let r = send(keyed(&gw, "p", "acquire")).await;
         assert_eq!(r.status(), 200);
-        assert_eq!(header(&r, "x-nthpool-rpm-remaining").as_deref(), Some(left));
+        assert_header(&r, "x-nthpool-rpm-remaining", Some(left));
     }
     let r = send(keyed(&gw, "p", "acquire")).await;
-    assert_eq!(header(&r, "retry-after").as_deref(), Some("60"));
-    assert_eq!(header(&r, "x-nthpool-rpm-remaining").as_deref(), Some("0"));
-    assert_eq!(
-        header(&r, "x-nthpool-remaining-slots").as_deref(),
-        Some("3")
-    );
-    assert_eq!(
-        header(&r, "x-nthpool-effective-limit").as_deref(),
-        Some("5")
-    );
-    assert_eq!(header(&r, "x-nthpool-queued-ms").as_deref(), Some("0"));
+    assert_header(&r, "retry-after", Some("60"));
+    assert_header(&r, "x-nthpool-rpm-remaining", Some("0"));
+    assert_header(&r, "x-nthpool-remaining-slots", Some("3"));
+    assert_header(&r, "x-nthpool-effective-limit", Some("5"));
+    assert_header(&r, "x-nthpool-queued-ms", Some("0"));
     expect_error(r, 429, "too_many_requests").await;
     clock.advance(15_000);
     let r = send(keyed(&gw, "p", "acquire")).await;
-    assert_eq!(header(&r, "retry-after").as_deref(), Some("45"));
+    assert_header(&r, "retry-after", Some("45"));
     expect_error(r, 429, "too_many_requests").await;
     clock.advance(45_000);
     let r = send(keyed(&gw, "p", "acquire")).await;
     assert_eq!(r.status(), 200);
-    assert_eq!(header(&r, "x-nthpool-rpm-remaining").as_deref(), Some("1"));
+    assert_header(&r, "x-nthpool-rpm-remaining", Some("1"));
 }
 
 // ---- acquire: refusals and the wait budget ----
@@ -260,15 +252,9 @@ async fn acquire_fails_fast_by_default_with_429_and_governor_headers() {
     let (gw, clock) = clocked(&pool_toml("p", &up.url(), "limit = 1")).await;
     let held = grant(&gw, "p").await;
     let r = send(keyed(&gw, "p", "acquire")).await;
-    assert_eq!(
-        header(&r, "x-nthpool-remaining-slots").as_deref(),
-        Some("0")
-    );
-    assert_eq!(
-        header(&r, "x-nthpool-effective-limit").as_deref(),
-        Some("1")
-    );
-    assert_eq!(header(&r, "x-nthpool-queued-ms").as_deref(), Some("0"));
+    assert_header(&r, "x-nthpool-remaining-slots", Some("0"));
+    assert_header(&r, "x-nthpool-effective-limit", Some("1"));
+    assert_header(&r, "x-nthpool-queued-ms", Some("0"));
     assert_eq!(header(&r, "retry-after"), None, "no estimate yet");
     expect_error(r, 429, "too_many_requests").await;
     assert_eq!(gw.state("p").await["queued"], 0, "nobody was parked");
@@ -278,7 +264,7 @@ async fn acquire_fails_fast_by_default_with_429_and_governor_headers() {
     assert!(released(&gw, "p", &slot(&held), None).await);
     let _held = grant(&gw, "p").await;
     let r = send(keyed(&gw, "p", "acquire").json(&json!({}))).await;
-    assert_eq!(header(&r, "retry-after").as_deref(), Some("4"));
+    assert_header(&r, "retry-after", Some("4"));
     expect_error(r, 429, "too_many_requests").await;
 }
 
@@ -290,14 +276,8 @@ async fn wait_ms_on_a_busy_pool_ends_in_504_queue_timeout() {
     let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
     let held = grant(&gw, "p").await;
     let r = send(keyed(&gw, "p", "acquire").json(&json!({"waitMs": 50}))).await;
-    assert_eq!(
-        header(&r, "x-nthpool-remaining-slots").as_deref(),
-        Some("0")
-    );
-    assert_eq!(
-        header(&r, "x-nthpool-effective-limit").as_deref(),
-        Some("1")
-    );
+    assert_header(&r, "x-nthpool-remaining-slots", Some("0"));
+    assert_header(&r, "x-nthpool-effective-limit", Some("1"));
     assert!(header(&r, "x-nthpool-queued-ms").is_some());
     expect_error(r, 504, "queue_timeout").await;
     let s = gw.state("p").await;
@@ -325,7 +305,7 @@ async fn body_wait_ms_beats_the_queue_timeout_header() {
         .await;
     clock.advance(50);
     let r = finish("the 50 ms waiter", w).await;
-    assert_eq!(header(&r, "x-nthpool-queued-ms").as_deref(), Some("50"));
+    assert_header(&r, "x-nthpool-queued-ms", Some("50"));
     expect_error(r, 504, "queue_timeout").await;
     gw.wait_state("p", "waiter gone", |s| s["queued"] == 0)
         .await;
@@ -344,7 +324,7 @@ async fn body_wait_ms_beats_the_queue_timeout_header() {
     assert!(released(&gw, "p", &slot(&held), None).await);
     let r = finish("the 5000 ms waiter", w).await;
     assert_eq!(r.status(), 200);
-    assert_eq!(header(&r, "x-nthpool-queued-ms").as_deref(), Some("4999"));
+    assert_header(&r, "x-nthpool-queued-ms", Some("4999"));
     let g: Value = r.json().await.unwrap();
     assert_eq!(g["leaseDeadline"], T0 + 50 + 4_999 + 30_000);
 }
@@ -362,7 +342,7 @@ async fn no_queue_header_beats_wait_ms() {
             .json(&json!({"waitMs": 5000})),
     )
     .await;
-    assert_eq!(header(&r, "x-nthpool-queued-ms").as_deref(), Some("0"));
+    assert_header(&r, "x-nthpool-queued-ms", Some("0"));
     expect_error(r, 429, "too_many_requests").await;
     assert_eq!(gw.state("p").await["queued"], 0);
 }
@@ -379,16 +359,12 @@ async fn wait_ms_is_clamped_to_the_pool_queue_timeout() {
     ))
     .await;
     let _held = grant(&gw, "p").await;
-    let w = tokio::spawn(
-        keyed(&gw, "p", "acquire")
-            .json(&json!({"waitMs": 3_600_000}))
-            .send(),
-    );
+    let w = spawn_waiter(&gw, "p", 3_600_000);
     gw.wait_state("p", "waiter parked", |s| s["queued"] == 1)
         .await;
     clock.advance(100);
     let r = finish("the clamped waiter", w).await;
-    assert_eq!(header(&r, "x-nthpool-queued-ms").as_deref(), Some("100"));
+    assert_header(&r, "x-nthpool-queued-ms", Some("100"));
     expect_error(r, 504, "queue_timeout").await;
 
     let w = tokio::spawn(
@@ -400,7 +376,7 @@ async fn wait_ms_is_clamped_to_the_pool_queue_timeout() {
         .await;
     clock.advance(100);
     let r = finish("the clamped header waiter", w).await;
-    assert_eq!(header(&r, "x-nthpool-queued-ms").as_deref(), Some("100"));
+    assert_header(&r, "x-nthpool-queued-ms", Some("100"));
     expect_error(r, 504, "queue_timeout").await;
 }
 
@@ -410,18 +386,11 @@ async fn a_full_queue_refuses_lock_waiters_with_429() {
     let up = Upstream::start().await;
     let (gw, clock) = clocked(&pool_toml("p", &up.url(), "limit = 1\nqueue_size = 1")).await;
     let _held = grant(&gw, "p").await;
-    let first = tokio::spawn(
-        keyed(&gw, "p", "acquire")
-            .json(&json!({"waitMs": 1000}))
-            .send(),
-    );
+    let first = spawn_waiter(&gw, "p", 1000);
     gw.wait_state("p", "first waiter parked", |s| s["queued"] == 1)
         .await;
     let r = send(keyed(&gw, "p", "acquire").json(&json!({"waitMs": 1000}))).await;
-    assert_eq!(
-        header(&r, "x-nthpool-remaining-slots").as_deref(),
-        Some("0")
-    );
+    assert_header(&r, "x-nthpool-remaining-slots", Some("0"));
     let e = expect_error(r, 429, "too_many_requests").await;
     assert!(
         e["message"].as_str().unwrap().contains("queue is full"),
@@ -443,11 +412,7 @@ async fn body_priority_overtakes_queued_normal_waiters() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
     let held = grant(&gw, "p").await;
-    let normal = tokio::spawn(
-        keyed(&gw, "p", "acquire")
-            .json(&json!({"waitMs": 10_000}))
-            .send(),
-    );
+    let normal = spawn_waiter(&gw, "p", 10_000);
     gw.wait_state("p", "normal waiter parked", |s| s["queued"] == 1)
         .await;
     let high = tokio::spawn(
@@ -480,11 +445,7 @@ async fn a_waiter_that_goes_away_leaves_the_queue() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
     let held = grant(&gw, "p").await;
-    let w = tokio::spawn(
-        keyed(&gw, "p", "acquire")
-            .json(&json!({"waitMs": 10_000}))
-            .send(),
-    );
+    let w = spawn_waiter(&gw, "p", 10_000);
     gw.wait_state("p", "waiter parked", |s| s["queued"] == 1)
         .await;
     w.abort();
@@ -641,12 +602,7 @@ async fn malformed_bodies_get_400_invalid() {
         (r#"{"priority":"urgent"}"#, Some("priority")),
         (r#"{"priority":5}"#, Some("priority")),
     ] {
-        let r = send(
-            keyed(&gw, "p", "acquire")
-                .header("content-type", "application/json")
-                .body(body),
-        )
-        .await;
+        let r = send(json_acquire(&gw, "p", body)).await;
         let e = expect_error(r, 400, "invalid").await;
         if let Some(field) = field {
             assert_eq!(e["field"], field, "acquire {body}: {e}");
@@ -825,7 +781,7 @@ async fn a_reported_throttle_pauses_admission() {
         .await
     );
     let r = send(keyed(&gw, "p", "acquire")).await;
-    assert_eq!(header(&r, "retry-after").as_deref(), Some("2"));
+    assert_header(&r, "retry-after", Some("2"));
     assert!(header(&r, "x-nthpool-effective-limit").is_some());
     expect_error(r, 429, "too_many_requests").await;
     let s = gw.state("p").await;
@@ -842,21 +798,17 @@ async fn a_reported_throttle_pauses_admission() {
         "a throttle shrinks the limit: {s}"
     );
     // Even a waiter cannot get in during the pause, but is admitted when it ends.
-    let w = tokio::spawn(
-        keyed(&gw, "p", "acquire")
-            .json(&json!({"waitMs": 10_000}))
-            .send(),
-    );
+    let w = spawn_waiter(&gw, "p", 10_000);
     gw.wait_state("p", "waiter parked behind the pause", |s| s["queued"] == 1)
         .await;
     clock.advance(1_999);
     let r = send(keyed(&gw, "p", "acquire")).await;
-    assert_eq!(header(&r, "retry-after").as_deref(), Some("1"));
+    assert_header(&r, "retry-after", Some("1"));
     expect_error(r, 429, "too_many_requests").await;
     clock.advance(1);
     let r = finish("the waiter behind the pause", w).await;
     assert_eq!(r.status(), 200);
-    assert_eq!(header(&r, "x-nthpool-queued-ms").as_deref(), Some("2000"));
+    assert_header(&r, "x-nthpool-queued-ms", Some("2000"));
     let r = send(keyed(&gw, "p", "acquire")).await;
     assert_eq!(r.status(), 200);
     assert!(gw.state("p").await["pausedUntil"].is_null());
@@ -881,7 +833,7 @@ async fn release_headers_are_parsed_and_rate_wins_over_them() {
     let s = gw.state("p").await;
     assert_eq!(s["pausedUntil"], T0 + 30_000, "{s}");
     let r = send(keyed(&gw, "p", "acquire")).await;
-    assert_eq!(header(&r, "retry-after").as_deref(), Some("30"));
+    assert_header(&r, "retry-after", Some("30"));
     expect_error(r, 429, "too_many_requests").await;
     clock.advance(30_000);
     let now = T0 + 30_000;
@@ -948,11 +900,7 @@ async fn an_unrenewed_lease_is_reclaimed_at_its_deadline() {
     .await;
     let g = grant(&gw, "p").await;
     assert_eq!(g["leaseDeadline"], T0 + 30_000);
-    let w = tokio::spawn(
-        keyed(&gw, "p", "acquire")
-            .json(&json!({"waitMs": 600_000}))
-            .send(),
-    );
+    let w = spawn_waiter(&gw, "p", 600_000);
     gw.wait_state("p", "waiter parked", |s| s["queued"] == 1)
         .await;
     clock.advance(29_999);
@@ -964,7 +912,7 @@ async fn an_unrenewed_lease_is_reclaimed_at_its_deadline() {
     clock.advance(1);
     let r = finish("the waiter behind the vanished holder", w).await;
     assert_eq!(r.status(), 200);
-    assert_eq!(header(&r, "x-nthpool-queued-ms").as_deref(), Some("30000"));
+    assert_header(&r, "x-nthpool-queued-ms", Some("30000"));
     let next: Value = r.json().await.unwrap();
     assert_eq!(next["leaseDeadline"], T0 + 60_000);
     // The vanished holder's slot is gone for good.
@@ -1038,21 +986,12 @@ async fn locks_and_proxied_requests_share_one_limit() {
     up.wait_arrivals(1).await;
 
     let r = send(keyed(&gw, "p", "acquire")).await;
-    assert_eq!(
-        header(&r, "x-nthpool-remaining-slots").as_deref(),
-        Some("0")
-    );
-    assert_eq!(
-        header(&r, "x-nthpool-effective-limit").as_deref(),
-        Some("2")
-    );
+    assert_header(&r, "x-nthpool-remaining-slots", Some("0"));
+    assert_header(&r, "x-nthpool-effective-limit", Some("2"));
     expect_error(r, 429, "too_many_requests").await;
     let r = send(gw.get("p", "/").header("x-nthpool-no-queue", "1")).await;
     assert_eq!(r.status(), 429);
-    assert_eq!(
-        header(&r, "x-nthpool-remaining-slots").as_deref(),
-        Some("0")
-    );
+    assert_header(&r, "x-nthpool-remaining-slots", Some("0"));
     assert_eq!(
         up.seen().len(),
         1,
@@ -1082,11 +1021,7 @@ async fn queued_locks_and_proxied_requests_are_admitted_in_arrival_order() {
 
     // Lock first, then the proxied request.
     let holder = grant(&gw, "p").await;
-    let lock = tokio::spawn(
-        keyed(&gw, "p", "acquire")
-            .json(&json!({"waitMs": 10_000}))
-            .send(),
-    );
+    let lock = spawn_waiter(&gw, "p", 10_000);
     gw.wait_state("p", "lock parked", |s| s["queued"] == 1)
         .await;
     let proxied = tokio::spawn(gw.get("p", "/hold").header("x-seq", "proxy-1").send());
@@ -1119,11 +1054,7 @@ async fn queued_locks_and_proxied_requests_are_admitted_in_arrival_order() {
     let proxied = tokio::spawn(gw.get("p", "/hold").header("x-seq", "proxy-2").send());
     gw.wait_state("p", "proxy parked", |s| s["queued"] == 1)
         .await;
-    let lock = tokio::spawn(
-        keyed(&gw, "p", "acquire")
-            .json(&json!({"waitMs": 10_000}))
-            .send(),
-    );
+    let lock = spawn_waiter(&gw, "p", 10_000);
     gw.wait_state("p", "lock parked", |s| s["queued"] == 2)
         .await;
     assert!(released(&gw, "p", &slot(&holder), None).await);
@@ -1175,14 +1106,7 @@ async fn acquire_attempts_are_access_logged_renew_and_release_are_not() {
     assert!(!released(&gw, "p", &id, None).await);
 
     gw.running.state.access_log.flush().await;
-    let log: Value = gw
-        .api(Method::GET, "/admin/pools/p/access-log")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let log = gw.admin_json("/admin/pools/p/access-log").await;
     let items = log["items"].as_array().unwrap();
     assert_eq!(items.len(), 4, "four acquire attempts, nothing else: {log}");
     assert!(items.iter().all(|e| e["route"] == "lock acquire"), "{log}");

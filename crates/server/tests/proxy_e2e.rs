@@ -126,13 +126,7 @@ async fn sse_stream_holds_its_slot_until_it_ends() {
     assert_eq!(&first[..], b"data: 0\n\n");
     // Mid-stream: the slot is still held.
     assert_eq!(gw.state("p").await["inFlight"], 1);
-    let r = gw
-        .get("p", "/")
-        .header("x-nthpool-no-queue", "1")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 429);
+    assert_eq!(send(gw.no_queue("p", "/")).await.status(), 429);
     up.release(2);
     let mut rest = Vec::new();
     while let Some(c) = resp.chunk().await.unwrap() {
@@ -144,15 +138,7 @@ async fn sse_stream_holds_its_slot_until_it_ends() {
     );
     gw.wait_state("p", "slot freed at stream end", |s| s["inFlight"] == 0)
         .await;
-    assert_eq!(
-        gw.get("p", "/")
-            .header("x-nthpool-no-queue", "1")
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    assert_eq!(send(gw.no_queue("p", "/")).await.status(), 200);
 }
 
 #[tokio::test]
@@ -168,28 +154,14 @@ async fn a_client_killed_mid_request_frees_its_slot_when_the_upstream_answers() 
     // slot to the next caller now would put two calls on an upstream limited to one.
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(up.in_flight(), 1);
-    let refused = gw
-        .get("p", "/")
-        .header("x-nthpool-no-queue", "1")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(refused.status(), 429);
+    assert_eq!(send(gw.no_queue("p", "/")).await.status(), 429);
     // Its answer frees the slot, and the pool serves again.
     up.release(1);
     gw.wait_state("p", "slot freed once the upstream answered", |s| {
         s["inFlight"] == 0
     })
     .await;
-    assert_eq!(
-        gw.get("p", "/")
-            .header("x-nthpool-no-queue", "1")
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    assert_eq!(send(gw.no_queue("p", "/")).await.status(), 200);
     assert_eq!(up.max_in_flight(), 1);
 }
 
@@ -238,35 +210,11 @@ async fn a_client_killed_while_queued_leaves_the_queue() {
 async fn unknown_host_and_bad_keys() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("p", &up.url(), "")).await;
-    let r = gw
-        .client
-        .get(format!("{}/", gw.base))
-        .header("host", "nope.localhost")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 404);
-    assert_eq!(
-        r.json::<serde_json::Value>().await.unwrap()["error"],
-        "pool_not_found"
-    );
-    let r = gw
-        .client
-        .get(format!("{}/", gw.base))
-        .header("host", "elsewhere.example")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 404);
+    let to_host = |host: &str| gw.client.get(format!("{}/", gw.base)).header("host", host);
+    expect_error(send(to_host("nope.localhost")).await, 404, "pool_not_found").await;
+    assert_eq!(send(to_host("elsewhere.example")).await.status(), 404);
     // Host matching ignores the port and case.
-    let r = gw
-        .client
-        .get(format!("{}/", gw.base))
-        .header("host", "P.LocalHost:1234")
-        .header("x-nthpool-key", KEY)
-        .send()
-        .await
-        .unwrap();
+    let r = send(to_host("P.LocalHost:1234").header("x-nthpool-key", KEY)).await;
     assert_eq!(r.status(), 200);
 
     for bad in [
@@ -279,12 +227,9 @@ async fn unknown_host_and_bad_keys() {
         if let Some(k) = bad {
             req = req.header("x-nthpool-key", k);
         }
-        let r = req.send().await.unwrap();
-        assert_eq!(r.status(), 401, "{bad:?}");
-        assert_eq!(
-            r.json::<serde_json::Value>().await.unwrap()["error"],
-            "unauthorized"
-        );
+        let (status, body) = call(req).await;
+        assert_eq!(status, 401, "{bad:?}");
+        assert_eq!(body["error"], "unauthorized");
     }
     assert!(
         up.seen().len() == 1,
@@ -296,45 +241,20 @@ async fn unknown_host_and_bad_keys() {
 async fn a_revoked_or_expired_key_is_refused() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("p", &up.url(), "")).await;
-    let created: serde_json::Value = gw
-        .api(Method::POST, "/admin/pools/p/keys")
-        .json(&serde_json::json!({"label": "ci"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let create_key = |body: serde_json::Value| {
+        let r = gw.api(Method::POST, "/admin/pools/p/keys").json(&body);
+        async move { json_of(send(r).await).await }
+    };
+    let with_key = |key: &str| send(gw.pool("p", Method::GET, "/").header("x-nthpool-key", key));
+    let created = create_key(serde_json::json!({"label": "ci"})).await;
     let key = created["key"].as_str().unwrap().to_string();
     assert!(key.starts_with("nb_live_"));
-    let ok = gw
-        .pool("p", Method::GET, "/")
-        .header("x-nthpool-key", &key)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(ok.status(), 200);
-    let id = created["id"].as_str().unwrap();
-    let r = gw
-        .api(Method::DELETE, &format!("/admin/pools/p/keys/{id}"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let r = gw
-        .pool("p", Method::GET, "/")
-        .header("x-nthpool-key", &key)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 401);
+    assert_eq!(with_key(&key).await.status(), 200);
+    let revoke = format!("/admin/pools/p/keys/{}", created["id"].as_str().unwrap());
+    assert_eq!(gw.admin(Method::DELETE, &revoke, None).await.0, 200);
+    assert_eq!(with_key(&key).await.status(), 401);
     // Revoking again: not found.
-    let r = gw
-        .api(Method::DELETE, &format!("/admin/pools/p/keys/{id}"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 404);
+    assert_eq!(gw.admin(Method::DELETE, &revoke, None).await.0, 404);
 
     // A key that expires: valid now, and the index refuses it once past expiresAt.
     let soon = std::time::SystemTime::now()
@@ -342,24 +262,10 @@ async fn a_revoked_or_expired_key_is_refused() {
         .unwrap()
         .as_millis() as u64
         + 300;
-    let created: serde_json::Value = gw
-        .api(Method::POST, "/admin/pools/p/keys")
-        .json(&serde_json::json!({"expiresAt": soon}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let created = create_key(serde_json::json!({"expiresAt": soon})).await;
     let key = created["key"].as_str().unwrap().to_string();
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let r = gw
-        .pool("p", Method::GET, "/")
-        .header("x-nthpool-key", &key)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 401);
+    assert_eq!(with_key(&key).await.status(), 401);
 }
 
 #[tokio::test]
@@ -369,40 +275,22 @@ async fn oversized_bodies_get_413() {
     gw_toml.insert_str(0, "[server]\nmax_body_bytes = 1024\n");
     let gw = gateway(&gw_toml).await;
     // Declared too large: refused before admission.
-    let r = gw
-        .pool("p", Method::POST, "/body")
-        .header("x-nthpool-key", KEY)
-        .body(vec![b'x'; 2048])
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 413);
-    assert_eq!(
-        r.json::<serde_json::Value>().await.unwrap()["error"],
-        "payload_too_large"
-    );
+    let post_body = || {
+        gw.pool("p", Method::POST, "/body")
+            .header("x-nthpool-key", KEY)
+    };
+    let r = send(post_body().body(vec![b'x'; 2048])).await;
+    expect_error(r, 413, "payload_too_large").await;
     // Streamed (chunked, no length) and too large: cut off mid-stream.
     let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
         (0..4).map(|_| Ok(vec![b'y'; 512])).collect();
     let body = reqwest::Body::wrap_stream(futures_util::stream::iter(chunks));
-    let r = gw
-        .pool("p", Method::POST, "/body")
-        .header("x-nthpool-key", KEY)
-        .body(body)
-        .send()
-        .await
-        .unwrap();
+    let r = send(post_body().body(body)).await;
     assert_eq!(r.status(), 413);
     gw.wait_state("p", "slot freed", |s| s["inFlight"] == 0)
         .await;
     // Within the limit: fine.
-    let r = gw
-        .pool("p", Method::POST, "/body")
-        .header("x-nthpool-key", KEY)
-        .body(vec![b'x'; 1000])
-        .send()
-        .await
-        .unwrap();
+    let r = send(post_body().body(vec![b'x'; 1000])).await;
     assert_eq!(r.status(), 200);
     assert_eq!(r.text().await.unwrap(), "1000");
 }
@@ -452,25 +340,11 @@ async fn unreachable_and_slow_upstreams() {
         pool_toml("slow", &up.url(), "request_timeout_ms = 200")
     );
     let gw = gateway(&toml).await;
-    let r = gw.get("dead", "/").send().await.unwrap();
-    assert_eq!(r.status(), 502);
-    assert_eq!(
-        r.json::<serde_json::Value>().await.unwrap()["error"],
-        "upstream_unreachable"
-    );
+    expect_error(send(gw.get("dead", "/")).await, 502, "upstream_unreachable").await;
     assert_eq!(gw.state("dead").await["inFlight"], 0);
 
-    let r = gw
-        .get("slow", "/hold")
-        .header("x-seq", "h")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 504);
-    assert_eq!(
-        r.json::<serde_json::Value>().await.unwrap()["error"],
-        "upstream_timeout"
-    );
+    let r = send(gw.get("slow", "/hold").header("x-seq", "h")).await;
+    expect_error(r, 504, "upstream_timeout").await;
     gw.wait_state("slow", "slot freed", |s| s["inFlight"] == 0)
         .await;
     up.release(1);

@@ -283,14 +283,10 @@ async fn add_destination(gw: &Gateway, url: &str, extra: Value) -> (String, Stri
     for (k, v) in extra.as_object().cloned().unwrap_or_default() {
         body[k] = v;
     }
-    let r = gw
-        .api(Method::POST, "/admin/pools/p/webhooks")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 201);
-    let v: Value = r.json().await.unwrap();
+    let (status, v) = gw
+        .admin(Method::POST, "/admin/pools/p/webhooks", Some(body))
+        .await;
+    assert_eq!(status, 201);
     (
         v["id"].as_str().unwrap().to_string(),
         v["secret"].as_str().unwrap().to_string(),
@@ -298,34 +294,57 @@ async fn add_destination(gw: &Gateway, url: &str, extra: Value) -> (String, Stri
 }
 
 async fn submit(gw: &Gateway) -> String {
-    let r = gw
-        .get("p", "/echo")
-        .header("x-nthpool-async", "1")
-        .send()
-        .await
-        .unwrap();
+    let r = send(gw.get_async("p", "/echo")).await;
     assert_eq!(r.status(), 202, "the pool must be async");
-    r.json::<Value>().await.unwrap()["jobId"]
-        .as_str()
-        .unwrap()
-        .to_string()
+    json_of(r).await["jobId"].as_str().unwrap().to_string()
 }
 
 async fn get_json(gw: &Gateway, path: &str) -> Value {
-    let r = gw.api(Method::GET, path).send().await.unwrap();
+    let r = send(gw.api(Method::GET, path)).await;
     assert_eq!(r.status(), 200, "{path}");
-    r.json().await.unwrap()
+    json_of(r).await
 }
 
 async fn poll(gw: &Gateway, job: &str) -> Value {
-    let r = gw
-        .api(Method::GET, &format!("/pools/p/jobs/{job}"))
-        .header("x-nthpool-key", KEY)
-        .send()
-        .await
-        .unwrap();
+    let r = send(
+        gw.api(Method::GET, &format!("/pools/p/jobs/{job}"))
+            .header("x-nthpool-key", KEY),
+    )
+    .await;
     assert_eq!(r.status(), 200);
-    r.json().await.unwrap()
+    json_of(r).await
+}
+
+/// Switches a destination on or off through the admin API; asserts 200.
+async fn set_active(gw: &Gateway, dest: &str, active: bool) {
+    let (status, _) = gw
+        .admin(
+            Method::PATCH,
+            &format!("/admin/pools/p/webhooks/{dest}"),
+            Some(json!({ "active": active })),
+        )
+        .await;
+    assert_eq!(status, 200);
+}
+
+/// Rotates a destination's secret through the admin API (`body` as JSON, if any).
+async fn rotate(gw: &Gateway, dest: &str, body: Option<Value>) -> (u16, Value) {
+    gw.admin(
+        Method::POST,
+        &format!("/admin/pools/p/webhooks/{dest}/rotate"),
+        body,
+    )
+    .await
+}
+
+/// Asks for a job's redelivery through the admin API.
+async fn redeliver(gw: &Gateway, job: &str) -> (u16, Value) {
+    gw.admin(
+        Method::POST,
+        &format!("/admin/pools/p/jobs/{job}/redeliver"),
+        None,
+    )
+    .await
 }
 
 /// A job's attempts, oldest first.
@@ -397,11 +416,8 @@ async fn delivery_of(gw: &Gateway, job: &str) -> Value {
 
 /// Whether an async request is answered sync (the pool fell back) or with 202.
 async fn async_answer(gw: &Gateway) -> u16 {
-    gw.get("p", "/status/201")
-        .header("x-nthpool-async", "1")
-        .send()
+    send(gw.get_async("p", "/status/201"))
         .await
-        .unwrap()
         .status()
         .as_u16()
 }
@@ -486,14 +502,7 @@ async fn delivers_the_poll_body_signed_per_the_standard() {
     let detail = get_json(&gw, &format!("/admin/pools/p/jobs/{job}")).await;
     assert_eq!(detail["deliveries"][0]["status"], "delivered");
     // The routes are in the OpenAPI document.
-    let doc = gw
-        .api(Method::GET, "/openapi.json")
-        .send()
-        .await
-        .unwrap()
-        .json::<Value>()
-        .await
-        .unwrap();
+    let doc = gw.admin_json("/openapi.json").await;
     for path in [
         "/admin/pools/{pool}/deliveries",
         "/admin/pools/{pool}/jobs/{jobId}/redeliver",
@@ -667,13 +676,7 @@ async fn gone_deactivates_and_the_last_one_flips_the_pool_to_sync() {
 
     // Re-enable a: async again, and it is delivered to.
     a_rx.set_default(reply(200));
-    let r = gw
-        .api(Method::PATCH, &format!("/admin/pools/p/webhooks/{a}"))
-        .json(&json!({"active": true}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    set_active(&gw, &a, true).await;
     let job3 = submit(&gw).await;
     wait_poll(&gw, &job3, "delivered", |v| v["webhook"]["delivered"] == 1).await;
     assert_eq!(
@@ -719,13 +722,7 @@ async fn consecutive_failures_deactivate_and_re_enable_restores_async() {
     );
 
     rx.set_default(reply(200));
-    let r = gw
-        .api(Method::PATCH, &format!("/admin/pools/p/webhooks/{dest}"))
-        .json(&json!({"active": true}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    set_active(&gw, &dest, true).await;
     let d = destination(&gw, &dest).await;
     assert_eq!(d["active"], true);
     assert_eq!(d["consecutiveFailures"], 0);
@@ -746,19 +743,9 @@ async fn manual_redelivery() {
     wait_poll(&gw, &job, "delivered", |v| v["webhook"]["delivered"] == 1).await;
 
     rx.script([reply(500), reply(200)]);
-    let r = gw
-        .api(
-            Method::POST,
-            &format!("/admin/pools/p/jobs/{job}/redeliver"),
-        )
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 202);
-    assert_eq!(
-        r.json::<Value>().await.unwrap(),
-        json!({"jobId": job, "deliveries": 1})
-    );
+    let (status, body) = redeliver(&gw, &job).await;
+    assert_eq!(status, 202);
+    assert_eq!(body, json!({"jobId": job, "deliveries": 1}));
     let a = wait_attempts(&gw, &job, 2).await;
     assert_eq!(a[1]["manual"], true);
     assert_eq!(a[1]["statusCode"], 500);
@@ -784,41 +771,16 @@ async fn manual_redelivery() {
     .await;
 
     // Unknown job: 404; a job that has not ended: 409.
-    let r = gw
-        .api(
-            Method::POST,
-            &format!("/admin/pools/p/jobs/job_{}/redeliver", "0".repeat(32)),
-        )
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 404);
-    assert_eq!(r.json::<Value>().await.unwrap()["error"], "job_not_found");
-    let held = gw
-        .get("p", "/hold")
-        .header("x-nthpool-async", "1")
-        .send()
-        .await
-        .unwrap()
-        .json::<Value>()
-        .await
-        .unwrap()["jobId"]
+    let (status, body) = redeliver(&gw, &format!("job_{}", "0".repeat(32))).await;
+    assert_eq!(status, 404);
+    assert_eq!(body["error"], "job_not_found");
+    let held = json_of(send(gw.get_async("p", "/hold")).await).await["jobId"]
         .as_str()
         .unwrap()
         .to_string();
-    let r = gw
-        .api(
-            Method::POST,
-            &format!("/admin/pools/p/jobs/{held}/redeliver"),
-        )
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 409);
-    assert_eq!(
-        r.json::<Value>().await.unwrap()["error"],
-        "job_not_terminal"
-    );
+    let (status, body) = redeliver(&gw, &held).await;
+    assert_eq!(status, 409);
+    assert_eq!(body["error"], "job_not_terminal");
     up.release(1);
 }
 
@@ -834,17 +796,8 @@ async fn rotation_sends_both_signatures_during_the_grace() {
         manual_gateway_at(&async_pool(&up, "allow_private_webhooks = true", ""), t0).await;
     let (dest, old) = add_destination(&gw, &rx.url("/hook"), json!({})).await;
 
-    let r = gw
-        .api(
-            Method::POST,
-            &format!("/admin/pools/p/webhooks/{dest}/rotate"),
-        )
-        .json(&json!({"graceS": 3600}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let rotated: Value = r.json().await.unwrap();
+    let (status, rotated) = rotate(&gw, &dest, Some(json!({"graceS": 3600}))).await;
+    assert_eq!(status, 200);
     let new = rotated["secret"].as_str().unwrap().to_string();
     assert!(new.starts_with("whsec_") && new != old);
     assert_eq!(rotated["previousSecretExpiresAt"], t0 + 3_600_000);
@@ -880,33 +833,19 @@ async fn rotation_sends_both_signatures_during_the_grace() {
     assert!(!verify_received(&got[1], &old, clock.now_ms()));
 
     // graceS 0 drops the previous secret at once; bad input is refused.
-    let r = gw
-        .api(
+    let r = send(
+        gw.api(
             Method::POST,
             &format!("/admin/pools/p/webhooks/{dest}/rotate"),
         )
-        .json(&json!({"graceS": 0}))
-        .send()
-        .await
-        .unwrap();
+        .json(&json!({"graceS": 0})),
+    )
+    .await;
     assert_eq!(r.status(), 200);
-    assert!(r.json::<Value>().await.unwrap()["previousSecretExpiresAt"].is_null());
-    let r = gw
-        .api(
-            Method::POST,
-            &format!("/admin/pools/p/webhooks/{dest}/rotate"),
-        )
-        .json(&json!({"graceS": 604_801}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 400);
-    let r = gw
-        .api(Method::POST, "/admin/pools/p/webhooks/wh_nope/rotate")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 404);
+    assert!(json_of(r).await["previousSecretExpiresAt"].is_null());
+    let (status, _) = rotate(&gw, &dest, Some(json!({"graceS": 604_801}))).await;
+    assert_eq!(status, 400);
+    assert_eq!(rotate(&gw, "wh_nope", None).await.0, 404);
 }
 
 /// Private destinations are refused when saved, and at every attempt on the address actually
@@ -933,14 +872,15 @@ async fn private_destinations_are_refused_unless_allowed() {
         "http://10.0.0.8/hook".to_string(),
         "http://100.64.1.1/hook".to_string(),
     ] {
-        let r = gw
-            .api(Method::POST, "/admin/pools/p/webhooks")
-            .json(&json!({ "url": url }))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 400, "{url} must be refused");
-        assert_eq!(r.json::<Value>().await.unwrap()["field"], "url");
+        let (status, body) = gw
+            .admin(
+                Method::POST,
+                "/admin/pools/p/webhooks",
+                Some(json!({ "url": url })),
+            )
+            .await;
+        assert_eq!(status, 400, "{url} must be refused");
+        assert_eq!(body["field"], "url");
     }
     let job = submit(&gw).await;
     let a = wait_attempts(&gw, &job, 1).await;

@@ -371,12 +371,46 @@ impl Gateway {
             .bearer_auth(ADMIN_TOKEN)
     }
 
+    /// A request to the API host with no credentials at all.
+    pub fn api_anon(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        self.client
+            .request(method, format!("{}{}", self.base, path))
+            .header("host", "api.localhost")
+    }
+
+    /// A GET through pool `pool` with the test key that asks not to queue.
+    pub fn no_queue(&self, pool: &str, path: &str) -> reqwest::RequestBuilder {
+        self.get(pool, path).header("x-nthpool-no-queue", "1")
+    }
+
+    /// A GET through pool `pool` with the test key that asks to run as an async job.
+    pub fn get_async(&self, pool: &str, path: &str) -> reqwest::RequestBuilder {
+        self.get(pool, path).header("x-nthpool-async", "1")
+    }
+
+    /// An admin API call with the admin token (and `body` as JSON, if any): the status and the
+    /// JSON body (`Null` when the body is empty or not JSON).
+    pub async fn admin(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (u16, Value) {
+        let rb = self.api(method, path);
+        call(match body {
+            Some(b) => rb.json(&b),
+            None => rb,
+        })
+        .await
+    }
+
+    /// The JSON body of an admin GET (the status is not checked; the body must be JSON).
+    pub async fn admin_json(&self, path: &str) -> Value {
+        json_of(send(self.api(reqwest::Method::GET, path)).await).await
+    }
+
     pub async fn state(&self, pool: &str) -> Value {
-        let r = self
-            .api(reqwest::Method::GET, &format!("/admin/pools/{pool}/state"))
-            .send()
-            .await
-            .unwrap();
+        let r = send(self.api(reqwest::Method::GET, &format!("/admin/pools/{pool}/state"))).await;
         assert_eq!(r.status(), 200, "state of {pool}");
         r.json().await.unwrap()
     }
@@ -399,4 +433,33 @@ pub fn pool_toml(name: &str, upstream: &str, concurrency: &str) -> String {
     format!(
         "[[pools]]\nname = \"{name}\"\nupstream = \"{upstream}\"\nkeys = [\"{KEY}\", \"{KEY2}\"]\n[pools.concurrency]\n{concurrency}\n"
     )
+}
+
+/// Sends a request; a transport error fails the test.
+pub async fn send(rb: reqwest::RequestBuilder) -> reqwest::Response {
+    rb.send().await.unwrap()
+}
+
+/// The JSON body of a response (a body that is not JSON fails the test).
+pub async fn json_of(r: reqwest::Response) -> Value {
+    r.json().await.unwrap()
+}
+
+/// Sends a request: its status and JSON body (`Null` when the body is empty or not JSON).
+pub async fn call(rb: reqwest::RequestBuilder) -> (u16, Value) {
+    let r = send(rb).await;
+    let status = r.status().as_u16();
+    let bytes = r.bytes().await.unwrap();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+/// Asserts a JSON error answer with `status` and `error` code; returns its body.
+pub async fn expect_error(r: reqwest::Response, status: u16, code: &str) -> Value {
+    assert_eq!(r.status(), status, "status of an expected {code}");
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"], code, "{body}");
+    body
 }
