@@ -39,13 +39,16 @@ async fn leases_held_at_a_crash_keep_their_slots_for_one_term_after_the_restart(
     let mut server = Server::start(ADMIN, "warn", reqwest::Client::new(), &rest).await;
     let (status, first) = lock(&server, "acquire", json!({})).await;
     assert_eq!(status, 200, "{first}");
-    let (status, second) = lock(&server, "acquire", json!({})).await;
-    assert_eq!(status, 200, "{second}");
     let (status, released) = lock(&server, "acquire", json!({})).await;
     assert_eq!(status, 200, "{released}");
     let released = released["slotId"].as_str().unwrap().to_string();
     let (status, _) = lock(&server, &format!("{released}/release"), json!({})).await;
     assert_eq!(status, 200);
+    // A release is forgotten without waiting for the store; the next grant is answered only
+    // once it is on record, and the book writes in order, so the release is on record too.
+    // (Had the gateway died in between, the released slot would be held back one term too.)
+    let (status, second) = lock(&server, "acquire", json!({})).await;
+    assert_eq!(status, 200, "{second}");
 
     // Two holders are still working when the gateway dies.
     server.kill_9();
