@@ -69,6 +69,18 @@ pub struct LogLine<'a> {
 }
 
 impl LogLine<'_> {
+    /// Logs a request refused before it was admitted, with the answer's status as its
+    /// outcome, and returns that answer.
+    pub fn refuse(
+        self,
+        key_id: Option<&str>,
+        e: crate::error::ApiError,
+    ) -> axum::response::Response {
+        let status = e.status;
+        self.write(key_id, status.as_str(), None, status, 0, None, None);
+        axum::response::IntoResponse::into_response(e)
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub fn write(
         self,

@@ -7,7 +7,9 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use nthbouncer_config::{ConcurrencySpec, ProxyWait};
 use nthbouncer_coord::{GateHeaders, Priority, Refusal};
 
+use crate::access_log::LogLine;
 use crate::error::ApiError;
+use crate::registry::PoolRuntime;
 
 pub const QUEUE_TIMEOUT_HEADER: &str = "x-nthpool-queue-timeout-ms";
 pub const NO_QUEUE_HEADER: &str = "x-nthpool-no-queue";
@@ -134,6 +136,32 @@ pub fn refusal_error(refusal: &Refusal) -> ApiError {
         .with_gate(*headers),
         Refusal::PoolClosed => ApiError::pool_not_found(),
     }
+}
+
+/// Answers a refusal of the gate: counted in the pool's metrics, written to the access log
+/// (outcome, time queued) and turned into its `429`/`504` answer.
+pub fn refuse(
+    pool: &PoolRuntime,
+    log: LogLine<'_>,
+    key_id: &str,
+    refusal: &Refusal,
+) -> axum::response::Response {
+    let e = refusal_error(refusal);
+    match e.status {
+        StatusCode::GATEWAY_TIMEOUT => pool.metrics.refused_504.increment(1),
+        _ => pool.metrics.refused_429.increment(1),
+    }
+    let queued = e.gate.map(|g| g.queued_ms).unwrap_or(0);
+    log.write(
+        Some(key_id),
+        refusal_outcome(refusal),
+        None,
+        e.status,
+        queued,
+        None,
+        None,
+    );
+    axum::response::IntoResponse::into_response(e)
 }
 
 /// The access-log outcome word for a refusal.

@@ -216,16 +216,7 @@ pub async fn acquire(
     let (wait_ms, priority) = match parsed {
         Ok(v) => v,
         Err(e) => {
-            log.write(
-                Some(&caller.key_id),
-                &e.status.as_u16().to_string(),
-                None,
-                e.status,
-                0,
-                None,
-                None,
-            );
-            return e.into_response();
+            return log.refuse(Some(&caller.key_id), e);
         }
     };
     let request = AcquireRequest {
@@ -250,8 +241,7 @@ pub async fn acquire(
                     "store_unavailable",
                     "the lease could not be recorded; try again",
                 );
-                log.write(Some(&caller.key_id), "503", None, e.status, 0, None, None);
-                return e.into_response();
+                return log.refuse(Some(&caller.key_id), e);
             }
             pool.metrics.admitted_lock.increment(1);
             pool.metrics
@@ -277,24 +267,7 @@ pub async fn acquire(
             admission::write_gate_headers(resp.headers_mut(), &grant.headers);
             resp
         }
-        Err(refusal) => {
-            let e = admission::refusal_error(&refusal);
-            match e.status {
-                StatusCode::GATEWAY_TIMEOUT => pool.metrics.refused_504.increment(1),
-                _ => pool.metrics.refused_429.increment(1),
-            }
-            let queued = e.gate.map(|g| g.queued_ms).unwrap_or(0);
-            log.write(
-                Some(&caller.key_id),
-                admission::refusal_outcome(&refusal),
-                None,
-                e.status,
-                queued,
-                None,
-                None,
-            );
-            e.into_response()
-        }
+        Err(refusal) => admission::refuse(&pool, log, &caller.key_id, &refusal),
     }
 }
 

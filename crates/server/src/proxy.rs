@@ -389,8 +389,7 @@ pub async fn handle(
     let max_body = state.server.max_body_bytes;
     if content_length(&parts.headers).is_some_and(|len| len > max_body) {
         let e = ApiError::payload_too_large(max_body);
-        log.write(Some(&key_id), "413", None, e.status, 0, None, None);
-        return axum::response::IntoResponse::into_response(e);
+        return log.refuse(Some(&key_id), e);
     }
     let admission = admission::wait_budget(
         &parts.headers,
@@ -402,8 +401,7 @@ pub async fn handle(
     let (wait_ms, priority) = match admission {
         Ok(v) => v,
         Err(e) => {
-            log.write(Some(&key_id), "400", None, e.status, 0, None, None);
-            return axum::response::IntoResponse::into_response(e);
+            return log.refuse(Some(&key_id), e);
         }
     };
 
@@ -411,8 +409,7 @@ pub async fn handle(
     let asked_async = match async_header(&parts.headers) {
         Ok(v) => v,
         Err(e) => {
-            log.write(Some(&key_id), "400", None, e.status, 0, None, None);
-            return axum::response::IntoResponse::into_response(e);
+            return log.refuse(Some(&key_id), e);
         }
     };
     if asked_async && !pool.spec.async_jobs.enabled {
@@ -421,8 +418,7 @@ pub async fn handle(
             "async_disabled",
             "this pool does not take async jobs (async.enabled = false)",
         );
-        log.write(Some(&key_id), "400", None, e.status, 0, None, None);
-        return axum::response::IntoResponse::into_response(e);
+        return log.refuse(Some(&key_id), e);
     }
     // With no active webhook destination the pool behaves exactly as with async off.
     let live = pool.async_live();
@@ -452,51 +448,27 @@ pub async fn handle(
     };
     let grant = match pool.gate.acquire(request).await {
         Ok(g) => g,
-        Err(Refusal::TooManyRequests { .. }) if promote_busy => {
-            return Box::pin(accept_job(
-                &state,
-                &pool,
-                log,
-                &parts,
-                body,
-                signed.take(),
-                &caller,
-                priority,
-                Reason::Busy,
-            ))
-            .await;
-        }
-        Err(Refusal::QueueTimeout { .. }) if promote_timeout => {
-            return Box::pin(accept_job(
-                &state,
-                &pool,
-                log,
-                &parts,
-                body,
-                signed.take(),
-                &caller,
-                priority,
-                Reason::WaitTimeout,
-            ))
-            .await;
-        }
         Err(refusal) => {
-            let e = admission::refusal_error(&refusal);
-            match e.status {
-                StatusCode::GATEWAY_TIMEOUT => pool.metrics.refused_504.increment(1),
-                _ => pool.metrics.refused_429.increment(1),
+            let promoted = match refusal {
+                Refusal::TooManyRequests { .. } if promote_busy => Some(Reason::Busy),
+                Refusal::QueueTimeout { .. } if promote_timeout => Some(Reason::WaitTimeout),
+                _ => None,
+            };
+            if let Some(reason) = promoted {
+                return Box::pin(accept_job(
+                    &state,
+                    &pool,
+                    log,
+                    &parts,
+                    body,
+                    signed.take(),
+                    &caller,
+                    priority,
+                    reason,
+                ))
+                .await;
             }
-            let queued = e.gate.map(|g| g.queued_ms).unwrap_or(0);
-            log.write(
-                Some(&key_id),
-                admission::refusal_outcome(&refusal),
-                None,
-                e.status,
-                queued,
-                None,
-                None,
-            );
-            return axum::response::IntoResponse::into_response(e);
+            return admission::refuse(&pool, log, &key_id, &refusal);
         }
     };
     pool.metrics.admitted_proxy.increment(1);
@@ -731,16 +703,7 @@ async fn accept_job(
     let body = match crate::jobs::read_body(pool, body).await {
         Ok(b) => b,
         Err(e) => {
-            log.write(
-                Some(&caller.key_id),
-                &e.status.as_u16().to_string(),
-                None,
-                e.status,
-                0,
-                None,
-                None,
-            );
-            return axum::response::IntoResponse::into_response(e);
+            return log.refuse(Some(&caller.key_id), e);
         }
     };
     // A signed request is only accepted once its body matches the signature.
@@ -766,18 +729,7 @@ async fn accept_job(
             *resp.status_mut() = StatusCode::ACCEPTED;
             resp
         }
-        Err(e) => {
-            log.write(
-                Some(&caller.key_id),
-                &e.status.as_u16().to_string(),
-                None,
-                e.status,
-                0,
-                None,
-                None,
-            );
-            axum::response::IntoResponse::into_response(e)
-        }
+        Err(e) => log.refuse(Some(&caller.key_id), e),
     }
 }
 
