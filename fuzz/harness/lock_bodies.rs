@@ -14,8 +14,8 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use nthbouncer_config::ConcurrencySpec;
 use nthbouncer_governor::{Governor, Outcome, PoolSettings, Priority, Ticket, TryAcquire};
-use nthbouncer_server::admission::{NO_QUEUE_HEADER, PRIORITY_HEADER, QUEUE_TIMEOUT_HEADER};
-use nthbouncer_server::error::ApiError;
+use nthbouncer_server::core::admission::{NO_QUEUE_HEADER, PRIORITY_HEADER, QUEUE_TIMEOUT_HEADER};
+use nthbouncer_server::core::error::ApiError;
 use nthbouncer_server::lock;
 use serde_json::Value;
 

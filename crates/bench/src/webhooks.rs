@@ -178,7 +178,7 @@ pub async fn run(args: WebhooksArgs) -> Result<(), BoxError> {
         store.insert_jobs(&batch).await?;
         let ids: Vec<String> = urls
             .iter()
-            .map(|u| nthbouncer_server::state::config_destination_id(POOL, u))
+            .map(|u| nthbouncer_server::app::state::config_destination_id(POOL, u))
             .collect();
         let active = HashMap::from([(POOL.to_string(), ids)]);
         let expired = store.expire_jobs(now, &active).await?;

@@ -20,25 +20,15 @@
 #![forbid(unsafe_code)]
 
 pub mod access;
-pub mod access_log;
 pub mod admin;
-pub mod admission;
-pub mod api;
-pub mod auth;
-pub mod error;
+pub mod app;
+pub mod core;
 pub mod jobs;
-pub mod jobs_api;
-pub mod leases;
 pub mod lock;
-pub mod metrics;
-pub mod netcheck;
-pub mod outcome;
-pub mod pagination;
+pub mod pools;
 pub mod proxy;
-pub mod registry;
-pub mod serve;
-pub mod state;
+pub mod upstream;
 pub mod webhooks;
 
-pub use serve::{check_config, start, Options, Running};
-pub use state::StartError;
+pub use app::serve::{check_config, start, Options, Running};
+pub use app::state::StartError;

@@ -29,13 +29,13 @@ use nthbouncer_coord::{
 };
 
 use crate::access;
-use crate::access_log::LogLine;
-use crate::admission::{self, Caller as AdmissionCaller};
-use crate::auth::Caller;
-use crate::error::ApiError;
+use crate::access::keys::Caller;
+use crate::app::state::AppState;
+use crate::core::access_log::LogLine;
+use crate::core::admission::{self, Caller as AdmissionCaller};
+use crate::core::error::ApiError;
 use crate::jobs::Reason;
-use crate::registry::PoolRuntime;
-use crate::state::AppState;
+use crate::pools::registry::PoolRuntime;
 
 pub type UpstreamClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Body>;
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -310,7 +310,7 @@ fn route(method: &http::Method, path: &str) -> String {
 
 /// The upstream URL of a request: the pool's scheme, authority and base path, then the
 /// request's path and query. `None` if that is not a valid URI.
-fn upstream_uri(upstream: &crate::registry::Upstream, uri: &http::Uri) -> Option<http::Uri> {
+fn upstream_uri(upstream: &crate::pools::registry::Upstream, uri: &http::Uri) -> Option<http::Uri> {
     let path_and_query = uri.path_and_query();
     if upstream.base_path.is_empty() {
         // The common case: the request's own path and query, shared rather than re-parsed.
@@ -653,7 +653,7 @@ async fn forward(admitted: Admitted<'_>) -> Response<Body> {
         .upstream_latency
         .record(latency_ms as f64 / 1000.0);
     let (mut rparts, rbody) = resp.into_parts();
-    guard.outcome = Some(crate::outcome::from_response(
+    guard.outcome = Some(crate::upstream::outcome::from_response(
         rparts.status.as_u16(),
         &rparts.headers,
         state.now(),
@@ -774,7 +774,7 @@ mod tests {
             ),
             ("http://h:1", "http://other/p?q", "http://h:1/p?q"),
         ] {
-            let up = crate::registry::Upstream::parse("t", upstream).unwrap();
+            let up = crate::pools::registry::Upstream::parse("t", upstream).unwrap();
             let uri: http::Uri = request.parse().unwrap();
             assert_eq!(upstream_uri(&up, &uri).unwrap().to_string(), want);
         }

@@ -16,6 +16,7 @@
 
 mod client_ip;
 mod jwt;
+pub mod keys;
 mod signing;
 mod throttle;
 
@@ -38,11 +39,11 @@ pub use signing::{
 };
 pub use throttle::{FailureThrottle, BLOCK_MS, FAILURE_WINDOW_MS, MAX_FAILURES};
 
-use crate::access_log::LogLine;
-use crate::auth::{self, AuthFailure, Caller};
-use crate::error::ApiError;
-use crate::registry::PoolRuntime;
-use crate::state::AppState;
+use crate::app::state::AppState;
+use crate::core::access_log::LogLine;
+use crate::core::error::ApiError;
+use crate::pools::registry::PoolRuntime;
+use keys::{AuthFailure, Caller};
 
 /// The one message of every authentication refusal: it must not say which part failed.
 pub const CREDENTIALS_MESSAGE: &str = "missing or invalid credentials";
@@ -329,7 +330,7 @@ async fn credentials(
     now: u64,
 ) -> Result<Authorized, Failure> {
     let policy = &pool.access;
-    let mut caller = auth::authenticate(pool, headers, now).map_err(Failure::Key)?;
+    let mut caller = keys::authenticate(pool, headers, now).map_err(Failure::Key)?;
     let pending = match &policy.hmac {
         Some(h) => Some(
             h.begin(method, uri, headers, now, policy.state.nonces.clone())

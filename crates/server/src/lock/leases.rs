@@ -13,7 +13,7 @@ use nthbouncer_coord::{AcquireRequest, Clock, Priority, SlotKind};
 use nthbouncer_store::{LeaseRecord, Store};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::state::AppState;
+use crate::app::state::AppState;
 
 const MAX_BATCH: usize = 1024;
 

@@ -3,7 +3,7 @@
 //! last row is where the next page starts (`next`). Owns the page-size and cursor rules only;
 //! what a cursor means is the store's business.
 
-use crate::error::ApiError;
+use crate::core::error::ApiError;
 
 /// The page size asked for, clamped to `1..=max`; 100 when absent.
 pub fn page_size(requested: Option<u32>, max: u32) -> u32 {

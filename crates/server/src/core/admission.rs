@@ -7,9 +7,9 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use nthbouncer_config::{ConcurrencySpec, ProxyWait};
 use nthbouncer_coord::{GateHeaders, Priority, Refusal};
 
-use crate::access_log::LogLine;
-use crate::error::ApiError;
-use crate::registry::PoolRuntime;
+use crate::core::access_log::LogLine;
+use crate::core::error::ApiError;
+use crate::pools::registry::PoolRuntime;
 
 pub const QUEUE_TIMEOUT_HEADER: &str = "x-nthpool-queue-timeout-ms";
 pub const NO_QUEUE_HEADER: &str = "x-nthpool-no-queue";

@@ -8,7 +8,7 @@ use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, StatusCode};
 use nthbouncer_coord::GateHeaders;
 
-use crate::admission::write_gate_headers;
+use crate::core::admission::write_gate_headers;
 
 /// An error answer: `{"error": code, "message": …, "field"?: …}`.
 #[derive(Debug, Clone)]

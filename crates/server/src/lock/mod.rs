@@ -5,6 +5,8 @@
 //! Acquire attempts are written to the access log; renew and release are not. The slot id is
 //! 128 random bits and lives in the pool's own gate, so another pool cannot name it.
 
+pub mod leases;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -22,13 +24,13 @@ use nthbouncer_store::LeaseRecord;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::access_log::LogLine;
+use crate::access::keys::{self as auth, Caller};
 use crate::admin::parse_json;
-use crate::admission::{self, Caller as AdmissionCaller};
-use crate::auth::{self, Caller};
-use crate::error::ApiError;
-use crate::registry::PoolRuntime;
-use crate::state::AppState;
+use crate::app::state::AppState;
+use crate::core::access_log::LogLine;
+use crate::core::admission::{self, Caller as AdmissionCaller};
+use crate::core::error::ApiError;
+use crate::pools::registry::PoolRuntime;
 
 /// Largest acquire or release body.
 pub const MAX_LOCK_BODY_BYTES: usize = 64 * 1024;
@@ -338,7 +340,9 @@ pub fn outcome_of(report: &ReleaseBody, now_ms: u64) -> Result<Outcome, ApiError
             token_reset_ms: r.token_reset_ms,
             ..Default::default()
         }),
-        None => parsed.as_ref().and_then(crate::outcome::rate_info),
+        None => parsed
+            .as_ref()
+            .and_then(crate::upstream::outcome::rate_info),
     };
     let header_throttled = parsed.as_ref().is_some_and(|p| p.throttled);
     // With `rate` sent, the header budgets lose, and so does the retry delay the parser derives
@@ -358,8 +362,8 @@ pub fn outcome_of(report: &ReleaseBody, now_ms: u64) -> Result<Outcome, ApiError
         throttled: report.throttled.unwrap_or(u32::from(header_throttled)),
         retry_after_ms: report.retry_after_ms.or(header_retry_ms),
         rate,
-        via: Some(crate::outcome::VIA_LOCK),
-        dialect: parsed.as_ref().and_then(crate::outcome::dialect),
+        via: Some(crate::upstream::outcome::VIA_LOCK),
+        dialect: parsed.as_ref().and_then(crate::upstream::outcome::dialect),
     })
 }
 

@@ -74,7 +74,7 @@ impl LogLine<'_> {
     pub fn refuse(
         self,
         key_id: Option<&str>,
-        e: crate::error::ApiError,
+        e: crate::core::error::ApiError,
     ) -> axum::response::Response {
         let status = e.status;
         self.write(key_id, status.as_str(), None, status, 0, None, None);

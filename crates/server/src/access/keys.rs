@@ -8,7 +8,7 @@ use http::header::AUTHORIZATION;
 use http::HeaderMap;
 use nthbouncer_config::keys;
 
-use crate::registry::PoolRuntime;
+use crate::pools::registry::PoolRuntime;
 
 pub const KEY_HEADER: &str = "x-nthpool-key";
 

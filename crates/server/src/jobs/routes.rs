@@ -16,11 +16,11 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::admin::parse_json;
-use crate::error::ApiError;
+use crate::app::state::AppState;
+use crate::core::error::ApiError;
+use crate::core::pagination;
 use crate::jobs::JobView;
-use crate::pagination;
-use crate::registry::PoolRuntime;
-use crate::state::AppState;
+use crate::pools::registry::PoolRuntime;
 
 type AppStateRef = State<Arc<AppState>>;
 
@@ -46,7 +46,7 @@ pub async fn poll(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let pool = pool_or_404(&state, &name)?;
-    crate::auth::authenticate(&pool, &headers, state.now())
+    crate::access::keys::authenticate(&pool, &headers, state.now())
         .map_err(|_| ApiError::unauthorized("missing or invalid pool key"))?;
     if !valid_job_id(&job_id) {
         return Err(job_not_found());
@@ -288,7 +288,7 @@ async fn check_destination_url(state: &AppState, url: &str) -> Result<(), ApiErr
         || host.ends_with(".localhost")
         || host
             .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| crate::netcheck::is_private(&ip));
+            .is_ok_and(|ip| crate::core::netcheck::is_private(&ip));
     if !private && host.parse::<std::net::IpAddr>().is_err() {
         let port = uri
             .port_u16()
@@ -301,7 +301,7 @@ async fn check_destination_url(state: &AppState, url: &str) -> Result<(), ApiErr
         if let Ok(Ok(addrs)) = tokio::time::timeout(SAVE_RESOLVE_TIMEOUT, lookup).await {
             private = addrs
                 .into_iter()
-                .any(|a| crate::netcheck::is_private(&a.ip()));
+                .any(|a| crate::core::netcheck::is_private(&a.ip()));
         }
     }
     if private {
@@ -398,7 +398,7 @@ pub async fn patch_destination(
         .cloned()
         .ok_or_else(destination_not_found)?;
     if d.managed_by == "config" && (patch.url.is_some() || patch.deactivate_after.is_some()) {
-        return Err(crate::state::managed_by_config(&name));
+        return Err(crate::app::state::managed_by_config(&name));
     }
     if let Some(url) = patch.url {
         check_destination_url(&state, &url).await?;
@@ -446,7 +446,7 @@ pub async fn delete_destination(
         .cloned()
         .ok_or_else(destination_not_found)?;
     if d.managed_by == "config" {
-        return Err(crate::state::managed_by_config(&name));
+        return Err(crate::app::state::managed_by_config(&name));
     }
     state.jobs.delete_destination(&pool.name, &id).await?;
     state.refresh_destinations(&pool).await?;
@@ -514,7 +514,7 @@ pub async fn rotate_secret(
         .cloned()
         .ok_or_else(destination_not_found)?;
     if d.managed_by == "config" {
-        return Err(crate::state::managed_by_config(&name));
+        return Err(crate::app::state::managed_by_config(&name));
     }
     let secret = nthbouncer_config::keys::generate_webhook_secret();
     let until = (grace_s > 0).then(|| state.now().saturating_add(grace_s * 1000));

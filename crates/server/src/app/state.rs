@@ -10,10 +10,10 @@ use nthbouncer_config::{Config, ConfigError, PoolSpec, ServerSpec};
 use nthbouncer_coord::{Clock, Coordination};
 use nthbouncer_store::{JobStore, Store, StoredDestination, StoredKey, StoredPool};
 
-use crate::access_log::AccessLog;
-use crate::error::ApiError;
+use crate::core::access_log::AccessLog;
+use crate::core::error::ApiError;
+use crate::pools::registry::{KeyIndex, ManagedBy, PoolRuntime, Provenance, Registry};
 use crate::proxy::UpstreamClient;
-use crate::registry::{KeyIndex, ManagedBy, PoolRuntime, Provenance, Registry};
 
 pub struct AppState {
     pub server: ServerSpec,
@@ -30,7 +30,7 @@ pub struct AppState {
     pub jobs: Arc<dyn JobStore>,
     pub job_intake: crate::jobs::JobIntake,
     /// Lock leases on record, for the restart (see `leases`).
-    pub leases: crate::leases::LeaseBook,
+    pub leases: crate::lock::leases::LeaseBook,
     /// Cancelled when the server stops: background work (job runners) ends with it, leaving
     /// unfinished jobs in the store for the next start.
     pub stopping: tokio_util::sync::CancellationToken,

@@ -24,10 +24,10 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 
-use crate::access_log::AccessLog;
-use crate::error::ApiError;
-use crate::registry::Registry;
-use crate::state::{AppState, StartError};
+use crate::app::state::{AppState, StartError};
+use crate::core::access_log::AccessLog;
+use crate::core::error::ApiError;
+use crate::pools::registry::Registry;
 
 /// What the embedding program may inject (tests inject a manual clock).
 #[derive(Default)]
@@ -102,7 +102,7 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
         coordination: Arc::new(nthbouncer_coord::in_process::InProcessCoordination::new(
             clock.clone(),
         )),
-        leases: crate::leases::LeaseBook::start(store.clone(), clock.clone()),
+        leases: crate::lock::leases::LeaseBook::start(store.clone(), clock.clone()),
         clock,
         store,
         job_intake: crate::jobs::JobIntake::start(jobs.clone()),
@@ -117,13 +117,13 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
         server,
     });
     state.load_pools(&config).await?;
-    crate::leases::reserve_outstanding(&state).await;
+    crate::lock::leases::reserve_outstanding(&state).await;
     let background = tokio::spawn(crate::jobs::resume_and_sweep(state.clone()));
     // Ends when `state.stopping` is cancelled; pending deliveries go out at the next start.
     let webhooks = tokio::spawn(crate::webhooks::run_dispatcher(state.clone()));
 
     let dispatcher = Arc::new(Dispatcher {
-        api: crate::api::router(state.clone()),
+        api: crate::app::router::router(state.clone()),
         state: state.clone(),
     });
     let cancel = CancellationToken::new();
@@ -273,7 +273,7 @@ pub fn check_config(config: &Config) -> Result<(), ConfigError> {
     config.validate()?;
     for (i, p) in config.pools.iter().enumerate() {
         let at = format!("pools[{i}]");
-        crate::registry::Upstream::parse(&at, &p.upstream)?;
+        crate::pools::registry::Upstream::parse(&at, &p.upstream)?;
         p.resolved_upstream_headers(&at)?;
         p.key_digests(&at)?;
         crate::access::AccessPolicy::build(&format!("{at}.access"), &p.access)?;

@@ -2,7 +2,7 @@
 //!
 //! Readers (every request) load an immutable [`Registry`] through `ArcSwap` — no lock shared
 //! across pools on the hot path. Writers (admin API, start-up) build a new registry and swap it
-//! in, serialised by the admin lock in [`crate::state::AppState`].
+//! in, serialised by the admin lock in [`crate::app::state::AppState`].
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -15,7 +15,7 @@ use nthbouncer_coord::{PoolGate, PoolSettings};
 use nthbouncer_store::{StoredDestination, StoredKey};
 
 use crate::access::AccessPolicy;
-use crate::metrics::PoolMetrics;
+use crate::core::metrics::PoolMetrics;
 
 /// Who owns a pool's settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

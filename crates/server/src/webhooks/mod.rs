@@ -15,7 +15,7 @@
 //!   A deactivation refreshes the pool's destinations at once, so a pool whose last destination
 //!   went falls back to sync.
 //! - [`GuardedConnector`] resolves names itself and connects only to addresses that pass
-//!   [`crate::netcheck::is_private`] (unless `server.allow_private_webhooks`), so the check
+//!   [`crate::core::netcheck::is_private`] (unless `server.allow_private_webhooks`), so the check
 //!   applies to the address actually connected to, at every attempt (DNS rebinding). Redirects
 //!   are never followed (the client does not follow them; a 3xx is a failed attempt).
 
@@ -42,8 +42,8 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::{Id as TaskId, JoinSet};
 
+use crate::app::state::AppState;
 use crate::jobs::JobView;
-use crate::state::AppState;
 
 /// Retry delays after the first, second, … failed attempt of a round (SPEC §7): 5 s, 5 min,
 /// 30 min, 2 h, 5 h, 10 h, 10 h. After the last one the delivery has failed.
@@ -155,7 +155,7 @@ pub struct PrivateAddress {
 
 impl GuardedConnector {
     fn allowed(&self, ip: &IpAddr) -> bool {
-        self.allow_private || !crate::netcheck::is_private(ip)
+        self.allow_private || !crate::core::netcheck::is_private(ip)
     }
 
     async fn connect(self, uri: Uri) -> io::Result<TokioIo<TcpStream>> {

@@ -11,9 +11,10 @@ use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use utoipa::OpenApi;
 
-use crate::error::ApiError;
-use crate::state::AppState;
-use crate::{admin, jobs_api};
+use crate::admin;
+use crate::app::state::AppState;
+use crate::core::error::ApiError;
+use crate::jobs::routes as jobs_api;
 
 pub fn router(state: Arc<AppState>) -> Router {
     let admin = Router::new()
@@ -117,11 +118,11 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let pools: Vec<_> = state.registry.load().pools.values().cloned().collect();
     for pool in pools {
         let snap = pool.gate.snapshot().await;
-        crate::metrics::set_pool_gauges(&pool.name, &snap);
+        crate::core::metrics::set_pool_gauges(&pool.name, &snap);
     }
     (
         [(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        crate::metrics::handle().render(),
+        crate::core::metrics::handle().render(),
     )
         .into_response()
 }

@@ -10,6 +10,8 @@
 //!
 //! Webhook delivery of finished jobs is the dispatcher's (the outbox rows written here).
 
+pub mod routes;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,10 +28,10 @@ use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 use utoipa::ToSchema;
 
-use crate::error::ApiError;
+use crate::app::state::AppState;
+use crate::core::error::ApiError;
+use crate::pools::registry::PoolRuntime;
 use crate::proxy::SlotGuard;
-use crate::registry::PoolRuntime;
-use crate::state::AppState;
 
 /// Why a job was created (the `reason` of the poll body).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -133,7 +135,7 @@ pub async fn accept(
     pool: &Arc<PoolRuntime>,
     parts: &http::request::Parts,
     body: Bytes,
-    caller: &crate::auth::Caller,
+    caller: &crate::access::keys::Caller,
     priority: Priority,
     reason: Reason,
 ) -> Result<Accepted, ApiError> {
@@ -448,7 +450,8 @@ async fn fetch(
                     pool.concurrency.request_timeout_ms
                 )
             })??;
-    let outcome = crate::outcome::from_response(parts.status.as_u16(), &parts.headers, state.now());
+    let outcome =
+        crate::upstream::outcome::from_response(parts.status.as_u16(), &parts.headers, state.now());
     let mut result_headers = parts.headers;
     crate::proxy::strip_hop_by_hop(&mut result_headers);
     let headers = result_headers

@@ -16,10 +16,10 @@ use serde::{Deserialize, Serialize};
 use subtle::ConstantTimeEq;
 use utoipa::ToSchema;
 
-use crate::error::ApiError;
-use crate::pagination;
-use crate::registry::{ManagedBy, PoolRuntime};
-use crate::state::{managed_by_config, AppState};
+use crate::app::state::{managed_by_config, AppState};
+use crate::core::error::ApiError;
+use crate::core::pagination;
+use crate::pools::registry::{ManagedBy, PoolRuntime};
 
 type AppStateRef = State<Arc<AppState>>;
 

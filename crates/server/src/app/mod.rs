@@ -1,0 +1,6 @@
+//! The composition root: the shared state, the API host's router, the listener and the start.
+//! The only module that sees every feature; each feature gets the part of the state it needs.
+
+pub mod router;
+pub mod serve;
+pub mod state;
