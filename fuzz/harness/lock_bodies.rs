@@ -36,7 +36,7 @@ pub fn run(data: &[u8]) {
 
 fn assert_invalid(e: &ApiError) {
     assert_eq!(
-        (e.status, e.code),
+        (e.status, e.code.as_str()),
         (StatusCode::BAD_REQUEST, "invalid"),
         "a body is refused as 400 invalid: {e:?}"
     );

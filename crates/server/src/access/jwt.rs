@@ -25,7 +25,7 @@ use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use nthbouncer_config::ConfigError;
 use serde::Deserialize;
 
-use crate::proxy::UpstreamClient;
+use crate::upstream::UpstreamClient;
 
 /// Cached JWKS keys older than this are refreshed on the next verification.
 pub const JWKS_MAX_AGE_MS: u64 = 10 * 60 * 1000;

@@ -40,8 +40,8 @@ pub use signing::{
 pub use throttle::{FailureThrottle, BLOCK_MS, FAILURE_WINDOW_MS, MAX_FAILURES};
 
 use crate::app::state::AppState;
-use crate::core::access_log::LogLine;
-use crate::core::error::ApiError;
+use crate::core::access_log::{LogLine, LogOutcome, UpstreamSeen};
+use crate::core::error::{ApiError, ErrorCode};
 use crate::pools::registry::PoolRuntime;
 use keys::{AuthFailure, Caller};
 
@@ -50,7 +50,7 @@ pub const CREDENTIALS_MESSAGE: &str = "missing or invalid credentials";
 /// Unexpired nonces one pool remembers at most (about 50 bytes each).
 pub const NONCE_CAPACITY: usize = 1_000_000;
 /// Largest body [`require`] reads to check a signature on the API host's pool routes.
-pub const MAX_SIGNED_API_BODY: usize = crate::lock::MAX_LOCK_BODY_BYTES;
+pub const MAX_SIGNED_API_BODY: usize = crate::core::extract::MAX_API_BODY_BYTES;
 pub const CF_ACCESS_HEADER: &str = "cf-access-jwt-assertion";
 
 /// Why access was refused (for the access log; the caller only sees the status).
@@ -106,14 +106,14 @@ impl Failure {
         match self {
             Failure::Throttled { retry_after_ms } => {
                 let mut e = ApiError::new(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    "too_many_requests",
+                    ErrorCode::TooManyRequests,
                     "too many failed authentication attempts; retry later",
                 );
                 e.retry_after_s = Some(retry_after_ms.div_ceil(1000).max(1));
                 e
             }
-            other => ApiError::new(other.status(), "unauthorized", CREDENTIALS_MESSAGE),
+            other => ApiError::new(ErrorCode::Unauthorized, CREDENTIALS_MESSAGE)
+                .with_status(other.status()),
         }
     }
 }
@@ -258,12 +258,10 @@ impl AccessPolicy {
         self.hmac.is_some()
     }
 
-    /// Removes the credential headers our policies consumed (the JWT header, the Cloudflare
-    /// assertion) so that they never reach the upstream.
-    pub fn strip_credentials(&self, headers: &mut HeaderMap) {
-        for h in &self.credential_headers {
-            headers.remove(h);
-        }
+    /// The credential headers our policies consume (the JWT header, the Cloudflare assertion):
+    /// they never reach the upstream.
+    pub fn credential_headers(&self) -> &[HeaderName] {
+        &self.credential_headers
     }
 
     /// Counts a failure of `client` found after [`authorize`] (a streamed body's signature), if
@@ -396,12 +394,11 @@ pub fn refuse(
     let e = failure.error();
     log.write(
         key_id,
-        e.status.as_str(),
+        LogOutcome::Refused(e.status),
         Some(&failure.reason()),
         e.status,
         0,
-        None,
-        None,
+        UpstreamSeen::default(),
     );
     e.into_response()
 }

@@ -17,7 +17,8 @@ use subtle::ConstantTimeEq;
 use utoipa::ToSchema;
 
 use crate::app::state::{managed_by_config, AppState};
-use crate::core::error::ApiError;
+use crate::core::error::{ApiError, ErrorCode};
+use crate::core::extract::parse_json;
 use crate::core::pagination;
 use crate::pools::registry::{ManagedBy, PoolRuntime};
 
@@ -47,20 +48,6 @@ pub async fn require_admin(State(state): AppStateRef, req: Request, next: Next) 
         return ApiError::unauthorized(msg).into_response();
     }
     next.run(req).await
-}
-
-/// Parses a JSON body, naming the offending field on failure.
-pub fn parse_json<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
-    let mut de = serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(&mut de).map_err(|e| {
-        let path = e.path().to_string();
-        let field = if path == "." {
-            "body".to_string()
-        } else {
-            path
-        };
-        ApiError::invalid(field, format!("invalid JSON body: {}", e.inner()))
-    })
 }
 
 fn pool_or_404(state: &AppState, name: &str) -> Result<Arc<PoolRuntime>, ApiError> {
@@ -327,8 +314,7 @@ pub async fn revoke_key(
     }
     if !state.store.revoke_key(&pool.name, &id, state.now()).await? {
         return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            "key_not_found",
+            ErrorCode::KeyNotFound,
             format!("no active key {id:?} in pool {name:?}"),
         ));
     }

@@ -5,7 +5,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
@@ -13,7 +12,7 @@ use utoipa::OpenApi;
 
 use crate::admin;
 use crate::app::state::AppState;
-use crate::core::error::ApiError;
+use crate::core::error::{ApiError, ErrorCode};
 use crate::jobs::routes as jobs_api;
 
 pub fn router(state: Arc<AppState>) -> Router {
@@ -87,8 +86,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(|| async { ApiError::not_found() })
         .method_not_allowed_fallback(|| async {
             ApiError::new(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "method_not_allowed",
+                ErrorCode::MethodNotAllowed,
                 "this route does not take that method",
             )
         })
@@ -104,8 +102,7 @@ async fn healthz() -> Json<serde_json::Value> {
     responses((status = 200, description = "ready to serve"), (status = 503, description = "draining or storage down")))]
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     if state.draining.load(Ordering::Relaxed) {
-        return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "draining", "shutting down")
-            .into_response();
+        return ApiError::new(ErrorCode::Draining, "shutting down").into_response();
     }
     match state.store.ping().await {
         Ok(()) => Json(serde_json::json!({ "status": "ready" })).into_response(),

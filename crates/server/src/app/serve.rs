@@ -91,7 +91,7 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
     let store: Arc<dyn Store> = Arc::new(sqlite.clone());
     let jobs: Arc<dyn nthbouncer_store::JobStore> = Arc::new(sqlite);
     let admin_token = server.admin_token().map_err(StartError::Config)?;
-    let client = crate::proxy::build_client(&server).map_err(StartError::Client)?;
+    let client = crate::upstream::build_client(&server).map_err(StartError::Client)?;
     let (access_log, access_log_task) = AccessLog::start(store.clone(), server.access_log_keep);
     let state = Arc::new(AppState {
         api_host: server.api_host.to_ascii_lowercase(),
@@ -273,7 +273,7 @@ pub fn check_config(config: &Config) -> Result<(), ConfigError> {
     config.validate()?;
     for (i, p) in config.pools.iter().enumerate() {
         let at = format!("pools[{i}]");
-        crate::pools::registry::Upstream::parse(&at, &p.upstream)?;
+        crate::upstream::Target::parse(&at, &p.upstream)?;
         p.resolved_upstream_headers(&at)?;
         p.key_digests(&at)?;
         crate::access::AccessPolicy::build(&format!("{at}.access"), &p.access)?;

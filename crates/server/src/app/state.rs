@@ -11,9 +11,9 @@ use nthbouncer_coord::{Clock, Coordination};
 use nthbouncer_store::{JobStore, Store, StoredDestination, StoredKey, StoredPool};
 
 use crate::core::access_log::AccessLog;
-use crate::core::error::ApiError;
+use crate::core::error::{ApiError, ErrorCode};
 use crate::pools::registry::{KeyIndex, ManagedBy, PoolRuntime, Provenance, Registry};
-use crate::proxy::UpstreamClient;
+use crate::upstream::UpstreamClient;
 
 pub struct AppState {
     pub server: ServerSpec,
@@ -282,8 +282,7 @@ impl AppState {
         let registry = self.registry.load_full();
         if registry.pools.contains_key(&spec.name) {
             return Err(ApiError::new(
-                http::StatusCode::CONFLICT,
-                "conflict",
+                ErrorCode::Conflict,
                 format!("pool {:?} already exists", spec.name),
             ));
         }
@@ -405,8 +404,7 @@ pub fn config_destination_id(pool: &str, url: &str) -> String {
 
 pub fn managed_by_config(name: &str) -> ApiError {
     ApiError::new(
-        http::StatusCode::CONFLICT,
-        "managed_by_config",
+        ErrorCode::ManagedByConfig,
         format!("pool {name:?} is declared in the config file; edit the file instead"),
     )
 }

@@ -58,6 +58,35 @@ impl AccessLog {
     }
 }
 
+/// What became of a request, as the access log's `outcome` column spells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogOutcome {
+    /// Admitted by the gate (whatever the upstream then answered): `admitted`.
+    Admitted,
+    /// Taken as an async job: `202`.
+    Accepted,
+    /// Answered by us with this status, never reaching the upstream or failing on the way:
+    /// `401`, `429`, `502`, `504`, ….
+    Refused(http::StatusCode),
+}
+
+impl LogOutcome {
+    pub fn as_str(&self) -> &str {
+        match self {
+            LogOutcome::Admitted => "admitted",
+            LogOutcome::Accepted => "202",
+            LogOutcome::Refused(status) => status.as_str(),
+        }
+    }
+}
+
+/// What the upstream answered, when it was reached.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct UpstreamSeen {
+    pub status: Option<u16>,
+    pub latency_ms: Option<u64>,
+}
+
 /// One request's line, filled in as the request goes; [`LogLine::write`] queues it.
 pub struct LogLine<'a> {
     pub log: &'a AccessLog,
@@ -77,20 +106,26 @@ impl LogLine<'_> {
         e: crate::core::error::ApiError,
     ) -> axum::response::Response {
         let status = e.status;
-        self.write(key_id, status.as_str(), None, status, 0, None, None);
+        let queued_ms = e.gate.map_or(0, |g| g.queued_ms);
+        self.write(
+            key_id,
+            LogOutcome::Refused(status),
+            None,
+            status,
+            queued_ms,
+            UpstreamSeen::default(),
+        );
         axum::response::IntoResponse::into_response(e)
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub fn write(
         self,
         key_id: Option<&str>,
-        outcome: &str,
+        outcome: LogOutcome,
         reason: Option<&str>,
         status: http::StatusCode,
         queued_ms: u64,
-        upstream_status: Option<u16>,
-        upstream_latency_ms: Option<u64>,
+        upstream: UpstreamSeen,
     ) {
         self.log.record(AccessLogEntry {
             id: 0,
@@ -99,12 +134,12 @@ impl LogLine<'_> {
             key_id: key_id.map(str::to_string),
             client_addr: self.peer.ip().to_string(),
             route: self.route,
-            outcome: outcome.to_string(),
+            outcome: outcome.as_str().to_string(),
             reason: reason.map(str::to_string),
             status: status.as_u16(),
             queued_ms,
-            upstream_status,
-            upstream_latency_ms,
+            upstream_status: upstream.status,
+            upstream_latency_ms: upstream.latency_ms,
         });
     }
 }

@@ -8,8 +8,8 @@ use nthbouncer_config::{ConcurrencySpec, ProxyWait};
 use nthbouncer_coord::{GateHeaders, Priority, Refusal};
 
 use crate::core::access_log::LogLine;
-use crate::core::error::ApiError;
-use crate::pools::registry::PoolRuntime;
+use crate::core::error::{ApiError, ErrorCode};
+use crate::core::metrics::PoolMetrics;
 
 pub const QUEUE_TIMEOUT_HEADER: &str = "x-nthpool-queue-timeout-ms";
 pub const NO_QUEUE_HEADER: &str = "x-nthpool-no-queue";
@@ -119,15 +119,13 @@ pub fn refusal_error(refusal: &Refusal) -> ApiError {
                     "admission is paused: the upstream asked us to back off"
                 }
             };
-            let mut e = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "too_many_requests", message)
-                .with_gate(*headers);
+            let mut e = ApiError::new(ErrorCode::TooManyRequests, message).with_gate(*headers);
             // Seconds, rounded up; never 0, which would invite an immediate retry storm.
             e.retry_after_s = retry_after_ms.map(|ms| ms.div_ceil(1000).max(1));
             e
         }
         Refusal::QueueTimeout { headers } => ApiError::new(
-            StatusCode::GATEWAY_TIMEOUT,
-            "queue_timeout",
+            ErrorCode::QueueTimeout,
             format!(
                 "no slot opened within the wait budget ({} ms waited)",
                 headers.queued_ms
@@ -141,36 +139,17 @@ pub fn refusal_error(refusal: &Refusal) -> ApiError {
 /// Answers a refusal of the gate: counted in the pool's metrics, written to the access log
 /// (outcome, time queued) and turned into its `429`/`504` answer.
 pub fn refuse(
-    pool: &PoolRuntime,
+    metrics: &PoolMetrics,
     log: LogLine<'_>,
     key_id: &str,
     refusal: &Refusal,
 ) -> axum::response::Response {
     let e = refusal_error(refusal);
     match e.status {
-        StatusCode::GATEWAY_TIMEOUT => pool.metrics.refused_504.increment(1),
-        _ => pool.metrics.refused_429.increment(1),
+        StatusCode::GATEWAY_TIMEOUT => metrics.refused_504.increment(1),
+        _ => metrics.refused_429.increment(1),
     }
-    let queued = e.gate.map(|g| g.queued_ms).unwrap_or(0);
-    log.write(
-        Some(key_id),
-        refusal_outcome(refusal),
-        None,
-        e.status,
-        queued,
-        None,
-        None,
-    );
-    axum::response::IntoResponse::into_response(e)
-}
-
-/// The access-log outcome word for a refusal.
-pub fn refusal_outcome(refusal: &Refusal) -> &'static str {
-    match refusal {
-        Refusal::TooManyRequests { .. } => "429",
-        Refusal::QueueTimeout { .. } => "504",
-        Refusal::PoolClosed => "404",
-    }
+    log.refuse(Some(key_id), e)
 }
 
 #[cfg(test)]

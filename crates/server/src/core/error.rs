@@ -1,5 +1,6 @@
 //! The one error type of the HTTP layer: every refusal we answer knows its status and its JSON
-//! `error` code here, so no handler invents its own shape (SPEC §0).
+//! `error` code here, so no handler invents its own shape (SPEC §0). The codes are one enum,
+//! [`ErrorCode`], which the OpenAPI document shows too.
 
 use std::borrow::Cow;
 
@@ -7,14 +8,126 @@ use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, StatusCode};
 use nthbouncer_coord::GateHeaders;
+use serde::Serialize;
+use utoipa::ToSchema;
 
 use crate::core::admission::write_gate_headers;
+
+/// Every `error` code an answer of ours can carry (SPEC §0 and the sections that name them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// No such route on the API host.
+    NotFound,
+    /// No pool answers to this host or name.
+    PoolNotFound,
+    /// Missing or invalid credentials (`401`; `403` for an IP allowlist miss).
+    Unauthorized,
+    /// Bad input; `field` names it.
+    Invalid,
+    PayloadTooLarge,
+    MethodNotAllowed,
+    /// No slot and no wait budget, queue full, RPM spent, paused, or throttled.
+    TooManyRequests,
+    /// The wait budget ran out.
+    QueueTimeout,
+    UpstreamUnreachable,
+    UpstreamTimeout,
+    AsyncDisabled,
+    /// A lease reached its request deadline and cannot be renewed.
+    Capped,
+    Conflict,
+    ManagedByConfig,
+    KeyNotFound,
+    JobNotFound,
+    JobNotTerminal,
+    DestinationNotFound,
+    NoActiveDestination,
+    TooManyDestinations,
+    StoreUnavailable,
+    /// The server is shutting down (`/readyz`).
+    Draining,
+    Internal,
+}
+
+impl ErrorCode {
+    /// The code as it appears in JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::PoolNotFound => "pool_not_found",
+            ErrorCode::Unauthorized => "unauthorized",
+            ErrorCode::Invalid => "invalid",
+            ErrorCode::PayloadTooLarge => "payload_too_large",
+            ErrorCode::MethodNotAllowed => "method_not_allowed",
+            ErrorCode::TooManyRequests => "too_many_requests",
+            ErrorCode::QueueTimeout => "queue_timeout",
+            ErrorCode::UpstreamUnreachable => "upstream_unreachable",
+            ErrorCode::UpstreamTimeout => "upstream_timeout",
+            ErrorCode::AsyncDisabled => "async_disabled",
+            ErrorCode::Capped => "capped",
+            ErrorCode::Conflict => "conflict",
+            ErrorCode::ManagedByConfig => "managed_by_config",
+            ErrorCode::KeyNotFound => "key_not_found",
+            ErrorCode::JobNotFound => "job_not_found",
+            ErrorCode::JobNotTerminal => "job_not_terminal",
+            ErrorCode::DestinationNotFound => "destination_not_found",
+            ErrorCode::NoActiveDestination => "no_active_destination",
+            ErrorCode::TooManyDestinations => "too_many_destinations",
+            ErrorCode::StoreUnavailable => "store_unavailable",
+            ErrorCode::Draining => "draining",
+            ErrorCode::Internal => "internal",
+        }
+    }
+
+    /// The status an answer with this code has unless said otherwise.
+    pub fn status(self) -> StatusCode {
+        match self {
+            ErrorCode::NotFound
+            | ErrorCode::PoolNotFound
+            | ErrorCode::KeyNotFound
+            | ErrorCode::JobNotFound
+            | ErrorCode::DestinationNotFound => StatusCode::NOT_FOUND,
+            ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
+            ErrorCode::Invalid | ErrorCode::AsyncDisabled => StatusCode::BAD_REQUEST,
+            ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ErrorCode::TooManyRequests => StatusCode::TOO_MANY_REQUESTS,
+            ErrorCode::QueueTimeout | ErrorCode::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+            ErrorCode::UpstreamUnreachable => StatusCode::BAD_GATEWAY,
+            ErrorCode::Capped
+            | ErrorCode::Conflict
+            | ErrorCode::ManagedByConfig
+            | ErrorCode::JobNotTerminal
+            | ErrorCode::NoActiveDestination
+            | ErrorCode::TooManyDestinations => StatusCode::CONFLICT,
+            ErrorCode::StoreUnavailable | ErrorCode::Draining => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The body of every error answer, as the OpenAPI document shows it.
+#[derive(Serialize, ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorCode,
+    pub message: String,
+    /// For `invalid`: the offending field.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+}
 
 /// An error answer: `{"error": code, "message": …, "field"?: …}`.
 #[derive(Debug, Clone)]
 pub struct ApiError {
     pub status: StatusCode,
-    pub code: &'static str,
+    pub code: ErrorCode,
     pub message: Cow<'static, str>,
     /// For `400 invalid`: the offending field.
     pub field: Option<String>,
@@ -25,13 +138,10 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    pub fn new(
-        status: StatusCode,
-        code: &'static str,
-        message: impl Into<Cow<'static, str>>,
-    ) -> Self {
+    /// An answer with `code` and the status that code has.
+    pub fn new(code: ErrorCode, message: impl Into<Cow<'static, str>>) -> Self {
         ApiError {
-            status,
+            status: code.status(),
             code,
             message: message.into(),
             field: None,
@@ -40,38 +150,46 @@ impl ApiError {
         }
     }
 
+    /// The same answer with another status (`403 unauthorized` for an allowlist miss).
+    pub fn with_status(mut self, status: StatusCode) -> Self {
+        self.status = status;
+        self
+    }
+
     pub fn not_found() -> Self {
-        Self::new(StatusCode::NOT_FOUND, "not_found", "no such route")
+        Self::new(ErrorCode::NotFound, "no such route")
     }
 
     pub fn pool_not_found() -> Self {
         Self::new(
-            StatusCode::NOT_FOUND,
-            "pool_not_found",
+            ErrorCode::PoolNotFound,
             "no pool answers to this host or name",
         )
     }
 
     pub fn unauthorized(message: &'static str) -> Self {
-        Self::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+        Self::new(ErrorCode::Unauthorized, message)
     }
 
     pub fn invalid(field: impl Into<String>, message: impl Into<Cow<'static, str>>) -> Self {
-        let mut e = Self::new(StatusCode::BAD_REQUEST, "invalid", message);
+        let mut e = Self::new(ErrorCode::Invalid, message);
         e.field = Some(field.into());
         e
     }
 
     pub fn payload_too_large(limit: u64) -> Self {
         Self::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "payload_too_large",
+            ErrorCode::PayloadTooLarge,
             format!("request body exceeds the limit of {limit} bytes"),
         )
     }
 
+    pub fn store_unavailable(message: &'static str) -> Self {
+        Self::new(ErrorCode::StoreUnavailable, message)
+    }
+
     pub fn internal(message: impl Into<Cow<'static, str>>) -> Self {
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
+        Self::new(ErrorCode::Internal, message)
     }
 
     pub fn with_gate(mut self, gate: GateHeaders) -> Self {
@@ -112,19 +230,37 @@ impl IntoResponse for ApiError {
 impl From<nthbouncer_store::StoreError> for ApiError {
     fn from(e: nthbouncer_store::StoreError) -> Self {
         match e {
-            nthbouncer_store::StoreError::Conflict(what) => ApiError::new(
-                StatusCode::CONFLICT,
-                "conflict",
-                format!("already exists: {what}"),
-            ),
+            nthbouncer_store::StoreError::Conflict(what) => {
+                ApiError::new(ErrorCode::Conflict, format!("already exists: {what}"))
+            }
             nthbouncer_store::StoreError::Backend(msg) => {
                 tracing::error!(error = %msg, "store failure");
-                ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "store_unavailable",
-                    "storage is unavailable; retry later",
-                )
+                ApiError::store_unavailable("storage is unavailable; retry later")
             }
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_serialise_as_their_names() {
+        for code in [
+            ErrorCode::PoolNotFound,
+            ErrorCode::TooManyRequests,
+            ErrorCode::ManagedByConfig,
+            ErrorCode::Internal,
+        ] {
+            assert_eq!(serde_json::to_value(code).unwrap(), code.as_str());
+        }
+        let e = ApiError::invalid("limit", "too big");
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(
+            e.body_json(),
+            serde_json::json!({"error":"invalid","message":"too big","field":"limit"})
+        );
     }
 }

@@ -5,6 +5,7 @@
 pub mod access_log;
 pub mod admission;
 pub mod error;
+pub mod extract;
 pub mod metrics;
 pub mod netcheck;
 pub mod pagination;

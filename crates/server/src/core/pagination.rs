@@ -60,6 +60,9 @@ mod tests {
         assert_eq!(page_size(Some(9999), 500), 500);
         assert_eq!(numeric_cursor(Some("42")).unwrap(), Some(42));
         assert_eq!(numeric_cursor(None).unwrap(), None);
-        assert_eq!(numeric_cursor(Some("x")).unwrap_err().code, "invalid");
+        assert_eq!(
+            numeric_cursor(Some("x")).unwrap_err().code,
+            crate::core::error::ErrorCode::Invalid
+        );
     }
 }

@@ -15,9 +15,9 @@ use nthbouncer_store::{
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::admin::parse_json;
 use crate::app::state::AppState;
-use crate::core::error::ApiError;
+use crate::core::error::{ApiError, ErrorCode};
+use crate::core::extract::parse_json;
 use crate::core::pagination;
 use crate::jobs::JobView;
 use crate::pools::registry::PoolRuntime;
@@ -25,11 +25,7 @@ use crate::pools::registry::PoolRuntime;
 type AppStateRef = State<Arc<AppState>>;
 
 fn job_not_found() -> ApiError {
-    ApiError::new(
-        StatusCode::NOT_FOUND,
-        "job_not_found",
-        "no such job in this pool",
-    )
+    ApiError::new(ErrorCode::JobNotFound, "no such job in this pool")
 }
 
 fn pool_or_404(state: &AppState, name: &str) -> Result<Arc<PoolRuntime>, ApiError> {
@@ -345,10 +341,7 @@ pub async fn create_destination(
     let count = pool.destinations.load().len();
     let cap = state.server.max_destinations_per_pool as usize;
     if count >= cap {
-        return Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "too_many_destinations",
-            format!("pool {name:?} already has {count} destinations (server.max_destinations_per_pool = {cap})"),
+        return Err(ApiError::new(ErrorCode::TooManyDestinations, format!("pool {name:?} already has {count} destinations (server.max_destinations_per_pool = {cap})"),
         ));
     }
     let d = StoredDestination {
@@ -455,8 +448,7 @@ pub async fn delete_destination(
 
 fn destination_not_found() -> ApiError {
     ApiError::new(
-        StatusCode::NOT_FOUND,
-        "destination_not_found",
+        ErrorCode::DestinationNotFound,
         "no such webhook destination in this pool",
     )
 }
@@ -646,8 +638,7 @@ pub async fn redeliver(
     let destinations = pool.active_destination_ids();
     if destinations.is_empty() {
         return Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "no_active_destination",
+            ErrorCode::NoActiveDestination,
             "the pool has no active webhook destination to deliver to",
         ));
     }
@@ -658,8 +649,7 @@ pub async fn redeliver(
     {
         Redeliver::NoSuchJob => Err(job_not_found()),
         Redeliver::NotTerminal => Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "job_not_terminal",
+            ErrorCode::JobNotTerminal,
             "the job has not ended yet; it is delivered when it does",
         )),
         Redeliver::Queued(n) => {

@@ -25,15 +25,15 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::access::keys::{self as auth, Caller};
-use crate::admin::parse_json;
 use crate::app::state::AppState;
-use crate::core::access_log::LogLine;
+use crate::core::access_log::{LogLine, LogOutcome, UpstreamSeen};
 use crate::core::admission::{self, Caller as AdmissionCaller};
-use crate::core::error::ApiError;
+use crate::core::error::{ApiError, ErrorCode};
+use crate::core::extract::parse_json;
 use crate::pools::registry::PoolRuntime;
 
 /// Largest acquire or release body.
-pub const MAX_LOCK_BODY_BYTES: usize = 64 * 1024;
+pub const MAX_LOCK_BODY_BYTES: usize = crate::core::extract::MAX_API_BODY_BYTES;
 
 /// Optional acquire body.
 #[derive(Deserialize, Default, ToSchema)]
@@ -206,7 +206,14 @@ pub async fn acquire(
         Err(failure) => {
             pool.metrics.unauthorized.increment(1);
             let e = ApiError::unauthorized("missing or invalid pool key");
-            log.write(None, "401", Some(failure.as_str()), e.status, 0, None, None);
+            log.write(
+                None,
+                LogOutcome::Refused(e.status),
+                Some(failure.as_str()),
+                e.status,
+                0,
+                UpstreamSeen::default(),
+            );
             return e.into_response();
         }
     };
@@ -239,8 +246,7 @@ pub async fn acquire(
                 pool.gate.release(grant.slot_id, None).await;
                 tracing::error!(pool = %pool.name, error = %e, "cannot record a lock lease");
                 let e = ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "store_unavailable",
+                    ErrorCode::StoreUnavailable,
                     "the lease could not be recorded; try again",
                 );
                 return log.refuse(Some(&caller.key_id), e);
@@ -251,12 +257,11 @@ pub async fn acquire(
                 .record(grant.headers.queued_ms as f64 / 1000.0);
             log.write(
                 Some(&caller.key_id),
-                "admitted",
+                LogOutcome::Admitted,
                 None,
                 StatusCode::OK,
                 grant.headers.queued_ms,
-                None,
-                None,
+                UpstreamSeen::default(),
             );
             let mut resp = Json(LockGrant {
                 slot_id: grant.slot_id.to_string(),
@@ -269,16 +274,12 @@ pub async fn acquire(
             admission::write_gate_headers(resp.headers_mut(), &grant.headers);
             resp
         }
-        Err(refusal) => admission::refuse(&pool, log, &caller.key_id, &refusal),
+        Err(refusal) => admission::refuse(&pool.metrics, log, &caller.key_id, &refusal),
     }
 }
 
 fn slot_not_found() -> ApiError {
-    ApiError::new(
-        StatusCode::NOT_FOUND,
-        "not_found",
-        "slot already released or reclaimed",
-    )
+    ApiError::new(ErrorCode::NotFound, "slot already released or reclaimed")
 }
 
 #[utoipa::path(post, path = "/pools/{pool}/lock/{slotId}/renew", tag = "lock",
@@ -298,8 +299,7 @@ pub async fn renew(
         Ok(lease_deadline) => Ok(Json(Renewed { lease_deadline })),
         Err(RenewError::NotFound) => Err(slot_not_found()),
         Err(RenewError::Capped) => Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "capped",
+            ErrorCode::Capped,
             "the slot reached its request deadline and cannot be renewed; release it",
         )),
     }

@@ -8,7 +8,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use http::uri::{Authority, Scheme};
 use http::{HeaderName, HeaderValue};
 use nthbouncer_config::{keys, AuthMethod, ConcurrencySpec, ConfigError, PoolSpec};
 use nthbouncer_coord::{PoolGate, PoolSettings};
@@ -16,6 +15,7 @@ use nthbouncer_store::{StoredDestination, StoredKey};
 
 use crate::access::AccessPolicy;
 use crate::core::metrics::PoolMetrics;
+use crate::upstream::Target;
 
 /// Who owns a pool's settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,46 +107,6 @@ impl KeyIndex {
     }
 }
 
-/// Where a pool's requests go.
-#[derive(Clone, Debug)]
-pub struct Upstream {
-    pub scheme: Scheme,
-    pub authority: Authority,
-    /// Path prefix of the upstream URL without a trailing slash (`""` for the root).
-    pub base_path: String,
-    /// The `Host` header the upstream expects.
-    pub host: HeaderValue,
-}
-
-impl Upstream {
-    pub fn parse(at: &str, url: &str) -> Result<Upstream, ConfigError> {
-        let uri = nthbouncer_config::parse_http_url(&format!("{at}.upstream"), url)?;
-        let parts = uri.into_parts();
-        let (Some(scheme), Some(authority)) = (parts.scheme, parts.authority) else {
-            return Err(ConfigError::new(
-                format!("{at}.upstream"),
-                "must be an absolute URL",
-            ));
-        };
-        let base_path = parts
-            .path_and_query
-            .map(|pq| pq.path().trim_end_matches('/').to_string())
-            .unwrap_or_default();
-        let host = HeaderValue::from_str(authority.as_str()).map_err(|_| {
-            ConfigError::new(
-                format!("{at}.upstream"),
-                "has a host that is not a valid header value",
-            )
-        })?;
-        Ok(Upstream {
-            scheme,
-            authority,
-            base_path,
-            host,
-        })
-    }
-}
-
 /// A pool as the serving path sees it: immutable; a settings change builds a new one that
 /// shares the same gate and key index.
 pub struct PoolRuntime {
@@ -155,7 +115,7 @@ pub struct PoolRuntime {
     pub managed_by: ManagedBy,
     pub created_at: u64,
     pub updated_at: u64,
-    pub upstream: Upstream,
+    pub upstream: Target,
     pub upstream_headers: Vec<(HeaderName, HeaderValue)>,
     pub accept_header: bool,
     pub accept_bearer: bool,
@@ -182,7 +142,7 @@ impl PoolRuntime {
         keys: Arc<ArcSwap<KeyIndex>>,
         destinations: Arc<ArcSwap<Vec<StoredDestination>>>,
     ) -> Result<PoolRuntime, ConfigError> {
-        let upstream = Upstream::parse(at, &spec.upstream)?;
+        let upstream = Target::parse(at, &spec.upstream)?;
         let mut upstream_headers = Vec::new();
         for (name, value) in spec.resolved_upstream_headers(at)? {
             let key = format!("{at}.upstream_headers.{name}");

@@ -1,3 +1,79 @@
-//! Everything about calling an origin that the proxy and the job runner share.
+//! Everything about calling an origin that the proxy and the job runner share, as pingora-core
+//! is to pingora: the one client, the one way a request for the origin is prepared
+//! ([`prepare`]), what holds the slot while the origin works ([`slot`]), and one error that
+//! knows where a call failed and whether a retry is safe ([`error`]). Upstream answers become
+//! governor outcomes in [`outcome`].
+//!
+//! It must not know pools, keys or features: callers hand it a target, headers and a slot.
 
+pub mod client;
+pub mod error;
 pub mod outcome;
+pub mod prepare;
+pub mod slot;
+pub mod target;
+
+use axum::body::Body;
+use http::{Request, Response};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use tokio::time::Instant;
+
+pub use client::{build_client, UpstreamClient};
+pub use error::{Stage, UpstreamError};
+pub use slot::{Exchange, SlotBody, SlotGuard};
+pub use target::{PathRefused, Target};
+
+/// Sends `req` holding `guard`'s slot and waits for the response head until `deadline`. If
+/// the caller goes away first, the call runs on detached and keeps the slot ([`Exchange`]).
+pub async fn exchange(
+    client: &UpstreamClient,
+    req: Request<Body>,
+    guard: SlotGuard,
+    deadline: Instant,
+) -> Result<(Response<Incoming>, SlotGuard), UpstreamError> {
+    let call = Exchange::new(client.request(req), guard, deadline);
+    match tokio::time::timeout_at(deadline, call).await {
+        Ok((Ok(resp), guard)) => Ok((resp, guard)),
+        Ok((Err(e), _slot_freed)) => Err(UpstreamError::from_client(e)),
+        Err(_) => Err(UpstreamError::deadline(Stage::ResponseHead)),
+    }
+}
+
+/// A response body read whole up to `max` bytes (the rest is cut off), until `deadline`.
+pub struct Collected {
+    pub body: Vec<u8>,
+    pub truncated: bool,
+}
+
+/// Reads a response body up to `max` bytes before `deadline`.
+pub async fn collect(
+    mut body: Incoming,
+    max: usize,
+    deadline: Instant,
+) -> Result<Collected, UpstreamError> {
+    let read = async {
+        let mut collected = Vec::new();
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| UpstreamError::new(Stage::Body, e))?;
+            if let Some(data) = frame.data_ref() {
+                let room = max.saturating_sub(collected.len());
+                if data.len() > room {
+                    collected.extend_from_slice(&data[..room]);
+                    return Ok(Collected {
+                        body: collected,
+                        truncated: true,
+                    });
+                }
+                collected.extend_from_slice(data);
+            }
+        }
+        Ok(Collected {
+            body: collected,
+            truncated: false,
+        })
+    };
+    tokio::time::timeout_at(deadline, read)
+        .await
+        .map_err(|_| UpstreamError::deadline(Stage::Body))?
+}

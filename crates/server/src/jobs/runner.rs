@@ -1,0 +1,241 @@
+//! Runs one job to a terminal state: it waits in the pool's gate like any caller (FIFO with sync
+//! traffic), holds a slot only while the upstream fetch runs, and writes the result fenced by
+//! its attempt number. The request goes out through the same upstream layer as a proxied call.
+//!
+//! A fetch is retried only when the origin cannot have acted on it (the connection could not be
+//! made); any later failure is the job's result, so an origin never does a job's work twice
+//! because we retried.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use bytes::Bytes;
+use http::uri::PathAndQuery;
+use http::{HeaderMap, HeaderName, HeaderValue, Method};
+use nthbouncer_coord::{AcquireRequest, Outcome, Priority, Refusal, SlotKind};
+use nthbouncer_store::jobs::status;
+use nthbouncer_store::{Finish, JobResult, StoredJob};
+
+use crate::app::state::AppState;
+use crate::pools::registry::PoolRuntime;
+use crate::upstream::prepare::{self, Origin};
+use crate::upstream::{self, SlotGuard, UpstreamError};
+
+/// How many times a job tries an upstream it cannot connect to.
+const MAX_CONNECT_ATTEMPTS: u32 = 3;
+
+/// Why a job's run stopped before a terminal state (it resumes at the next start).
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("the store failed: {0}")]
+    Store(#[from] nthbouncer_store::StoreError),
+}
+
+/// Runs a job to a terminal state in the background.
+pub fn spawn_runner(state: Arc<AppState>, job: StoredJob) {
+    tokio::spawn(async move {
+        let id = job.id.clone();
+        let stopping = state.stopping.clone();
+        tokio::select! {
+            // A stopping server abandons the attempt; the job resumes at the next start.
+            _ = stopping.cancelled() => {}
+            ran = run(&state, job) => {
+                if let Err(e) = ran {
+                    tracing::warn!(job = %id, error = %e, "job runner stopped; the job resumes at the next start");
+                }
+            }
+        }
+    });
+}
+
+fn retry_hint(refusal: &Refusal) -> Duration {
+    match refusal {
+        Refusal::TooManyRequests {
+            retry_after_ms: Some(ms),
+            ..
+        } => Duration::from_millis((*ms).clamp(50, 5_000)),
+        _ => Duration::from_millis(250),
+    }
+}
+
+/// What one pass through the gate came to.
+enum Pass {
+    /// The job reached a terminal state (or nothing can run it any more).
+    Done,
+    /// Try again after this long (refused by the gate, or the origin could not be reached).
+    Again(Duration),
+}
+
+async fn run(state: &Arc<AppState>, job: StoredJob) -> Result<(), RunError> {
+    if job.status == status::ACCEPTED {
+        state.jobs.mark_queued(&job.id, state.now()).await?;
+    }
+    let priority = Priority::parse(&job.priority).unwrap_or_default();
+    let mut connect_failures = 0u32;
+    loop {
+        match pass(state, &job, priority, &mut connect_failures).await? {
+            Pass::Done => return Ok(()),
+            Pass::Again(after) => tokio::time::sleep(after).await,
+        }
+    }
+}
+
+/// Waits for a slot, then makes one attempt.
+async fn pass(
+    state: &Arc<AppState>,
+    job: &StoredJob,
+    priority: Priority,
+    connect_failures: &mut u32,
+) -> Result<Pass, RunError> {
+    let now = state.now();
+    let Some(pool) = state.pool(&job.pool) else {
+        // The pool was deleted: nothing can run this job any more.
+        finish_without_attempt(state, job, "the pool was deleted").await?;
+        return Ok(Pass::Done);
+    };
+    if now >= job.expires_at {
+        return Ok(Pass::Done); // the sweeper writes `expired`
+    }
+    let request = AcquireRequest {
+        fairness_key: job.fairness,
+        priority,
+        wait_ms: pool
+            .concurrency
+            .queue_timeout_ms
+            .min(job.expires_at - now)
+            .max(1),
+        kind: SlotKind::Exchange,
+    };
+    let grant = match pool.gate.acquire(request).await {
+        Ok(g) => g,
+        Err(Refusal::PoolClosed) => {
+            finish_without_attempt(state, job, "the pool was deleted").await?;
+            return Ok(Pass::Done);
+        }
+        // Queue full, RPM spent, paused, or the wait ran out: the job keeps its place in the
+        // store and tries again.
+        Err(refusal) => return Ok(Pass::Again(retry_hint(&refusal))),
+    };
+    let guard = SlotGuard::new(pool.gate.clone(), grant.slot_id);
+    attempt(state, &pool, job, guard, connect_failures).await
+}
+
+/// One attempt holding a slot: fetch, then record the result before the slot is freed.
+async fn attempt(
+    state: &Arc<AppState>,
+    pool: &PoolRuntime,
+    job: &StoredJob,
+    guard: SlotGuard,
+    connect_failures: &mut u32,
+) -> Result<Pass, RunError> {
+    let store = &state.jobs;
+    let Some(attempt) = store.start_attempt(&job.id, state.now()).await? else {
+        return Ok(Pass::Done); // already terminal (expired meanwhile)
+    };
+    let (finish, guard) = match fetch(state, pool, job, guard).await {
+        Ok((result, outcome, mut guard)) => {
+            guard.outcome = Some(outcome);
+            (Finish::Completed(result), Some(guard))
+        }
+        // The slot was freed with the failed call.
+        Err(e) if e.retry_safe() && *connect_failures + 1 < MAX_CONNECT_ATTEMPTS => {
+            *connect_failures += 1;
+            store
+                .retry_attempt(&job.id, attempt, state.now(), &e.to_string())
+                .await?;
+            return Ok(Pass::Again(Duration::from_millis(
+                500 * u64::from(*connect_failures),
+            )));
+        }
+        Err(e) => (Finish::Failed(e.to_string()), None),
+    };
+    // The slot is freed only once the result is committed: a crash before that reruns the
+    // job, so at most `limit` jobs can ever run twice.
+    let dests = pool.active_destination_ids();
+    store
+        .finish_attempt(&job.id, attempt, &finish, state.now(), &dests)
+        .await?;
+    drop(guard);
+    state.notify_deliveries();
+    Ok(Pass::Done)
+}
+
+async fn finish_without_attempt(
+    state: &Arc<AppState>,
+    job: &StoredJob,
+    why: &str,
+) -> Result<(), RunError> {
+    let store = &state.jobs;
+    if let Some(attempt) = store.start_attempt(&job.id, state.now()).await? {
+        let failed = Finish::Failed(why.into());
+        store
+            .finish_attempt(&job.id, attempt, &failed, state.now(), &[])
+            .await?;
+    }
+    Ok(())
+}
+
+/// The stored request (its headers already as the origin may see them, see
+/// `prepare::caller_headers`) as a request for the origin.
+fn origin_request(
+    pool: &PoolRuntime,
+    job: &StoredJob,
+) -> Result<http::Request<Body>, UpstreamError> {
+    let invalid = |what: &'static str| UpstreamError::new(upstream::Stage::Connect, what);
+    let method = Method::from_bytes(job.request.method.as_bytes())
+        .map_err(|_| invalid("the job's method is not a method"))?;
+    let path = PathAndQuery::try_from(job.request.path_and_query.as_str())
+        .map_err(|_| invalid("the job's path cannot be forwarded"))?;
+    let mut headers = HeaderMap::new();
+    for (k, v) in &job.request.headers {
+        if let (Ok(k), Ok(v)) = (
+            HeaderName::from_bytes(k.as_bytes()),
+            HeaderValue::from_str(v),
+        ) {
+            headers.append(k, v);
+        }
+    }
+    // The body is sent whole: its length is the body's, not what the caller declared.
+    headers.remove(http::header::CONTENT_LENGTH);
+    let origin = Origin {
+        target: &pool.upstream,
+        managed: &pool.upstream_headers,
+        idempotency_key: Some(&job.id),
+    };
+    let body = Body::from(Bytes::from(job.request.body.clone()));
+    prepare::origin_request(&origin, method, Some(&path), headers, body)
+        .map_err(|e| UpstreamError::new(upstream::Stage::Connect, e))
+}
+
+/// One upstream fetch for a job, holding its slot (`guard`) until the answer is read; the slot
+/// comes back with the answer, or is freed with a failed call.
+async fn fetch(
+    state: &Arc<AppState>,
+    pool: &PoolRuntime,
+    job: &StoredJob,
+    guard: SlotGuard,
+) -> Result<(JobResult, Outcome, SlotGuard), UpstreamError> {
+    let req = origin_request(pool, job)?;
+    let deadline =
+        tokio::time::Instant::now() + Duration::from_millis(pool.concurrency.request_timeout_ms);
+    let (resp, guard) = upstream::exchange(&state.client, req, guard, deadline).await?;
+    let (parts, body) = resp.into_parts();
+    let max = pool.spec.async_jobs.max_body_bytes as usize;
+    let collected = upstream::collect(body, max, deadline).await?;
+    let outcome =
+        upstream::outcome::from_response(parts.status.as_u16(), &parts.headers, state.now());
+    let mut result_headers = parts.headers;
+    prepare::strip_hop_by_hop(&mut result_headers);
+    let headers = result_headers
+        .iter()
+        .filter_map(|(k, v)| Some((k.as_str().to_string(), v.to_str().ok()?.to_string())))
+        .collect();
+    let result = JobResult {
+        status: parts.status.as_u16(),
+        headers,
+        body: collected.body,
+        truncated: collected.truncated,
+    };
+    Ok((result, outcome, guard))
+}

@@ -1,0 +1,77 @@
+//! A proxied request taken as an async job (SPEC §6): asked for with `X-Nthpool-Async`, or
+//! promoted from a wait. The proxy's one hand-off to another feature: the body is read whole
+//! (and its signature checked), the request is prepared as the origin will see it, and the job
+//! layer stores it durably before the `202`.
+
+use axum::body::Body;
+use axum::response::IntoResponse;
+use http::{Response, StatusCode};
+use hyper::body::Incoming;
+use nthbouncer_coord::Priority;
+
+use super::{consumed, forwarded, Call};
+use crate::access;
+use crate::core::access_log::{LogOutcome, UpstreamSeen};
+use crate::jobs::{self, JobHead, Reason};
+use crate::upstream::prepare;
+
+/// Takes the request as a job and answers `202` with its handle.
+pub(super) async fn accept_job(
+    mut call: Call<'_>,
+    body: Incoming,
+    priority: Priority,
+    reason: Reason,
+) -> Response<Body> {
+    let key_id = call.caller.key_id.clone();
+    let mut headers = call.parts.headers.clone();
+    prepare::caller_headers(&mut headers, &consumed(&call), forwarded(&call));
+    let head = JobHead {
+        method: call.parts.method.clone(),
+        path_and_query: call
+            .parts
+            .uri
+            .path_and_query()
+            .map_or_else(|| "/".to_string(), |p| p.as_str().to_string()),
+        headers,
+    };
+    let body = match jobs::read_body(call.pool, body).await {
+        Ok(b) => b,
+        Err(e) => return call.log.refuse(Some(&key_id), e),
+    };
+    // A signed request is only accepted once its body matches the signature.
+    if let Some(pending) = call.signed.take() {
+        if let Err(f) = pending.finish_with_body(&body).await {
+            let failure = access::Failure::Hmac(f);
+            call.pool
+                .access
+                .record_failure(call.log.peer.ip(), call.log.at, failure);
+            return access::refuse(call.pool, call.log, Some(&key_id), failure);
+        }
+    }
+    let accepted = jobs::accept(
+        call.state,
+        call.pool,
+        head,
+        body,
+        &call.caller,
+        priority,
+        reason,
+    )
+    .await;
+    match accepted {
+        Ok(accepted) => {
+            call.log.write(
+                Some(&key_id),
+                LogOutcome::Accepted,
+                Some(reason.as_str()),
+                StatusCode::ACCEPTED,
+                0,
+                UpstreamSeen::default(),
+            );
+            let mut resp = axum::Json(accepted).into_response();
+            *resp.status_mut() = StatusCode::ACCEPTED;
+            resp
+        }
+        Err(e) => call.log.refuse(Some(&key_id), e),
+    }
+}

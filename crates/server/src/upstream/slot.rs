@@ -1,0 +1,186 @@
+//! What holds a slot while an origin works: [`SlotGuard`] (frees the slot when dropped),
+//! [`Exchange`] (the call up to the response head, which runs on detached if its caller goes
+//! away) and [`SlotBody`] (the response body, which keeps the slot until its last byte).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::Response;
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::ResponseFuture;
+use nthbouncer_coord::{Outcome, PoolGate, SlotId};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Frees a slot when dropped; carries the upstream outcome to adaptive learning.
+pub struct SlotGuard {
+    gate: Arc<dyn PoolGate>,
+    slot: SlotId,
+    pub outcome: Option<Outcome>,
+}
+
+impl SlotGuard {
+    pub fn new(gate: Arc<dyn PoolGate>, slot: SlotId) -> Self {
+        SlotGuard {
+            gate,
+            slot,
+            outcome: None,
+        }
+    }
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        // Release is async at the seam (a Redis gate talks to Redis) and dropping must not
+        // block: poll it once here, and only if it is not done at once (the in-process gate
+        // always is) hand the rest to a task. That saves a task per request on the hot path.
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            tracing::error!(
+                "slot released outside the runtime; it will be reclaimed at its deadline"
+            );
+            return;
+        };
+        let gate = self.gate.clone();
+        let slot = self.slot;
+        let outcome = self.outcome.take();
+        let mut release = Box::pin(async move {
+            gate.release(slot, outcome).await;
+        });
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        if release.as_mut().poll(&mut cx).is_pending() {
+            rt.spawn(release);
+        }
+    }
+}
+
+/// The upstream call up to its response head, holding the slot.
+///
+/// If the caller goes away first (this future is dropped), the origin is still working on the
+/// call: the rest of it runs detached and the slot is freed only when the origin answers or the
+/// request deadline passes. Freeing it at once would let the next waiter reach the origin while
+/// the origin still counts the abandoned call: one over the limit, seen from the origin.
+pub struct Exchange {
+    call: Option<ResponseFuture>,
+    guard: Option<SlotGuard>,
+    deadline: tokio::time::Instant,
+}
+
+impl Exchange {
+    pub fn new(call: ResponseFuture, guard: SlotGuard, deadline: tokio::time::Instant) -> Self {
+        Exchange {
+            call: Some(call),
+            guard: Some(guard),
+            deadline,
+        }
+    }
+}
+
+pub type UpstreamResult = Result<Response<Incoming>, hyper_util::client::legacy::Error>;
+
+impl Future for Exchange {
+    type Output = (UpstreamResult, SlotGuard);
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        let (Some(call), Some(_)) = (this.call.as_mut(), this.guard.as_ref()) else {
+            // Polled after completion: never happens through `.await`.
+            return Poll::Pending;
+        };
+        let result = std::task::ready!(Pin::new(call).poll(cx));
+        this.call = None;
+        match this.guard.take() {
+            Some(guard) => Poll::Ready((result, guard)),
+            None => Poll::Pending,
+        }
+    }
+}
+
+impl Drop for Exchange {
+    fn drop(&mut self) {
+        let (Some(call), Some(guard)) = (self.call.take(), self.guard.take()) else {
+            return;
+        };
+        if tokio::time::Instant::now() >= self.deadline {
+            return; // the request timed out: the slot is freed now (SPEC §4)
+        }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let deadline = self.deadline;
+            rt.spawn(async move {
+                // The answer is discarded: its caller is gone.
+                let _ = tokio::time::timeout_at(deadline, call).await;
+                drop(guard);
+            });
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// An upstream response body that holds its slot until the last frame has been handed to
+    /// the client, the client goes away (the body is dropped), or the request deadline passes.
+    pub struct SlotBody {
+        #[pin]
+        inner: Incoming,
+        #[pin]
+        deadline: tokio::time::Sleep,
+        guard: Option<SlotGuard>,
+    }
+}
+
+impl SlotBody {
+    pub fn new(inner: Incoming, guard: SlotGuard, deadline: tokio::time::Instant) -> Self {
+        SlotBody {
+            inner,
+            deadline: tokio::time::sleep_until(deadline),
+            guard: Some(guard),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("upstream response exceeded the request timeout")]
+pub struct DeadlineExceeded;
+
+impl HttpBody for SlotBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.project();
+        if this.guard.is_none() {
+            return Poll::Ready(None);
+        }
+        match this.inner.poll_frame(cx) {
+            Poll::Ready(None) => {
+                this.guard.take();
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.guard.take();
+                Poll::Ready(Some(Err(Box::new(e))))
+            }
+            Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
+            Poll::Pending => {
+                if this.deadline.poll(cx).is_ready() {
+                    this.guard.take();
+                    return Poll::Ready(Some(Err(Box::new(DeadlineExceeded))));
+                }
+                Poll::Pending
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.guard.is_none() || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
