@@ -1,5 +1,10 @@
-//! Test support: a real upstream that counts what it sees, and a real gateway on loopback.
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+//! A real upstream on loopback that counts what it sees: requests in flight (now and at most),
+//! connections, requests in all, `x-seq` arrivals, and every request's method, path and headers.
+//!
+//! Routes: `/hold` (and each `/sse` event) waits for a [`Upstream::release`] permit;
+//! `/sleep?ms=N` answers after N ms (50 without a query); `/hang` never answers; `/echo`
+//! answers the request as JSON; `/body` counts request body chunks as they arrive;
+//! `/status/N?retry_after=S` answers status N; anything else answers `ok`.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -12,18 +17,12 @@ use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use nthbouncer_config::Config;
-use nthbouncer_coord::Clock;
 use parking_lot::Mutex;
 use serde_json::Value;
-use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
-pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
-/// A valid legacy-format key used by most test pools.
-pub const KEY: &str = "test-key-0123456789abcdef";
-pub const KEY2: &str = "test-key-second-0123456789";
+use crate::loopback::{read_body, serve_http_counting};
+use crate::wait::eventually;
 
 /// What the upstream saw of one request.
 #[derive(Clone, Debug)]
@@ -37,6 +36,8 @@ pub struct UpstreamState {
     pub in_flight: AtomicI64,
     pub max_in_flight: AtomicI64,
     pub connections: AtomicU64,
+    /// Requests seen in all.
+    pub requests: AtomicU64,
     /// `x-seq` header values in order of arrival.
     pub arrivals: Mutex<Vec<String>>,
     pub seen: Mutex<Vec<Seen>>,
@@ -52,6 +53,7 @@ impl Default for UpstreamState {
             in_flight: AtomicI64::new(0),
             max_in_flight: AtomicI64::new(0),
             connections: AtomicU64::new(0),
+            requests: AtomicU64::new(0),
             arrivals: Mutex::new(Vec::new()),
             seen: Mutex::new(Vec::new()),
             hold: Semaphore::new(0),
@@ -70,6 +72,7 @@ impl InFlight {
     fn new(s: &Arc<UpstreamState>) -> Self {
         let now = s.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
         s.max_in_flight.fetch_max(now, Ordering::SeqCst);
+        s.requests.fetch_add(1, Ordering::SeqCst);
         InFlight(s.clone())
     }
 }
@@ -124,6 +127,7 @@ async fn handle(state: Arc<UpstreamState>, req: Request<Incoming>) -> Response<B
             drop(guard);
             full(StatusCode::OK, "released")
         }
+        "/hang" => std::future::pending().await,
         "/sleep" => {
             let ms: u64 = q.get("ms").and_then(|v| v.parse().ok()).unwrap_or(50);
             tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -142,12 +146,7 @@ async fn handle(state: Arc<UpstreamState>, req: Request<Incoming>) -> Response<B
                 })
                 .collect();
             let method = req.method().to_string();
-            let body = req
-                .into_body()
-                .collect()
-                .await
-                .map(|b| b.to_bytes())
-                .unwrap_or_default();
+            let body = read_body(req.into_body()).await;
             drop(guard);
             let v = serde_json::json!({
                 "method": method, "path": path, "query": q, "headers": headers,
@@ -239,28 +238,15 @@ fn async_stream(
 
 impl Upstream {
     pub async fn start() -> Upstream {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let state = Arc::new(UpstreamState::default());
-        let st = state.clone();
-        tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
-                st.connections.fetch_add(1, Ordering::SeqCst);
-                let st2 = st.clone();
-                tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req| {
-                        let st3 = st2.clone();
-                        async move { Ok::<_, Infallible>(handle(st3, req).await) }
-                    });
-                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
-                });
-            }
-        });
+        let (st, counted) = (state.clone(), state.clone());
+        let addr = serve_http_counting(
+            move || {
+                counted.connections.fetch_add(1, Ordering::SeqCst);
+            },
+            move |req| handle(st.clone(), req),
+        )
+        .await;
         Upstream { addr, state }
     }
 
@@ -274,6 +260,11 @@ impl Upstream {
 
     pub fn max_in_flight(&self) -> i64 {
         self.state.max_in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Requests seen in all.
+    pub fn total(&self) -> u64 {
+        self.state.requests.load(Ordering::SeqCst)
     }
 
     pub fn in_flight(&self) -> i64 {
@@ -290,176 +281,9 @@ impl Upstream {
 
     /// Waits (bounded) until `n` requests carrying `x-seq` have arrived.
     pub async fn wait_arrivals(&self, n: usize) {
-        wait_until(
-            || self.state.arrivals.lock().len() >= n,
-            &format!("{n} upstream arrivals"),
-        )
+        eventually(&format!("{n} upstream arrivals"), async || {
+            (self.state.arrivals.lock().len() >= n).then_some(())
+        })
         .await;
     }
-}
-
-/// Polls `cond` every 5 ms for up to 10 s; panics naming `what` if it never holds.
-pub async fn wait_until(mut cond: impl FnMut() -> bool, what: &str) {
-    for _ in 0..2000 {
-        if cond() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    panic!("timed out waiting for {what}");
-}
-
-pub struct Gateway {
-    pub running: nthbouncer_server::Running,
-    pub base: String,
-    pub client: reqwest::Client,
-    _dir: tempfile::TempDir,
-}
-
-/// Starts a gateway from TOML (its `[server]` gets a loopback port, a temp data dir and the
-/// test admin token unless the TOML sets them).
-pub async fn gateway(pools_toml: &str) -> Gateway {
-    gateway_with(pools_toml, None).await
-}
-
-pub async fn gateway_with(pools_toml: &str, clock: Option<Arc<dyn Clock>>) -> Gateway {
-    let dir = tempfile::tempdir().unwrap();
-    let mut config =
-        Config::from_toml_str(pools_toml).unwrap_or_else(|e| panic!("test config: {e}"));
-    config.server.listen = "127.0.0.1:0".into();
-    if config.server.data_dir == nthbouncer_config::ServerSpec::default().data_dir {
-        config.server.data_dir = dir.path().to_path_buf();
-    }
-    if config.server.admin_token.is_none() {
-        config.server.admin_token = Some(ADMIN_TOKEN.into());
-    }
-    let running = nthbouncer_server::start(config, nthbouncer_server::Options { clock })
-        .await
-        .unwrap_or_else(|e| panic!("gateway start: {e}"));
-    let base = format!("http://{}", running.addr);
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(0)
-        .build()
-        .unwrap();
-    Gateway {
-        running,
-        base,
-        client,
-        _dir: dir,
-    }
-}
-
-impl Gateway {
-    /// A request to a pool's host.
-    pub fn pool(&self, pool: &str, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
-        self.client
-            .request(method, format!("{}{}", self.base, path))
-            .header("host", format!("{pool}.localhost"))
-    }
-
-    /// A GET through pool `pool` with the test key.
-    pub fn get(&self, pool: &str, path: &str) -> reqwest::RequestBuilder {
-        self.pool(pool, reqwest::Method::GET, path)
-            .header("x-nthpool-key", KEY)
-    }
-
-    /// A request to the API host with the admin token.
-    pub fn api(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
-        self.client
-            .request(method, format!("{}{}", self.base, path))
-            .header("host", "api.localhost")
-            .bearer_auth(ADMIN_TOKEN)
-    }
-
-    /// A request to the API host with no credentials at all.
-    pub fn api_anon(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
-        self.client
-            .request(method, format!("{}{}", self.base, path))
-            .header("host", "api.localhost")
-    }
-
-    /// A GET through pool `pool` with the test key that asks not to queue.
-    pub fn no_queue(&self, pool: &str, path: &str) -> reqwest::RequestBuilder {
-        self.get(pool, path).header("x-nthpool-no-queue", "1")
-    }
-
-    /// A GET through pool `pool` with the test key that asks to run as an async job.
-    pub fn get_async(&self, pool: &str, path: &str) -> reqwest::RequestBuilder {
-        self.get(pool, path).header("x-nthpool-async", "1")
-    }
-
-    /// An admin API call with the admin token (and `body` as JSON, if any): the status and the
-    /// JSON body (`Null` when the body is empty or not JSON).
-    pub async fn admin(
-        &self,
-        method: reqwest::Method,
-        path: &str,
-        body: Option<Value>,
-    ) -> (u16, Value) {
-        let rb = self.api(method, path);
-        call(match body {
-            Some(b) => rb.json(&b),
-            None => rb,
-        })
-        .await
-    }
-
-    /// The JSON body of an admin GET (the status is not checked; the body must be JSON).
-    pub async fn admin_json(&self, path: &str) -> Value {
-        json_of(send(self.api(reqwest::Method::GET, path)).await).await
-    }
-
-    pub async fn state(&self, pool: &str) -> Value {
-        let r = send(self.api(reqwest::Method::GET, &format!("/admin/pools/{pool}/state"))).await;
-        assert_eq!(r.status(), 200, "state of {pool}");
-        r.json().await.unwrap()
-    }
-
-    /// Waits (bounded) until the pool's live state satisfies `pred`.
-    pub async fn wait_state(&self, pool: &str, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
-        for _ in 0..2000 {
-            let s = self.state(pool).await;
-            if pred(&s) {
-                return s;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        panic!("timed out waiting for pool {pool}: {what}");
-    }
-}
-
-/// A pool table in TOML.
-pub fn pool_toml(name: &str, upstream: &str, concurrency: &str) -> String {
-    format!(
-        "[[pools]]\nname = \"{name}\"\nupstream = \"{upstream}\"\nkeys = [\"{KEY}\", \"{KEY2}\"]\n[pools.concurrency]\n{concurrency}\n"
-    )
-}
-
-/// Sends a request; a transport error fails the test.
-pub async fn send(rb: reqwest::RequestBuilder) -> reqwest::Response {
-    rb.send().await.unwrap()
-}
-
-/// The JSON body of a response (a body that is not JSON fails the test).
-pub async fn json_of(r: reqwest::Response) -> Value {
-    r.json().await.unwrap()
-}
-
-/// Sends a request: its status and JSON body (`Null` when the body is empty or not JSON).
-pub async fn call(rb: reqwest::RequestBuilder) -> (u16, Value) {
-    let r = send(rb).await;
-    let status = r.status().as_u16();
-    let bytes = r.bytes().await.unwrap();
-    (
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    )
-}
-
-/// Asserts a JSON error answer with `status` and `error` code; returns its body.
-pub async fn expect_error(r: reqwest::Response, status: u16, code: &str) -> Value {
-    assert_eq!(r.status(), status, "status of an expected {code}");
-    let body: Value = r.json().await.unwrap();
-    assert_eq!(body["error"], code, "{body}");
-    body
 }

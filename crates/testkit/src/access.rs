@@ -1,9 +1,7 @@
 //! Support for the access-policy tests: a request signer written from SPEC §9 (independent of
 //! the server's), a recording upstream that tells whether a request body arrived complete, a
 //! key server for JWKS and Cloudflare certs, and throwaway test keys.
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -13,10 +11,10 @@ use hmac::{Hmac, Mac};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use parking_lot::Mutex;
 use sha2::{Digest, Sha256};
-use tokio::net::TcpListener;
+
+use crate::loopback::serve_http;
 
 /// HMAC-SHA256 over the canonical string of SPEC §9, as hex.
 pub fn sign(
@@ -61,58 +59,42 @@ pub struct Recorder {
 
 impl Recorder {
     pub async fn start() -> Recorder {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let seen: Arc<Mutex<Vec<Recorded>>> = Arc::default();
         let s = seen.clone();
-        tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
-                let s = s.clone();
-                tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-                        let s = s.clone();
-                        async move {
-                            let method = req.method().to_string();
-                            let target = req.uri().to_string();
-                            let headers = req.headers().clone();
-                            let mut body = req.into_body();
-                            let mut bytes = Vec::new();
-                            let mut complete = true;
-                            while let Some(frame) = body.frame().await {
-                                match frame {
-                                    Ok(f) => {
-                                        if let Some(d) = f.data_ref() {
-                                            bytes.extend_from_slice(d);
-                                        }
-                                    }
-                                    Err(_) => {
-                                        complete = false;
-                                        break;
-                                    }
-                                }
+        let addr = serve_http(move |req: Request<Incoming>| {
+            let s = s.clone();
+            async move {
+                let method = req.method().to_string();
+                let target = req.uri().to_string();
+                let headers = req.headers().clone();
+                let mut body = req.into_body();
+                let mut bytes = Vec::new();
+                let mut complete = true;
+                while let Some(frame) = body.frame().await {
+                    match frame {
+                        Ok(f) => {
+                            if let Some(d) = f.data_ref() {
+                                bytes.extend_from_slice(d);
                             }
-                            let len = bytes.len();
-                            s.lock().push(Recorded {
-                                method,
-                                target,
-                                headers,
-                                body: bytes,
-                                complete,
-                            });
-                            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(format!(
-                                "received {len}"
-                            )))))
                         }
-                    });
-                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
+                        Err(_) => {
+                            complete = false;
+                            break;
+                        }
+                    }
+                }
+                let len = bytes.len();
+                s.lock().push(Recorded {
+                    method,
+                    target,
+                    headers,
+                    body: bytes,
+                    complete,
                 });
+                Response::new(Full::new(Bytes::from(format!("received {len}"))))
             }
-        });
+        })
+        .await;
         Recorder { addr, seen }
     }
 
@@ -140,36 +122,22 @@ pub struct KeyServer {
 
 impl KeyServer {
     pub async fn start(document: String) -> KeyServer {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let doc = Arc::new(Mutex::new(document));
         let fetches = Arc::new(AtomicU64::new(0));
         let (d, f) = (doc.clone(), fetches.clone());
-        tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
-                let (d, f) = (d.clone(), f.clone());
-                tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |_req: Request<Incoming>| {
-                        let (d, f) = (d.clone(), f.clone());
-                        async move {
-                            f.fetch_add(1, Ordering::SeqCst);
-                            let body = d.lock().clone();
-                            let mut r = Response::new(Full::new(Bytes::from(body)));
-                            *r.status_mut() = StatusCode::OK;
-                            r.headers_mut()
-                                .insert("content-type", "application/json".parse().unwrap());
-                            Ok::<_, Infallible>(r)
-                        }
-                    });
-                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
-                });
+        let addr = serve_http(move |_req| {
+            let (d, f) = (d.clone(), f.clone());
+            async move {
+                f.fetch_add(1, Ordering::SeqCst);
+                let body = d.lock().clone();
+                let mut r = Response::new(Full::new(Bytes::from(body)));
+                *r.status_mut() = StatusCode::OK;
+                r.headers_mut()
+                    .insert("content-type", "application/json".parse().unwrap());
+                r
             }
-        });
+        })
+        .await;
         KeyServer {
             addr,
             document: doc,
