@@ -3,34 +3,22 @@
 //! local certs endpoint, IP allowlists with and without trusted proxies, failure throttling, and
 //! policies combined. Time is a `ManualClock` started at the wall clock (tokens are minted with
 //! real time); nothing here sleeps on purpose or asserts a duration.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod access_support;
-mod support;
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
-use access_support::*;
 use bytes::Bytes;
 use jwt_simple::prelude::*;
 use nthbouncer_coord::ManualClock;
+use nthbouncer_testkit::access::*;
+use nthbouncer_testkit::*;
 use reqwest::Method;
 use serde_json::{json, Value};
-use support::*;
 
 const SECRET_OLD: &str = "old-signing-secret-0123456789";
 const SECRET_NEW: &str = "new-signing-secret-0123456789";
 const ISSUER: &str = "https://id.test";
 const AUDIENCE: &str = "gateway";
-
-fn wall_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
-}
 
 fn clock() -> Arc<ManualClock> {
     Arc::new(ManualClock::new(wall_ms()))
@@ -69,7 +57,7 @@ async fn log_reasons(gw: &Gateway, pool: &str) -> Vec<String> {
 
 /// Access-log entries of a pool, newest first (flushed first).
 async fn access_log(gw: &Gateway, pool: &str) -> Vec<Value> {
-    gw.running.state.access_log.flush().await;
+    gw.flush_access_log().await;
     let v = gw
         .admin_json(&format!("/admin/pools/{pool}/access-log?limit=1000"))
         .await;
@@ -842,8 +830,8 @@ async fn repeated_failures_are_answered_429_for_a_while() {
         .any(|r| r == "throttled after repeated failed authentication"));
 }
 
-/// Failures before a block (`nthbouncer_server::access::MAX_FAILURES`).
-const MAX: u32 = nthbouncer_server::access::MAX_FAILURES;
+/// Failures before a block (`MAX_FAILURES`).
+const MAX: u32 = internals::MAX_FAILURES;
 
 trait ClockExt {
     fn now_s(&self) -> u64;
@@ -862,7 +850,7 @@ async fn hmac_signed_async_jobs_verify_the_body() {
     let up = Recorder::start().await;
     let clock = clock();
     let toml = format!(
-        "[server]\nallow_private_webhooks = true\n{}[pools.async]\nenabled = true\n[[pools.webhooks]]\nurl = \"http://127.0.0.1:9/hook\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\n",
+        "[server]\nallow_private_webhooks = true\n{}[pools.async]\nenabled = true\n[[pools.webhooks]]\nurl = \"http://127.0.0.1:9/hook\"\nsecret = \"{WEBHOOK_SECRET}\"\n",
         hmac_pool(&up.url())
     );
     let gw = start(&toml, &clock).await;

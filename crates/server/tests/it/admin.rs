@@ -1,12 +1,9 @@
 //! The admin API and the ops routes over loopback: CRUD applied without restart, config pools
 //! read-only, keys, state, the access log, metrics, OpenAPI.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod support;
-
+use nthbouncer_testkit::*;
 use reqwest::Method;
 use serde_json::{json, Value};
-use support::*;
 
 #[tokio::test]
 async fn admin_needs_the_token() {
@@ -198,7 +195,7 @@ async fn access_log_records_admitted_and_refused() {
             .status(),
         401
     );
-    gw.running.state.access_log.flush().await;
+    gw.flush_access_log().await;
     let log = gw.admin_json("/admin/pools/p/access-log").await;
     let items = log["items"].as_array().unwrap();
     assert_eq!(items.len(), 2, "{log}");

@@ -1,13 +1,12 @@
 //! Replays the `lock_bodies` and `hmac_headers` fuzz targets' seeds and saved crashes
 //! (`fuzz/seeds/<target>/`, `fuzz/regressions/<target>/`) through their harnesses, so a crash
 //! the fuzzer found stays fixed without nightly or libFuzzer. See `fuzz/run`.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "../../../fuzz/harness/hmac_headers.rs"]
+#[path = "../../../../fuzz/harness/hmac_headers.rs"]
 mod hmac_headers;
-#[path = "../../../fuzz/harness/lock_bodies.rs"]
+#[path = "../../../../fuzz/harness/lock_bodies.rs"]
 mod lock_bodies;
-#[path = "../../../fuzz/harness/replay.rs"]
+#[path = "../../../../fuzz/harness/replay.rs"]
 mod replay;
 
 #[test]

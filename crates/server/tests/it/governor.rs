@@ -1,14 +1,11 @@
 //! End-to-end admission through the real router over loopback: limits, FIFO, budgets,
 //! priorities, fair share, RPM on an injected clock.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod support;
 
 use std::sync::Arc;
 
 use nthbouncer_coord::ManualClock;
+use nthbouncer_testkit::*;
 use reqwest::Method;
-use support::*;
 
 /// limit = 3, 50 concurrent slow requests: the upstream never sees more than 3, all succeed,
 /// and they reach the upstream in their order of arrival (one key, one class).

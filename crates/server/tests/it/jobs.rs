@@ -1,23 +1,19 @@
 //! Async jobs end to end over loopback: the three admission modes, the fallback to sync, poll
 //! through the lifecycle, expiry and retention on an injected clock, and the shared limit.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod support;
 
 use std::sync::Arc;
 
 use nthbouncer_coord::ManualClock;
+use nthbouncer_testkit::*;
 use reqwest::Method;
 use serde_json::{json, Value};
-use support::*;
-
-const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 
 /// A pool with async on and one (never-contacted) webhook destination.
 fn async_pool(name: &str, upstream: &str, concurrency: &str, async_extra: &str) -> String {
     format!(
-        "[server]\nallow_private_webhooks = true\n{}[pools.async]\nenabled = true\n{async_extra}\n[[pools.webhooks]]\nurl = \"http://127.0.0.1:9/hook\"\nsecret = \"{SECRET}\"\n",
-        pool_toml(name, upstream, concurrency)
+        "[server]\nallow_private_webhooks = true\n{}[pools.async]\nenabled = true\n{async_extra}\n{}",
+        pool_toml(name, upstream, concurrency),
+        webhook_toml("http://127.0.0.1:9/hook"),
     )
 }
 
@@ -43,15 +39,12 @@ fn post_async(gw: &Gateway, pool: &str, path: &str) -> reqwest::RequestBuilder {
 }
 
 async fn wait_status(gw: &Gateway, pool: &str, job: &str, want: &str) -> Value {
-    for _ in 0..2000 {
+    eventually(&format!("job {job} to reach {want}"), async || {
         let (code, body) = poll(gw, pool, job).await;
         assert_eq!(code, 200, "{body}");
-        if body["status"] == want {
-            return body;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
-    panic!("job {job} never reached {want}");
+        (body["status"] == want).then_some(body)
+    })
+    .await
 }
 
 #[tokio::test]
@@ -174,7 +167,7 @@ async fn async_disabled_and_the_fallback_to_sync() {
     let list = gw.admin_json("/admin/pools/p/webhooks").await;
     let dest = list["items"][0]["id"].as_str().unwrap().to_string();
     assert!(
-        !list.to_string().contains(&SECRET[10..]),
+        !list.to_string().contains(&WEBHOOK_SECRET[10..]),
         "the secret must be masked"
     );
     let dest_path = format!("/admin/pools/p/webhooks/{dest}");

@@ -1,24 +1,14 @@
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 //! The lock API end to end (SPEC §5; the seed on concurrency locks is normative): the real router
 //! on loopback, HTTP on the API host, a real counting upstream for the proxy side of the shared
 //! limit, and `ManualClock` wherever a deadline or a `Retry-After` is asserted exactly.
 //!
 //! Not covered here: `403` for an IP-allowlist miss (the allowlist policy is not built yet).
 
-mod support;
-
 use std::collections::BTreeSet;
-use std::future::Future;
-use std::sync::Arc;
-use std::time::Duration;
 
-use nthbouncer_coord::ManualClock;
+use nthbouncer_testkit::*;
 use reqwest::{Method, RequestBuilder, Response};
 use serde_json::{json, Value};
-use support::*;
-
-/// Where every manual clock starts (epoch ms).
-const T0: u64 = 1_700_000_000_000;
 
 /// A POST to `/pools/{pool}/lock/{rest}` on the API host, with no key.
 fn lock_post(gw: &Gateway, pool: &str, rest: &str) -> RequestBuilder {
@@ -28,13 +18,6 @@ fn lock_post(gw: &Gateway, pool: &str, rest: &str) -> RequestBuilder {
 /// The same with the test key.
 fn keyed(gw: &Gateway, pool: &str, rest: &str) -> RequestBuilder {
     lock_post(gw, pool, rest).header("x-nthpool-key", KEY)
-}
-
-/// Awaits `f` for at most 10 s: a hang is a failure naming `what`, never a stuck test.
-async fn bounded<F: Future>(what: &str, f: F) -> F::Output {
-    tokio::time::timeout(Duration::from_secs(10), f)
-        .await
-        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
 }
 
 async fn send(rb: RequestBuilder) -> Response {
@@ -133,12 +116,6 @@ async fn released(gw: &Gateway, pool: &str, slot: &str, report: Option<Value>) -
     let body: Value = r.json().await.unwrap();
     assert_eq!(body.as_object().unwrap().len(), 1, "{body}");
     body["released"].as_bool().unwrap()
-}
-
-async fn clocked(toml: &str) -> (Gateway, Arc<ManualClock>) {
-    let clock = Arc::new(ManualClock::new(T0));
-    let gw = gateway_with(toml, Some(clock.clone())).await;
-    (gw, clock)
 }
 
 fn is_slot_id(s: &str) -> bool {
@@ -1105,7 +1082,7 @@ async fn acquire_attempts_are_access_logged_renew_and_release_are_not() {
     assert!(released(&gw, "p", &id, None).await);
     assert!(!released(&gw, "p", &id, None).await);
 
-    gw.running.state.access_log.flush().await;
+    gw.flush_access_log().await;
     let log = gw.admin_json("/admin/pools/p/access-log").await;
     let items = log["items"].as_array().unwrap();
     assert_eq!(items.len(), 4, "four acquire attempts, nothing else: {log}");

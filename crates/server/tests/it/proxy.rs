@@ -1,15 +1,12 @@
 //! End-to-end proxy behaviour over loopback: what crosses to the upstream and what does not,
 //! slots held by streamed bodies, clients that vanish, errors in the contract's shape.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod support;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use nthbouncer_testkit::*;
 use reqwest::Method;
-use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[tokio::test]
@@ -182,7 +179,10 @@ async fn a_client_killed_mid_request_to_a_hung_upstream_frees_its_slot_at_the_ti
     })
     .await;
     // The upstream call was cancelled with it.
-    wait_until(|| up.in_flight() == 0, "upstream request cancelled").await;
+    eventually("upstream request cancelled", async || {
+        (up.in_flight() == 0).then_some(())
+    })
+    .await;
     let r = gw.get("p", "/").send().await.unwrap();
     assert_eq!(r.status(), 200);
 }
@@ -310,10 +310,9 @@ async fn request_bodies_stream_through_unbuffered() {
     tx.send(Ok(b"first".to_vec())).await.unwrap();
     // The upstream receives the first chunk while the caller has not sent the rest: nothing
     // waits for the whole body.
-    wait_until(
-        || up.state.body_chunks.load(Ordering::SeqCst) >= 1,
-        "first chunk upstream",
-    )
+    eventually("first chunk upstream", async || {
+        (up.state.body_chunks.load(Ordering::SeqCst) >= 1).then_some(())
+    })
     .await;
     tx.send(Ok(b"second".to_vec())).await.unwrap();
     drop(tx);

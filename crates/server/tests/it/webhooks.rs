@@ -3,29 +3,21 @@
 //! and by the spec's published test vector, the retry schedule on an injected clock, Retry-After,
 //! 410, deactivation and the fallback to sync, re-enable, redelivery, secret rotation, and the
 //! private-address guard.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod support;
 
 use std::collections::VecDeque;
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use base64::prelude::*;
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use nthbouncer_coord::{Clock, ManualClock};
+use nthbouncer_coord::Clock;
+use nthbouncer_testkit::*;
 use parking_lot::Mutex;
 use reqwest::Method;
 use serde_json::{json, Value};
-use support::*;
-
-const T0: u64 = 1_700_000_000_000;
 
 // ---------------------------------------------------------------------------------------------
 // An independent verifier, written from the Standard Webhooks specification: the signed content
@@ -82,13 +74,6 @@ fn official_verify(r: &Received, secret: &str) -> Result<(), String> {
         .map_err(|e| e.to_string())
 }
 
-fn wall_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
-}
-
 /// The specification's published test vector, against the independent verifier and against
 /// the signer nthbouncer uses.
 #[test]
@@ -109,9 +94,9 @@ fn the_spec_test_vector() {
         br#"{"test": 2432232315}"#,
         expected
     ));
-    let key = nthbouncer_server::webhooks::secret_key(secret).unwrap();
+    let key = internals::secret_key(secret).unwrap();
     assert_eq!(
-        nthbouncer_server::webhooks::sign(&key, id, 1_614_265_330, body).unwrap(),
+        internals::sign(&key, id, 1_614_265_330, body).unwrap(),
         expected
     );
     // The official library agrees.
@@ -180,27 +165,9 @@ struct Receiver {
 
 impl Receiver {
     async fn start() -> Receiver {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let state = Arc::new(ReceiverState::default());
         let st = state.clone();
-        tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
-                let st = st.clone();
-                tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-                        let st = st.clone();
-                        async move { Ok::<_, Infallible>(answer(st, req).await) }
-                    });
-                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
-                });
-            }
-        });
+        let addr = serve_http(move |req| answer(st.clone(), req)).await;
         Receiver { addr, state }
     }
 
@@ -221,10 +188,9 @@ impl Receiver {
     }
 
     async fn wait_received(&self, n: usize) -> Vec<Received> {
-        wait_until(
-            || self.state.received.lock().len() >= n,
-            &format!("{n} webhook requests"),
-        )
+        eventually(&format!("{n} webhook requests"), async || {
+            (self.state.received.lock().len() >= n).then_some(())
+        })
         .await;
         self.received()
     }
@@ -232,11 +198,7 @@ impl Receiver {
 
 async fn answer(st: Arc<ReceiverState>, req: Request<Incoming>) -> Response<Full<Bytes>> {
     let (parts, body) = req.into_parts();
-    let body = body
-        .collect()
-        .await
-        .map(|b| b.to_bytes())
-        .unwrap_or_default();
+    let body = read_body(body).await;
     let r = st
         .script
         .lock()
@@ -265,16 +227,6 @@ fn async_pool(up: &Upstream, server_extra: &str, pool_extra: &str) -> String {
         "[server]\n{server_extra}\n{}[pools.async]\nenabled = true\n{pool_extra}",
         pool_toml("p", &up.url(), "limit = 4")
     )
-}
-
-async fn manual_gateway(toml: &str) -> (Gateway, Arc<ManualClock>) {
-    manual_gateway_at(toml, T0).await
-}
-
-async fn manual_gateway_at(toml: &str, start_ms: u64) -> (Gateway, Arc<ManualClock>) {
-    let clock = Arc::new(ManualClock::new(start_ms));
-    let gw = gateway_with(toml, Some(clock.clone() as Arc<dyn Clock>)).await;
-    (gw, clock)
 }
 
 /// Attaches a destination through the admin API; returns its id and secret.
@@ -357,25 +309,26 @@ async fn attempts(gw: &Gateway, job: &str) -> Vec<Value> {
 
 /// Waits (bounded) until `job` has `n` recorded attempts; returns them oldest first.
 async fn wait_attempts(gw: &Gateway, job: &str, n: usize) -> Vec<Value> {
-    for _ in 0..2000 {
-        let a = attempts(gw, job).await;
-        if a.len() >= n {
-            return a;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    panic!("job {job} never had {n} recorded attempts");
+    eventually(
+        &format!("job {job} to have {n} recorded attempts"),
+        async || {
+            let a = attempts(gw, job).await;
+            (a.len() >= n).then_some(a)
+        },
+    )
+    .await
 }
 
 /// Waits (bounded) until the job's poll body satisfies `pred`.
 async fn wait_poll(gw: &Gateway, job: &str, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
     let mut last = Value::Null;
-    for _ in 0..2000 {
+    let reached = wait::poll(wait::TRIES, wait::EVERY, async || {
         last = poll(gw, job).await;
-        if pred(&last) {
-            return last;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        pred(&last).then(|| last.clone())
+    })
+    .await;
+    if let Some(v) = reached {
+        return v;
     }
     let detail = get_json(gw, &format!("/admin/pools/p/jobs/{job}")).await;
     panic!("job {job} never reached: {what}; last poll body {last}; detail {detail}");
@@ -398,14 +351,11 @@ async fn wait_destination(
     what: &str,
     pred: impl Fn(&Value) -> bool,
 ) -> Value {
-    for _ in 0..2000 {
+    eventually(&format!("destination {id}: {what}"), async || {
         let d = destination(gw, id).await;
-        if pred(&d) {
-            return d;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    panic!("destination {id} never reached: {what}");
+        pred(&d).then_some(d)
+    })
+    .await
 }
 
 /// The single delivery of `job` (from the admin job detail).
@@ -534,7 +484,7 @@ async fn delivers_the_poll_body_signed_per_the_standard() {
 async fn retries_after_failures_then_succeeds() {
     let up = Upstream::start().await;
     let rx = Receiver::start().await;
-    let (gw, clock) = manual_gateway(&async_pool(&up, "allow_private_webhooks = true", "")).await;
+    let (gw, clock) = clocked(&async_pool(&up, "allow_private_webhooks = true", "")).await;
     let (dest, secret) = add_destination(&gw, &rx.url("/hook"), json!({})).await;
     rx.script([
         reply_with(302, "location", rx.url("/elsewhere")),
@@ -605,7 +555,7 @@ async fn retries_after_failures_then_succeeds() {
 async fn retry_after_is_honoured() {
     let up = Upstream::start().await;
     let rx = Receiver::start().await;
-    let (gw, clock) = manual_gateway(&async_pool(&up, "allow_private_webhooks = true", "")).await;
+    let (gw, clock) = clocked(&async_pool(&up, "allow_private_webhooks = true", "")).await;
     add_destination(&gw, &rx.url("/hook"), json!({})).await;
     rx.script([
         reply_with(503, "retry-after", "120"),
@@ -644,7 +594,7 @@ async fn gone_deactivates_and_the_last_one_flips_the_pool_to_sync() {
     let up = Upstream::start().await;
     let a_rx = Receiver::start().await;
     let b_rx = Receiver::start().await;
-    let (gw, _clock) = manual_gateway(&async_pool(&up, "allow_private_webhooks = true", "")).await;
+    let (gw, _clock) = clocked(&async_pool(&up, "allow_private_webhooks = true", "")).await;
     let (a, _) = add_destination(&gw, &a_rx.url("/a"), json!({})).await;
     let (b, _) = add_destination(&gw, &b_rx.url("/b"), json!({})).await;
     b_rx.set_default(reply(410));
@@ -692,7 +642,7 @@ async fn gone_deactivates_and_the_last_one_flips_the_pool_to_sync() {
 async fn consecutive_failures_deactivate_and_re_enable_restores_async() {
     let up = Upstream::start().await;
     let rx = Receiver::start().await;
-    let (gw, _clock) = manual_gateway(&async_pool(&up, "allow_private_webhooks = true", "")).await;
+    let (gw, _clock) = clocked(&async_pool(&up, "allow_private_webhooks = true", "")).await;
     let (dest, _) = add_destination(&gw, &rx.url("/hook"), json!({"deactivateAfter": 3})).await;
     rx.set_default(reply(500));
 
@@ -737,7 +687,7 @@ async fn consecutive_failures_deactivate_and_re_enable_restores_async() {
 async fn manual_redelivery() {
     let up = Upstream::start().await;
     let rx = Receiver::start().await;
-    let (gw, clock) = manual_gateway(&async_pool(&up, "allow_private_webhooks = true", "")).await;
+    let (gw, clock) = clocked(&async_pool(&up, "allow_private_webhooks = true", "")).await;
     let (dest, secret) = add_destination(&gw, &rx.url("/hook"), json!({})).await;
     let job = submit(&gw).await;
     wait_poll(&gw, &job, "delivered", |v| v["webhook"]["delivered"] == 1).await;
@@ -792,8 +742,7 @@ async fn rotation_sends_both_signatures_during_the_grace() {
     let rx = Receiver::start().await;
     // The clock starts at wall time, so the official library's timestamp check applies too.
     let t0 = wall_ms();
-    let (gw, clock) =
-        manual_gateway_at(&async_pool(&up, "allow_private_webhooks = true", ""), t0).await;
+    let (gw, clock) = clocked_at(&async_pool(&up, "allow_private_webhooks = true", ""), t0).await;
     let (dest, old) = add_destination(&gw, &rx.url("/hook"), json!({})).await;
 
     let (status, rotated) = rotate(&gw, &dest, Some(json!({"graceS": 3600}))).await;
