@@ -2,18 +2,14 @@
 //! `limit = 8`, clients that vanish mid-queue and mid-request, upstreams that hang or reset.
 //! The upstream must never see more than the limit, every request must get an answer from the
 //! contract (2xx/429/502/504), and afterwards nothing is left in flight or queued.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod support;
-
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::{counting_upstream, pool_toml, Server};
+use nthbouncer_testkit::binary::Server;
+use nthbouncer_testkit::{pool_toml, Upstream};
 
-const KEY: &str = "chaos-test-key-0123456789";
-const ADMIN: &str = "chaos-test-admin-token-0123";
+use crate::BIN;
 
 /// Accepts connections and closes them without an answer (the client sees the connection end).
 async fn resetting_upstream() -> u16 {
@@ -38,19 +34,15 @@ async fn start(pools: &str) -> Server {
         .pool_max_idle_per_host(0)
         .build()
         .unwrap();
-    Server::start(ADMIN, "error", client, pools).await
-}
-
-fn pool(name: &str, port: u16, concurrency: &str) -> String {
-    pool_toml(name, port, KEY, concurrency)
+    Server::start(BIN, "error", client, pools).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_5000_at_limit_8() {
-    let (up, counts) = counting_upstream().await;
-    let server = start(&pool(
+    let up = Upstream::start().await;
+    let server = start(&pool_toml(
         "flood",
-        up,
+        &up.url(),
         "limit = 8\nqueue_size = 10000\nqueue_timeout_ms = 60000",
     ))
     .await;
@@ -59,7 +51,7 @@ async fn a_flood_of_5000_at_limit_8() {
     for _ in 0..5000 {
         let s = server.clone();
         tasks.push(tokio::spawn(async move {
-            match s.pool_get("flood", "/sleep?ms=2", KEY).send().await {
+            match s.pool_get("flood", "/sleep?ms=2").send().await {
                 Ok(r) => r.status().as_u16(),
                 Err(e) => panic!("no answer: {e}"),
             }
@@ -77,12 +69,12 @@ async fn a_flood_of_5000_at_limit_8() {
         }
     }
     assert!(
-        counts.max.load(Ordering::SeqCst) <= 8,
+        up.max_in_flight() <= 8,
         "the upstream saw {} at once",
-        counts.max.load(Ordering::SeqCst)
+        up.max_in_flight()
     );
     assert_eq!(
-        counts.total.load(Ordering::SeqCst),
+        up.total(),
         ok,
         "every 200 reached the upstream exactly once"
     );
@@ -91,14 +83,14 @@ async fn a_flood_of_5000_at_limit_8() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vanishing_clients_leak_nothing() {
-    let (up, counts) = counting_upstream().await;
-    let server = Arc::new(start(&pool("v", up, "limit = 4\nqueue_size = 10000")).await);
+    let up = Upstream::start().await;
+    let server = Arc::new(start(&pool_toml("v", &up.url(), "limit = 4\nqueue_size = 10000")).await);
     // Half give up while queued or in flight (client-side timeouts), half wait.
     let mut tasks = Vec::new();
     for i in 0..400 {
         let s = server.clone();
         tasks.push(tokio::spawn(async move {
-            let mut req = s.pool_get("v", "/sleep?ms=20", KEY);
+            let mut req = s.pool_get("v", "/sleep?ms=20");
             if i % 2 == 0 {
                 req = req.timeout(Duration::from_millis(30 + (i % 7) as u64 * 10));
             }
@@ -116,15 +108,15 @@ async fn vanishing_clients_leak_nothing() {
     // A caller that vanished mid-call still counts until the upstream answered: the upstream
     // never sees more than the limit, abandoned calls included.
     assert!(
-        counts.max.load(Ordering::SeqCst) <= 4,
+        up.max_in_flight() <= 4,
         "the upstream saw {} at once",
-        counts.max.load(Ordering::SeqCst)
+        up.max_in_flight()
     );
     server.wait_idle("v").await;
     // The pool still serves at full width afterwards.
     assert_eq!(
         server
-            .pool_get("v", "/sleep?ms=1", KEY)
+            .pool_get("v", "/sleep?ms=1")
             .send()
             .await
             .unwrap()
@@ -135,19 +127,19 @@ async fn vanishing_clients_leak_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hanging_and_resetting_upstreams_free_their_slots() {
-    let (up, _) = counting_upstream().await;
+    let up = Upstream::start().await;
     let reset = resetting_upstream().await;
     let pools = format!(
         "{}{}",
-        pool("hang", up, "limit = 2\nrequest_timeout_ms = 300"),
-        pool("reset", reset, "limit = 2")
+        pool_toml("hang", &up.url(), "limit = 2\nrequest_timeout_ms = 300"),
+        pool_toml("reset", &format!("http://127.0.0.1:{reset}"), "limit = 2")
     );
     let server = Arc::new(start(&pools).await);
     let mut tasks = Vec::new();
     for _ in 0..6 {
         let s = server.clone();
         tasks.push(tokio::spawn(async move {
-            s.pool_get("hang", "/hang", KEY)
+            s.pool_get("hang", "/hang")
                 .send()
                 .await
                 .unwrap()
@@ -156,7 +148,7 @@ async fn hanging_and_resetting_upstreams_free_their_slots() {
         }));
         let s = server.clone();
         tasks.push(tokio::spawn(async move {
-            s.pool_get("reset", "/", KEY)
+            s.pool_get("reset", "/")
                 .send()
                 .await
                 .unwrap()

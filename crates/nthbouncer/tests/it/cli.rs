@@ -1,14 +1,15 @@
 //! The real binary: config validation, keygen, serve with a real sandbox process, the demo, and
 //! graceful shutdown on SIGTERM.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod support;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use support::{free_port, server_toml, spawn, wait_listening, write_config, Proc, BIN};
+use nthbouncer_testkit::binary::{
+    free_port, server_toml, spawn, wait_listening, write_config, Proc,
+};
+
+use crate::BIN;
 
 #[test]
 fn invalid_configs_exit_non_zero_naming_the_key() {
@@ -108,6 +109,7 @@ fn serve_proxies_to_a_sandbox_and_drains_on_sigterm() {
     let sandbox_port = free_port();
     let sandbox_listen = format!("127.0.0.1:{sandbox_port}");
     let _sandbox = spawn(
+        BIN,
         &[
             "sandbox",
             "--listen",
@@ -127,7 +129,7 @@ fn serve_proxies_to_a_sandbox_and_drains_on_sigterm() {
             server_toml(port, dir.path())
         ),
     );
-    let mut server = spawn(&["serve", "--config", path.to_str().unwrap()], None);
+    let mut server = spawn(BIN, &["serve", "--config", path.to_str().unwrap()], None);
     wait_listening(sandbox_port);
     wait_listening(port);
     let (status, body) = http(port, "demo.localhost", "/echo", Some(key));

@@ -2,18 +2,16 @@
 //! `kill -9` the server mid-flight, restart it on the same data dir, and check that every
 //! accepted job finishes, each reached the upstream with its `Idempotency-Key`, and only jobs
 //! that were running at the kill ran twice.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod support;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use support::{header, ok, poll, pool_toml, serve_http, wait_until, webhook_toml, Server};
+use nthbouncer_testkit::binary::Server;
+use nthbouncer_testkit::{header, ok, poll, pool_toml, serve_http, wait_until, webhook_toml};
 
-const KEY: &str = "crash-test-key-0123456789";
-const ADMIN: &str = "crash-test-admin-token-0123";
+use crate::BIN;
+
 const JOBS: usize = 500;
 const LIMIT: usize = 10;
 
@@ -21,7 +19,7 @@ const LIMIT: usize = 10;
 type Seen = Arc<Mutex<Vec<String>>>;
 
 /// An upstream that records each request's `Idempotency-Key` and answers `done` after 30 ms.
-async fn slow_upstream() -> (u16, Seen) {
+async fn slow_upstream() -> (String, Seen) {
     let seen: Seen = Arc::default();
     let s = seen.clone();
     let port = serve_http(move |req| {
@@ -33,24 +31,24 @@ async fn slow_upstream() -> (u16, Seen) {
         }
     })
     .await;
-    (port, seen)
+    (format!("http://{port}"), seen)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn accepted_jobs_survive_kill_9() {
-    let (up_port, seen) = slow_upstream().await;
+    let (up, seen) = slow_upstream().await;
     // The destination is a placeholder nothing listens on: every delivery to it fails, so it
     // must not reach its deactivation streak (which would flip the pool to sync) during the test.
     let rest = format!(
         "allow_private_webhooks = true\n{}[pools.async]\nenabled = true\n{}deactivate_after = 1000000\n",
-        pool_toml("p", up_port, KEY, &format!("limit = {LIMIT}\nqueue_size = 10000")),
+        pool_toml("p", &up, &format!("limit = {LIMIT}\nqueue_size = 10000")),
         webhook_toml("http://127.0.0.1:9/hook"),
     );
-    let mut server = Server::start(ADMIN, "warn", reqwest::Client::new(), &rest).await;
+    let mut server = Server::start(BIN, "warn", reqwest::Client::new(), &rest).await;
 
     // Accept 500 jobs, 16 submissions at a time.
     let ids = server
-        .submit_async_jobs("p", KEY, JOBS, |i| Some(format!("job {i}")))
+        .submit_async_jobs("p", JOBS, |i| Some(format!("job {i}")))
         .await;
 
     // Kill -9 while jobs are running.
@@ -68,7 +66,7 @@ async fn accepted_jobs_survive_kill_9() {
     server.restart().await;
     for id in &ids {
         let finished = poll(3000, Duration::from_millis(10), async || {
-            let (status, v) = server.job("p", KEY, id).await;
+            let (status, v) = server.job("p", id).await;
             assert_eq!(status, 200, "job {id} was lost");
             if v["status"] == "completed" {
                 assert_eq!(v["result"]["body"], "done");

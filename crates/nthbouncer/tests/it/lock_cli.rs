@@ -1,63 +1,36 @@
 //! `nthbouncer lock` as a real process against a real gateway started in-process on loopback:
 //! CMD's status passes through, the slot is held while CMD runs and released after, refusals
 //! exit with their own codes and a message, lease trouble warns, signals behave.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod support;
 
 use std::path::Path;
 use std::process::{Output, Stdio};
 use std::time::Duration;
 
-use nthbouncer_client::{LockClient, LockError};
-use nthbouncer_config::Config;
-use support::{admin_get, pool_toml, wait_until, BIN};
+use nthbouncer_client::LockError;
+use nthbouncer_testkit::{gateway, lock_pool_toml, wait_until, Gateway, API_HOST, KEY};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
-const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
-const KEY: &str = "test-key-0123456789abcdef";
-
-struct Gateway {
-    _running: nthbouncer_server::Running,
-    base: String,
-    http: reqwest::Client,
-    dir: tempfile::TempDir,
-}
+use crate::BIN;
 
 /// A gateway on a loopback port with lock pool `p` configured by `concurrency` (TOML lines).
-async fn gateway(concurrency: &str) -> Gateway {
-    let dir = tempfile::tempdir().unwrap();
-    let toml = pool_toml("p", 9, KEY, concurrency);
-    let mut config = Config::from_toml_str(&toml).unwrap();
-    config.server.listen = "127.0.0.1:0".into();
-    config.server.data_dir = dir.path().join("data");
-    config.server.admin_token = Some(ADMIN_TOKEN.into());
-    let running = nthbouncer_server::start(config, nthbouncer_server::Options::default())
-        .await
-        .unwrap();
-    let base = format!("http://{}", running.addr);
-    Gateway {
-        _running: running,
-        base,
-        http: reqwest::Client::new(),
-        dir,
-    }
+async fn gateway_p(concurrency: &str) -> Gateway {
+    gateway(&lock_pool_toml("p", concurrency)).await
 }
 
-impl Gateway {
+/// `nthbouncer lock` against a gateway's pool `p`.
+trait LockCli {
+    fn lock(&self, extra: &[&str], cmd: &[&str]) -> Command;
+    async fn run(&self, extra: &[&str], cmd: &[&str]) -> Output;
+    fn path(&self, name: &str) -> String;
+}
+
+impl LockCli for Gateway {
     /// `nthbouncer lock` against this gateway's pool `p`; the key comes from the environment.
     fn lock(&self, extra: &[&str], cmd: &[&str]) -> Command {
         let mut c = Command::new(BIN);
         c.arg("lock")
-            .args([
-                "--api",
-                &self.base,
-                "--host",
-                "api.localhost",
-                "--pool",
-                "p",
-            ])
+            .args(["--api", &self.base, "--host", API_HOST, "--pool", "p"])
             .args(extra)
             .arg("--")
             .args(cmd)
@@ -78,22 +51,8 @@ impl Gateway {
             .unwrap()
     }
 
-    async fn in_flight(&self) -> u64 {
-        let r = admin_get(&self.http, &self.base, ADMIN_TOKEN, "/admin/pools/p/state").await;
-        assert_eq!(r.status(), 200);
-        let v: serde_json::Value = r.json().await.unwrap();
-        v["inFlight"].as_u64().unwrap()
-    }
-
-    fn client(&self) -> LockClient {
-        LockClient::new(&self.base, "p", KEY)
-            .unwrap()
-            .with_host("api.localhost")
-            .unwrap()
-    }
-
     fn path(&self, name: &str) -> String {
-        self.dir.path().join(name).to_string_lossy().into_owned()
+        self.dir().join(name).to_string_lossy().into_owned()
     }
 }
 
@@ -125,35 +84,35 @@ fn wait_for_go<'a>(started: &'a str, go: &'a str) -> Vec<&'a str> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_command_status_and_output_pass_through_and_the_slot_is_released() {
     // The default 30 s term: only a release frees the slot this soon.
-    let gw = gateway("limit = 1").await;
+    let gw = gateway_p("limit = 1").await;
     let out = gw.run(&[], &["sh", "-c", "echo out; exit 3"]).await;
     assert_eq!(out.status.code(), Some(3), "stderr: {}", stderr(&out));
     assert_eq!(String::from_utf8_lossy(&out.stdout), "out\n");
-    assert_eq!(gw.in_flight().await, 0, "released before exiting");
+    assert_eq!(gw.in_flight("p").await, 0, "released before exiting");
 
     let out = gw.run(&[], &["true"]).await;
     assert_eq!(out.status.code(), Some(0), "stderr: {}", stderr(&out));
     assert!(out.stderr.is_empty(), "quiet on success: {}", stderr(&out));
-    assert_eq!(gw.in_flight().await, 0);
+    assert_eq!(gw.in_flight("p").await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_slot_is_held_while_the_command_runs() {
-    let gw = gateway("limit = 1\nlease_term_ms = 300\nrenew_interval_ms = 100").await;
+    let gw = gateway_p("limit = 1\nlease_term_ms = 300\nrenew_interval_ms = 100").await;
     let (started, go) = (gw.path("started"), gw.path("go"));
     let child = gw.lock(&[], &wait_for_go(&started, &go)).spawn().unwrap();
     wait_for_file(&started).await;
-    assert_eq!(gw.in_flight().await, 1);
+    assert_eq!(gw.in_flight("p").await, 1);
     // Long enough for the 300 ms lease to need renewals; the pool stays full throughout.
     for _ in 0..5 {
-        let refused = gw.client().acquire(None).await;
+        let refused = gw.lock_client("p").acquire(None).await;
         assert!(
             matches!(refused, Err(LockError::NoSlot { .. })),
             "{refused:?}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(gw.in_flight().await, 1);
+    assert_eq!(gw.in_flight("p").await, 1);
     std::fs::write(&go, b"").unwrap();
     let out = tokio::time::timeout(Duration::from_secs(20), child.wait_with_output())
         .await
@@ -161,13 +120,13 @@ async fn the_slot_is_held_while_the_command_runs() {
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "stderr: {}", stderr(&out));
     assert!(!stderr(&out).contains("warning"), "{}", stderr(&out));
-    assert_eq!(gw.in_flight().await, 0);
+    assert_eq!(gw.in_flight("p").await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_pool_exits_75_with_a_message_and_the_command_does_not_run() {
-    let gw = gateway("limit = 1").await;
-    let holder = gw.client().acquire(None).await.unwrap();
+    let gw = gateway_p("limit = 1").await;
+    let holder = gw.lock_client("p").acquire(None).await.unwrap();
     let ran = gw.path("ran");
 
     let out = gw.run(&[], &["touch", &ran]).await;
@@ -191,7 +150,7 @@ async fn a_full_pool_exits_75_with_a_message_and_the_command_does_not_run() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn other_refusals_have_their_own_exit_codes() {
-    let gw = gateway("limit = 1").await;
+    let gw = gateway_p("limit = 1").await;
 
     let mut bad_key = gw.lock(&[], &["true"]);
     bad_key.env("NTHBOUNCER_KEY", "not-the-key-0123456789");
@@ -246,12 +205,12 @@ async fn other_refusals_have_their_own_exit_codes() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
 
-    assert_eq!(gw.in_flight().await, 0);
+    assert_eq!(gw.in_flight("p").await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_capped_lease_warns_and_the_command_keeps_running() {
-    let gw = gateway(
+    let gw = gateway_p(
         "limit = 1\nrequest_timeout_ms = 300\nlease_term_ms = 200\nrenew_interval_ms = 100",
     )
     .await;
@@ -276,20 +235,20 @@ async fn a_capped_lease_warns_and_the_command_keeps_running() {
         .unwrap()
         .unwrap();
     assert_eq!(status.code(), Some(0));
-    assert_eq!(gw.in_flight().await, 0);
+    assert_eq!(gw.in_flight("p").await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_command_killed_by_a_signal_exits_128_plus_the_signal() {
-    let gw = gateway("limit = 1").await;
+    let gw = gateway_p("limit = 1").await;
     let out = gw.run(&[], &["sh", "-c", "kill -TERM $$"]).await;
     assert_eq!(out.status.code(), Some(128 + 15), "{}", stderr(&out));
-    assert_eq!(gw.in_flight().await, 0);
+    assert_eq!(gw.in_flight("p").await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_is_forwarded_to_the_command() {
-    let gw = gateway("limit = 1").await;
+    let gw = gateway_p("limit = 1").await;
     let started = gw.path("started");
     let script = "trap 'exit 7' TERM; touch \"$1\"; while :; do sleep 0.02; done";
     let child = gw
@@ -308,14 +267,14 @@ async fn sigterm_is_forwarded_to_the_command() {
         .unwrap()
         .unwrap();
     assert_eq!(out.status.code(), Some(7), "{}", stderr(&out));
-    assert_eq!(gw.in_flight().await, 0);
+    assert_eq!(gw.in_flight("p").await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_command_exits_127_and_releases_the_slot() {
-    let gw = gateway("limit = 1").await;
+    let gw = gateway_p("limit = 1").await;
     let out = gw.run(&[], &["/nonexistent/nthbouncer-test-command"]).await;
     assert_eq!(out.status.code(), Some(127), "{}", stderr(&out));
     assert!(stderr(&out).contains("cannot run"), "{}", stderr(&out));
-    assert_eq!(gw.in_flight().await, 0);
+    assert_eq!(gw.in_flight("p").await, 0);
 }

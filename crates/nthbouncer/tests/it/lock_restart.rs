@@ -1,42 +1,32 @@
 //! Lock leases across a crash, against the real binary: a restart must not hand out again the
 //! slots of leases whose holders may still be calling the origin. They come back once their
 //! holders have had a lease term to notice (their renewals answer `404 not_found`).
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod support;
 
 use std::time::Duration;
 
+use nthbouncer_testkit::binary::Server;
+use nthbouncer_testkit::{call, lock_pool_toml, wait_until};
+use reqwest::Method;
 use serde_json::{json, Value};
-use support::*;
 
-const KEY: &str = "lock-restart-key-0123456789";
-const ADMIN: &str = "lock-restart-admin-token-0123";
+use crate::BIN;
 
 async fn lock(server: &Server, path: &str, body: Value) -> (u16, Value) {
-    let r = server
-        .client
-        .post(server.url(&format!("/pools/p/lock/{path}")))
-        .header("host", "api.localhost")
-        .header("x-nthpool-key", KEY)
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    let status = r.status().as_u16();
-    (status, r.json().await.unwrap_or(Value::Null))
+    call(
+        server
+            .api(Method::POST, &format!("/pools/p/lock/{path}"))
+            .json(&body),
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_held_at_a_crash_keep_their_slots_for_one_term_after_the_restart() {
-    // The upstream is never called: lock holders call the origin themselves.
-    let rest = pool_toml(
+    let rest = lock_pool_toml(
         "p",
-        9,
-        KEY,
         "limit = 3\nlease_term_ms = 1500\nrenew_interval_ms = 500",
     );
-    let mut server = Server::start(ADMIN, "warn", reqwest::Client::new(), &rest).await;
+    let mut server = Server::start(BIN, "warn", reqwest::Client::new(), &rest).await;
     let (status, first) = lock(&server, "acquire", json!({})).await;
     assert_eq!(status, 200, "{first}");
     let (status, released) = lock(&server, "acquire", json!({})).await;

@@ -4,9 +4,6 @@
 //! on the same data dir with the receiver answering again, and every terminal job must reach
 //! every active destination at least once. The receiver dedupes on `webhook-id`; a delivery
 //! recorded as delivered before the kill is never sent again.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod support;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -15,10 +12,16 @@ use std::time::Duration;
 
 use http_body_util::Full;
 use hyper::body::Bytes;
-use support::{ok, poll, pool_toml, serve_http, wait_until, webhook_toml, Delivery, Server};
+use hyper::body::Incoming;
+use hyper::Request;
+use nthbouncer_testkit::binary::Server;
+use nthbouncer_testkit::{
+    header, ok, poll, pool_toml, read_body, serve_http, wait_until, webhook_toml,
+};
+use serde_json::Value;
 
-const KEY: &str = "crash-test-key-0123456789";
-const ADMIN: &str = "crash-test-admin-token-0123";
+use crate::BIN;
+
 const JOBS: usize = 200;
 /// Deliveries the receiver answers before it starts holding requests open.
 const ANSWERED_FIRST: usize = 40;
@@ -96,10 +99,11 @@ async fn start_receiver(rx: Arc<Receiver>) -> u16 {
         }
     })
     .await
+    .port()
 }
 
-async fn start_upstream() -> u16 {
-    serve_http(|_req| async { ok(b"done") }).await
+async fn start_upstream() -> String {
+    format!("http://{}", serve_http(|_req| async { ok(b"done") }).await)
 }
 
 /// Every job of pool p, as the admin API lists them.
@@ -110,7 +114,7 @@ async fn all_jobs(server: &Server) -> Vec<serde_json::Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_terminal_job_is_delivered_after_kill_9() {
-    let up_port = start_upstream().await;
+    let up = start_upstream().await;
     let rx = Arc::new(Receiver::default());
     rx.budget.store(ANSWERED_FIRST, Ordering::SeqCst);
     let rx_port = start_receiver(rx.clone()).await;
@@ -120,12 +124,12 @@ async fn every_terminal_job_is_delivered_after_kill_9() {
         .collect();
     let rest = format!(
         "allow_private_webhooks = true\n{}[pools.async]\nenabled = true\n{hooks}",
-        pool_toml("p", up_port, KEY, "limit = 10\nqueue_size = 10000"),
+        pool_toml("p", &up, "limit = 10\nqueue_size = 10000"),
     );
-    let mut server = Server::start(ADMIN, "warn", reqwest::Client::new(), &rest).await;
+    let mut server = Server::start(BIN, "warn", reqwest::Client::new(), &rest).await;
 
     let ids: HashSet<String> = server
-        .submit_async_jobs("p", KEY, JOBS, |_| None)
+        .submit_async_jobs("p", JOBS, |_| None)
         .await
         .into_iter()
         .collect();
@@ -233,7 +237,7 @@ async fn every_terminal_job_is_delivered_after_kill_9() {
     // The poll body's counts agree: every job delivered to both destinations.
     for id in &ids {
         let shown = wait_until(500, Duration::from_millis(10), async || {
-            let (_, v) = server.job("p", KEY, id).await;
+            let (_, v) = server.job("p", id).await;
             if v["webhook"]["delivered"] == 2 {
                 assert_eq!(v["webhook"]["destinations"], 2);
                 assert_eq!(v["webhook"]["failed"], 0);
@@ -243,5 +247,32 @@ async fn every_terminal_job_is_delivered_after_kill_9() {
         })
         .await;
         assert!(shown, "job {id} never showed 2 deliveries");
+    }
+}
+/// What a webhook receiver reads of one delivery.
+pub struct Delivery {
+    /// The destination's path.
+    pub path: String,
+    /// The `webhook-id` header.
+    pub webhook_id: String,
+    /// The body's `jobId`; empty if the body is not JSON or has none.
+    pub body_job_id: String,
+}
+
+impl Delivery {
+    /// Reads the delivery, body included.
+    pub async fn read(req: Request<Incoming>) -> Delivery {
+        let path = req.uri().path().to_string();
+        let webhook_id = header(&req, "webhook-id");
+        let body = read_body(req.into_body()).await;
+        let body_job_id = serde_json::from_slice::<Value>(&body)
+            .ok()
+            .and_then(|v| v["jobId"].as_str().map(str::to_string))
+            .unwrap_or_default();
+        Delivery {
+            path,
+            webhook_id,
+            body_job_id,
+        }
     }
 }
