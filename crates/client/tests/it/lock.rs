@@ -1,26 +1,23 @@
 //! The client against a real gateway on loopback: grants, outcomes, renewals, caps, drops,
 //! lost leases, queueing and the error kinds.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod support;
 
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderValue};
 use nthbouncer_client::{AcquireOptions, LeaseState, LockClient, LockError, Outcome, Priority};
-use support::{bounded, pool, Gateway, API_HOST, KEY};
+use nthbouncer_testkit::{bounded, gateway, lock_pool_toml as pool, API_HOST, KEY};
 
 /// Short leases keep the renewal tests fast (the smallest term is 100 ms).
 const FAST: &str = "limit = 1\nlease_term_ms = 300\nrenew_interval_ms = 100";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acquire_reports_the_grant_and_release_reports_the_outcome() {
-    let gw = Gateway::start(&pool(
+    let gw = gateway(&pool(
         "p",
         "limit = 2\nlease_term_ms = 5000\nrenew_interval_ms = 1000",
     ))
     .await;
-    let guard = gw.client("p").acquire(None).await.unwrap();
+    let guard = gw.lock_client("p").acquire(None).await.unwrap();
     let grant = guard.grant().clone();
     assert!(!grant.slot_id.is_empty());
     assert_eq!(guard.slot_id(), grant.slot_id);
@@ -51,8 +48,8 @@ async fn acquire_reports_the_grant_and_release_reports_the_outcome() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn outcome_from_response_headers_reach_the_governor() {
-    let gw = Gateway::start(&pool("p", "limit = 2")).await;
-    let guard = gw.client("p").acquire(None).await.unwrap();
+    let gw = gateway(&pool("p", "limit = 2")).await;
+    let guard = gw.lock_client("p").acquire(None).await.unwrap();
     let mut headers = HeaderMap::new();
     headers.insert("content-type", HeaderValue::from_static("application/json"));
     headers.insert("x-ratelimit-limit-requests", HeaderValue::from_static("60"));
@@ -74,10 +71,10 @@ async fn outcome_from_response_headers_reach_the_governor() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renewals_keep_the_slot_across_several_terms() {
-    let gw = Gateway::start(&pool("p", FAST)).await;
-    let holder = gw.client("p").acquire(None).await.unwrap();
+    let gw = gateway(&pool("p", FAST)).await;
+    let holder = gw.lock_client("p").acquire(None).await.unwrap();
     let first_deadline = holder.lease_deadline();
-    let other = gw.client("p");
+    let other = gw.lock_client("p");
     // About three terms of work; meanwhile the pool stays full.
     for _ in 0..10 {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -98,12 +95,12 @@ async fn renewals_keep_the_slot_across_several_terms() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_at_its_request_deadline_is_capped_then_reclaimed() {
-    let gw = Gateway::start(&pool(
+    let gw = gateway(&pool(
         "p",
         "limit = 1\nrequest_timeout_ms = 600\nlease_term_ms = 300\nrenew_interval_ms = 100",
     ))
     .await;
-    let holder = gw.client("p").acquire(None).await.unwrap();
+    let holder = gw.lock_client("p").acquire(None).await.unwrap();
     let ended = bounded("the cap", holder.lost()).await;
     assert_eq!(ended, LeaseState::Capped);
     assert_eq!(holder.state(), LeaseState::Capped);
@@ -112,7 +109,7 @@ async fn a_lease_at_its_request_deadline_is_capped_then_reclaimed() {
     // Not released: the gateway reclaims the slot at the cap on its own.
     gw.wait_state("p", "capped slot reclaimed", |s| s["inFlight"] == 0)
         .await;
-    let next = gw.client("p").acquire(None).await.unwrap();
+    let next = gw.lock_client("p").acquire(None).await.unwrap();
     assert!(!holder.release(None).await.unwrap(), "already reclaimed");
     assert!(next.release(None).await.unwrap());
 }
@@ -120,8 +117,8 @@ async fn a_lease_at_its_request_deadline_is_capped_then_reclaimed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_the_guard_releases_the_slot() {
     // The default 30 s term: only a release frees the slot within the bounded wait.
-    let gw = Gateway::start(&pool("p", "limit = 1")).await;
-    let client = gw.client("p");
+    let gw = gateway(&pool("p", "limit = 1")).await;
+    let client = gw.lock_client("p");
     let guard = client.acquire(None).await.unwrap();
     let lost = guard.lost();
     assert_eq!(gw.in_flight("p").await, 1);
@@ -138,8 +135,8 @@ async fn dropping_the_guard_releases_the_slot() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_released_behind_our_back_is_reported_lost() {
-    let gw = Gateway::start(&pool("p", FAST)).await;
-    let holder = gw.client("p").acquire(None).await.unwrap();
+    let gw = gateway(&pool("p", FAST)).await;
+    let holder = gw.lock_client("p").acquire(None).await.unwrap();
     let r = gw
         .raw_post(&format!("/pools/p/lock/{}/release", holder.slot_id()))
         .await;
@@ -152,17 +149,17 @@ async fn a_slot_released_behind_our_back_is_reported_lost() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiting_acquires_are_served_in_priority_order() {
-    let gw = Gateway::start(&pool("p", "limit = 1")).await;
-    let holder = gw.client("p").acquire(None).await.unwrap();
+    let gw = gateway(&pool("p", "limit = 1")).await;
+    let holder = gw.lock_client("p").acquire(None).await.unwrap();
     let wait = |priority| AcquireOptions {
         wait: Some(Duration::from_secs(10)),
         priority: Some(priority),
     };
-    let normal_client = gw.client("p");
+    let normal_client = gw.lock_client("p");
     let normal =
         tokio::spawn(async move { normal_client.acquire_with(wait(Priority::Normal)).await });
     gw.wait_state("p", "one waiter", |s| s["queued"] == 1).await;
-    let high_client = gw.client("p");
+    let high_client = gw.lock_client("p");
     let high = tokio::spawn(async move { high_client.acquire_with(wait(Priority::High)).await });
     gw.wait_state("p", "two waiters", |s| s["queued"] == 2)
         .await;
@@ -179,14 +176,14 @@ async fn waiting_acquires_are_served_in_priority_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refusals_are_sorted_into_error_kinds() {
-    let gw = Gateway::start(&pool("p", "limit = 1")).await;
-    let holder = gw.client("p").acquire(None).await.unwrap();
+    let gw = gateway(&pool("p", "limit = 1")).await;
+    let holder = gw.lock_client("p").acquire(None).await.unwrap();
 
-    let full = gw.client("p").acquire(None).await;
+    let full = gw.lock_client("p").acquire(None).await;
     assert!(matches!(full, Err(LockError::NoSlot { .. })), "{full:?}");
     assert!(full.as_ref().err().is_some_and(LockError::is_transient));
     let timed_out = gw
-        .client("p")
+        .lock_client("p")
         .acquire(Some(Duration::from_millis(50)))
         .await;
     assert!(
@@ -205,7 +202,7 @@ async fn refusals_are_sorted_into_error_kinds() {
         "{bad_key:?}"
     );
 
-    let no_pool = gw.client("nope").acquire(None).await;
+    let no_pool = gw.lock_client("nope").acquire(None).await;
     assert!(
         matches!(no_pool, Err(LockError::PoolNotFound)),
         "{no_pool:?}"
@@ -236,7 +233,7 @@ async fn refusals_are_sorted_into_error_kinds() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn names_under_localhost_reach_loopback_without_a_host_override() {
-    let gw = Gateway::start(&pool("p", "limit = 1")).await;
+    let gw = gateway(&pool("p", "limit = 1")).await;
     let port = gw.running.addr.port();
     let client = LockClient::new(&format!("http://{API_HOST}:{port}"), "p", KEY).unwrap();
     let guard = client.acquire(None).await.unwrap();
