@@ -13,8 +13,6 @@
 //! the same origin refuses a large share (the comparison that makes the first claim mean
 //! something).
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 

@@ -12,8 +12,6 @@
 //! - no leaks: releasing every holder and cancelling every waiter leaves an empty governor;
 //! - the admitted/refused counters match what the caller saw.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::collections::{HashMap, VecDeque};
 
 use nthbouncer_governor::{

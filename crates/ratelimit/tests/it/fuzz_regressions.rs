@@ -1,11 +1,10 @@
 //! Replays the `rate_headers` fuzz target's seeds and saved crashes
 //! (`fuzz/seeds/rate_headers/`, `fuzz/regressions/rate_headers/`) through its harness, so a
 //! crash the fuzzer found stays fixed without nightly or libFuzzer. See `fuzz/run`.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "../../../fuzz/harness/rate_headers.rs"]
+#[path = "../../../../fuzz/harness/rate_headers.rs"]
 mod harness;
-#[path = "../../../fuzz/harness/replay.rs"]
+#[path = "../../../../fuzz/harness/replay.rs"]
 mod replay;
 
 #[test]

@@ -2,8 +2,6 @@
 //! so an arithmetic overflow would fail them), names are case-insensitive, and the calendar
 //! arithmetic agrees with an independent implementation.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::time::{Duration, UNIX_EPOCH};
 
 use nthbouncer_ratelimit::{parse, parse_go_duration, parse_retry_after, parse_rfc3339, Dialect};

@@ -2,8 +2,6 @@
 //! attempts atomically with the destination's streak and deactivation, redelivery rounds,
 //! secret rotation, the attempt log, and the upgrade of a v2 database that has data in it.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use nthbouncer_store::sqlite::{SqliteStore, DB_FILE_NAME, SCHEMA_VERSION};
 use nthbouncer_store::{
     AttemptQuery, AttemptRecord, DeliveryNext, Finish, JobRequest, JobResult, JobStore, NewJob,

@@ -1,8 +1,6 @@
 //! Behaviour of `SqliteStore` through the `Store` trait, against real database files in
 //! temporary directories. Owns nothing but its temp dirs.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::collections::HashSet;
 use std::path::Path;
 
