@@ -27,7 +27,7 @@
 //!   signature digit or a secret not configured fails; the same body streamed in chunks through
 //!   `SignedBody` passes whole, and a forged one never ends cleanly nor releases its last frame.
 //!
-//! Shared by `fuzz_targets/hmac_headers.rs` and `crates/server/tests/fuzz_regressions.rs`.
+//! Shared by `fuzz_targets/hmac_headers.rs` and `crates/server/tests/it/fuzz_regressions.rs`.
 
 use std::sync::Arc;
 

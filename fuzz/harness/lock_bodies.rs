@@ -8,7 +8,7 @@
 //! release's outcome carries the status, `throttled`, `retryAfterMs` and `rate` fields the body
 //! gave, as read by a plain `serde_json::Value`.
 //!
-//! Shared by `fuzz_targets/lock_bodies.rs` and `crates/server/tests/fuzz_regressions.rs`.
+//! Shared by `fuzz_targets/lock_bodies.rs` and `crates/server/tests/it/fuzz_regressions.rs`.
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};

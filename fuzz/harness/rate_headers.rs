@@ -6,11 +6,11 @@
 //! are, untrimmed.
 //!
 //! Properties: nothing panics or overflows (fuzz builds check overflow), and the invariants of
-//! `tests/no_panic.rs` hold — only 429 and 403 throttle; no retry hint below 400; a source is
+//! `tests/it/no_panic.rs` hold — only 429 and 403 throttle; no retry hint below 400; a source is
 //! named iff a window or a hint was read, `retry-after` only without windows; no empty window;
 //! header names are case-insensitive. The value parsers are fed every value on their own too.
 //!
-//! Shared by `fuzz_targets/rate_headers.rs` and `crates/ratelimit/tests/fuzz_regressions.rs`.
+//! Shared by `fuzz_targets/rate_headers.rs` and `crates/ratelimit/tests/it/fuzz_regressions.rs`.
 
 use nthbouncer_ratelimit::{parse, parse_go_duration, parse_retry_after, parse_rfc3339, Dialect};
 

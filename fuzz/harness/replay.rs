@@ -1,7 +1,7 @@
 //! Replays a fuzz target's seeds (`fuzz/seeds/<target>/`) and saved crashes
 //! (`fuzz/regressions/<target>/`) through its harness, for the workspace's own tests.
 //!
-//! Included with `#[path]` by `crates/*/tests/fuzz_regressions.rs`; not part of any fuzz target.
+//! Included with `#[path]` by the crates' `fuzz_regressions.rs` tests; not part of any fuzz target.
 
 use std::path::{Path, PathBuf};
 

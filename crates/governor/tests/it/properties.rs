@@ -1,0 +1,437 @@
+//! Property tests: random interleavings of every governor operation against a small model.
+//!
+//! The model tracks only what the caller can know (who holds, who waits and in which order they
+//! were parked, when admissions happened); the properties are the governor's invariants:
+//! - no admission makes `in_flight` exceed the effective limit, and none happens while paused
+//!   or while the learned pace holds admissions back;
+//! - the effective limit stays within `[min(min_limit, limit), limit]` whatever is observed;
+//! - the RPM gate never lets more than `rpm` admissions into a rolling minute;
+//! - FIFO within one fairness key and class, and no waiter served while a higher class waits;
+//! - no starvation: after a dispatch drain, waiters remain only if something really blocks, and
+//!   then a wake-up time exists (unless the limit is 0);
+//! - no leaks: releasing every holder and cancelling every waiter leaves an empty governor;
+//! - the admitted/refused counters match what the caller saw.
+
+use std::collections::{HashMap, VecDeque};
+
+use nthbouncer_governor::{
+    Admitted, Governor, Outcome, PoolSettings, Priority, RateInfo, RenewRefusal, Ticket, TryAcquire,
+};
+use proptest::prelude::*;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Acquire {
+        key: u64,
+        priority: Priority,
+        may_wait: bool,
+        lease_ms: u64,
+    },
+    Dispatch,
+    Release(usize),
+    Cancel(usize),
+    Renew(usize),
+    Reclaim,
+    Observe(u8, u64),
+    /// The outcome of a held slot, observed before its release (the proxy and lock path).
+    ObserveHeld(usize, u8, u64),
+    Advance(u64),
+    Reconfigure {
+        limit: u32,
+        queue_size: u32,
+        rpm: u32,
+        min_limit: u32,
+        adaptive: bool,
+        fair_share: bool,
+    },
+}
+
+fn priority() -> impl Strategy<Value = Priority> {
+    prop_oneof![
+        Just(Priority::High),
+        Just(Priority::Normal),
+        Just(Priority::Low)
+    ]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0u64..3, priority(), any::<bool>(), 0u64..50_000)
+            .prop_map(|(key, priority, may_wait, lease_ms)| Op::Acquire { key, priority, may_wait, lease_ms }),
+        3 => Just(Op::Dispatch),
+        3 => any::<usize>().prop_map(Op::Release),
+        1 => any::<usize>().prop_map(Op::Cancel),
+        1 => any::<usize>().prop_map(Op::Renew),
+        1 => Just(Op::Reclaim),
+        2 => (0u8..9, 0u64..5_000).prop_map(|(kind, ms)| Op::Observe(kind, ms)),
+        2 => (any::<usize>(), 0u8..9, 0u64..5_000)
+            .prop_map(|(i, kind, ms)| Op::ObserveHeld(i, kind, ms)),
+        3 => prop_oneof![0u64..100, 0u64..5_000, 0u64..70_000].prop_map(Op::Advance),
+        1 => (0u32..5, 0u32..6, 0u32..6, 0u32..4, any::<bool>(), any::<bool>()).prop_map(
+            |(limit, queue_size, rpm, min_limit, adaptive, fair_share)| Op::Reconfigure {
+                limit, queue_size, rpm, min_limit, adaptive, fair_share,
+            }
+        ),
+    ]
+}
+
+fn outcome(kind: u8, ms: u64) -> Outcome {
+    match kind {
+        0 => Outcome {
+            status: Some(429),
+            retry_after_ms: Some(ms),
+            ..Outcome::default()
+        },
+        1 => Outcome {
+            status: Some(429),
+            ..Outcome::default()
+        },
+        2 => Outcome {
+            status: Some(200),
+            ..Outcome::default()
+        },
+        3 => Outcome {
+            status: Some(503),
+            retry_after_ms: Some(ms),
+            ..Outcome::default()
+        },
+        4 => Outcome {
+            status: Some(200),
+            rate: Some(RateInfo {
+                remaining: Some(0),
+                reset_ms: Some(ms),
+                ..RateInfo::default()
+            }),
+            ..Outcome::default()
+        },
+        // An announced window: a pace of `limit` per window.
+        5 => Outcome {
+            status: Some(200),
+            rate: Some(RateInfo {
+                limit: Some(ms % 7 + 1),
+                window_ms: Some(ms + 1),
+                ..RateInfo::default()
+            }),
+            ..Outcome::default()
+        },
+        // A fixed window: spend what remains until the reset.
+        6 => Outcome {
+            status: Some(200),
+            rate: Some(RateInfo {
+                remaining: Some(ms % 5),
+                reset_ms: Some(ms),
+                ..RateInfo::default()
+            }),
+            ..Outcome::default()
+        },
+        // A rate-blamed throttle.
+        7 => Outcome {
+            status: Some(429),
+            retry_after_ms: Some(ms),
+            rate: Some(RateInfo {
+                limit: Some(3),
+                remaining: Some(0),
+                reset_ms: Some(ms),
+                window_ms: Some(10_000),
+                ..RateInfo::default()
+            }),
+            ..Outcome::default()
+        },
+        _ => Outcome::default(),
+    }
+}
+
+fn class(p: Priority) -> usize {
+    match p {
+        Priority::High => 0,
+        Priority::Normal => 1,
+        Priority::Low => 2,
+    }
+}
+
+struct Model {
+    g: Governor,
+    now: u64,
+    next_id: u128,
+    held: Vec<u128>,
+    /// Parked ids per (fairness key, class), in the order they were parked.
+    waiting: HashMap<(u64, usize), VecDeque<u128>>,
+    where_waiting: HashMap<u128, (u64, usize)>,
+    /// Admission times since the RPM gate was last switched on (`None` while it is off).
+    rpm_admissions: Option<Vec<u64>>,
+    admitted: u64,
+    refused: u64,
+}
+
+impl Model {
+    fn new(settings: PoolSettings) -> Self {
+        let rpm_admissions = (settings.rpm > 0).then(Vec::new);
+        Model {
+            g: Governor::new(settings),
+            now: 1_000_000,
+            next_id: 1,
+            held: Vec::new(),
+            waiting: HashMap::new(),
+            where_waiting: HashMap::new(),
+            rpm_admissions,
+            admitted: 0,
+            refused: 0,
+        }
+    }
+
+    fn on_admitted(&mut self, a: &Admitted, blocked_before: bool) {
+        assert!(!blocked_before, "admitted while paused or paced");
+        let s = self.g.snapshot(self.now);
+        assert!(
+            s.in_flight <= s.effective_limit,
+            "admission over the limit: {s:?}"
+        );
+        assert_eq!(a.effective_limit, s.effective_limit);
+        assert_eq!(a.remaining_slots, s.effective_limit - s.in_flight);
+        assert!(a.lease_deadline <= a.request_deadline);
+        assert_eq!(
+            a.request_deadline,
+            self.now + self.g.settings().request_timeout_ms
+        );
+        if let Some(times) = &mut self.rpm_admissions {
+            times.push(self.now);
+            let rpm = self.g.settings().rpm as usize;
+            let in_window = times.iter().filter(|&&t| t + 60_000 > self.now).count();
+            assert!(
+                in_window <= rpm,
+                "{in_window} admissions in a minute under rpm {rpm}"
+            );
+        }
+        self.held.push(a.id);
+        self.admitted += 1;
+    }
+
+    fn drain(&mut self) {
+        loop {
+            let paused = self.held_back();
+            let Some(a) = self.g.dispatch(self.now) else {
+                break;
+            };
+            let (key, c) = self
+                .where_waiting
+                .remove(&a.id)
+                .expect("dispatched an id that was not waiting");
+            for higher in 0..c {
+                assert!(
+                    self.waiting
+                        .iter()
+                        .all(|((_, cl), q)| *cl != higher || q.is_empty()),
+                    "class {c} served while class {higher} waits"
+                );
+            }
+            let front = self
+                .waiting
+                .get_mut(&(key, c))
+                .and_then(VecDeque::pop_front);
+            assert_eq!(front, Some(a.id), "FIFO broken within key {key} class {c}");
+            self.on_admitted(&a, paused);
+        }
+        self.check_no_starvation();
+    }
+
+    /// Paused, or the learned pace holds the next admission back.
+    fn held_back(&self) -> bool {
+        let s = self.g.snapshot(self.now);
+        s.paused_until.is_some() || s.paced_until.is_some()
+    }
+
+    fn check_no_starvation(&self) {
+        let s = self.g.snapshot(self.now);
+        if s.queued > 0 {
+            let blocked = s.in_flight >= s.effective_limit
+                || s.rpm_remaining == Some(0)
+                || s.paused_until.is_some()
+                || s.paced_until.is_some();
+            assert!(blocked, "waiters left behind with nothing blocking: {s:?}");
+            if s.effective_limit > 0 {
+                let wake = self.g.next_wakeup(self.now);
+                assert!(wake.is_some(), "waiters blocked with no wake-up: {s:?}");
+            }
+        }
+    }
+
+    fn sync_held(&mut self) {
+        let g = &self.g;
+        self.held.retain(|&id| g.holds(id));
+    }
+
+    fn check_books(&self) {
+        let s = self.g.snapshot(self.now);
+        let settings = self.g.settings();
+        assert!(
+            s.effective_limit <= settings.limit,
+            "above the limit: {s:?}"
+        );
+        assert!(
+            s.effective_limit >= settings.min_limit.min(settings.limit),
+            "below min_limit: {s:?}"
+        );
+        if !settings.adaptive {
+            assert_eq!(s.effective_limit, settings.limit);
+            assert_eq!((s.learned_rpm, s.paced_until), (None, None));
+        }
+        assert_eq!(self.g.in_flight() as usize, self.held.len());
+        assert_eq!(self.g.queued() as usize, self.where_waiting.len());
+        for &id in &self.held {
+            assert!(self.g.holds(id));
+        }
+        for &id in self.where_waiting.keys() {
+            assert!(self.g.is_queued(id));
+        }
+    }
+
+    fn apply(&mut self, op: Op) {
+        match op {
+            Op::Acquire {
+                key,
+                priority,
+                may_wait,
+                lease_ms,
+            } => {
+                let id = self.next_id;
+                self.next_id += 1;
+                let ticket = Ticket {
+                    id,
+                    fairness_key: key,
+                    priority,
+                    lease_ms,
+                };
+                let had_waiters = self.g.queued() > 0;
+                let paused = self.held_back();
+                match self.g.try_acquire(self.now, ticket, may_wait) {
+                    TryAcquire::Admitted(a) => {
+                        assert!(!had_waiters, "a newcomer overtook waiters");
+                        self.on_admitted(&a, paused);
+                    }
+                    TryAcquire::Queued => {
+                        assert!(may_wait);
+                        self.waiting
+                            .entry((key, class(priority)))
+                            .or_default()
+                            .push_back(id);
+                        self.where_waiting.insert(id, (key, class(priority)));
+                    }
+                    TryAcquire::Refused { .. } => self.refused += 1,
+                }
+            }
+            Op::Dispatch => self.drain(),
+            Op::Release(i) => {
+                if !self.held.is_empty() {
+                    let id = self.held.swap_remove(i % self.held.len());
+                    assert!(self.g.release(self.now, id));
+                    assert!(!self.g.release(self.now, id), "release is idempotent");
+                }
+            }
+            Op::Cancel(i) => {
+                let ids: Vec<u128> = self.where_waiting.keys().copied().collect();
+                if let Some(&id) = ids.iter().min_by_key(|&&id| id.wrapping_mul(i as u128 | 1)) {
+                    assert!(self.g.cancel(id));
+                    let loc = self.where_waiting.remove(&id).unwrap();
+                    self.waiting.get_mut(&loc).unwrap().retain(|&w| w != id);
+                    assert!(!self.g.cancel(id));
+                }
+            }
+            Op::Renew(i) => {
+                if !self.held.is_empty() {
+                    let id = self.held[i % self.held.len()];
+                    match self.g.renew(self.now, id) {
+                        Ok(deadline) => assert!(deadline > self.now),
+                        Err(RenewRefusal::Capped) => assert!(self.g.holds(id)),
+                        Err(RenewRefusal::NotFound) => assert!(!self.g.holds(id)),
+                    }
+                    self.sync_held();
+                }
+            }
+            Op::Reclaim => {
+                while let Some(id) = self.g.reclaim_expired(self.now) {
+                    assert!(self.held.contains(&id));
+                }
+                self.sync_held();
+            }
+            Op::Observe(kind, ms) => {
+                self.g.observe(self.now, &outcome(kind, ms));
+            }
+            Op::ObserveHeld(i, kind, ms) => {
+                if !self.held.is_empty() {
+                    let id = self.held.swap_remove(i % self.held.len());
+                    self.g.observe_held(self.now, id, &outcome(kind, ms));
+                    assert!(self.g.release(self.now, id));
+                }
+            }
+            Op::Advance(ms) => self.now += ms,
+            Op::Reconfigure {
+                limit,
+                queue_size,
+                rpm,
+                min_limit,
+                adaptive,
+                fair_share,
+            } => {
+                let settings = PoolSettings {
+                    limit,
+                    queue_size,
+                    rpm,
+                    min_limit,
+                    adaptive,
+                    fair_share,
+                    request_timeout_ms: 60_000,
+                    lease_term_ms: 20_000,
+                    ..PoolSettings::default()
+                };
+                if rpm == 0 {
+                    self.rpm_admissions = None;
+                } else if self.rpm_admissions.is_none() {
+                    self.rpm_admissions = Some(Vec::new());
+                }
+                self.g.reconfigure(settings, self.now);
+            }
+        }
+        self.check_books();
+    }
+}
+
+fn initial() -> impl Strategy<Value = PoolSettings> {
+    (1u32..5, 0u32..6, 0u32..6, any::<bool>()).prop_map(|(limit, queue_size, rpm, fair_share)| {
+        PoolSettings {
+            limit,
+            queue_size,
+            rpm,
+            fair_share,
+            request_timeout_ms: 60_000,
+            lease_term_ms: 20_000,
+            ..PoolSettings::default()
+        }
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    #[test]
+    fn invariants_hold_for_any_interleaving(settings in initial(), ops in prop::collection::vec(op(), 1..200)) {
+        let mut m = Model::new(settings);
+        for op in ops {
+            m.apply(op);
+        }
+        m.drain();
+
+        // No leaks: everyone out, and the governor is empty.
+        for id in std::mem::take(&mut m.held) {
+            prop_assert!(m.g.release(m.now, id));
+        }
+        for id in m.where_waiting.keys().copied().collect::<Vec<_>>() {
+            prop_assert!(m.g.cancel(id));
+        }
+        prop_assert_eq!(m.g.in_flight(), 0);
+        prop_assert_eq!(m.g.queued(), 0);
+        prop_assert_eq!(m.g.next_wakeup(m.now), None);
+        let s = m.g.snapshot(m.now);
+        prop_assert_eq!((s.queued_high, s.queued_normal, s.queued_low), (0, 0, 0));
+        prop_assert_eq!((s.admitted_total, s.refused_total), (m.admitted, m.refused));
+    }
+}

@@ -1,0 +1,13 @@
+//! The real binary end to end, in one binary: the CLI, `nthbouncer lock`, chaos, and crashes
+//! with a restart on the same data dir. Support is in `nthbouncer-testkit`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod chaos;
+mod cli;
+mod jobs_crash;
+mod lock_cli;
+mod lock_restart;
+mod webhooks_crash;
+
+/// The binary under test (only this crate's tests know its path).
+const BIN: &str = env!("CARGO_BIN_EXE_nthbouncer");

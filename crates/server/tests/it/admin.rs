@@ -1,0 +1,260 @@
+//! The admin API and the ops routes over loopback: CRUD applied without restart, config pools
+//! read-only, keys, state, the access log, metrics, OpenAPI.
+
+use nthbouncer_testkit::*;
+use reqwest::Method;
+use serde_json::{json, Value};
+
+#[tokio::test]
+async fn admin_needs_the_token() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), "")).await;
+    let anon = || gw.api_anon(Method::GET, "/admin/pools");
+    expect_error(send(anon()).await, 401, "unauthorized").await;
+    let r = send(anon().bearer_auth("wrong-token-0123456789")).await;
+    assert_eq!(r.status(), 401);
+    // Unknown routes on the API host: JSON 404.
+    expect_error(send(gw.api(Method::GET, "/nope")).await, 404, "not_found").await;
+}
+
+#[tokio::test]
+async fn pools_crud_applies_without_restart() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("fromfile", &up.url(), "")).await;
+
+    // Create through the API; serve at once.
+    let body = json!({
+        "name": "made",
+        "upstream": up.url(),
+        "keys": [KEY],
+        "upstream_headers": {"authorization": "Bearer sk-secret-credential"},
+        "concurrency": {"limit": 2}
+    });
+    let (status, created) = gw
+        .admin(Method::POST, "/admin/pools", Some(body.clone()))
+        .await;
+    assert_eq!(status, 201);
+    assert_eq!(created["managedBy"], "api");
+    assert_eq!(created["concurrency"]["limit"], 2);
+    assert_eq!(
+        created["concurrency"]["queue_size"], 1000,
+        "defaults filled in"
+    );
+    let shown = created.to_string();
+    assert!(
+        !shown.contains("sk-secret-credential"),
+        "secret echoed back: {shown}"
+    );
+    assert!(!shown.contains(KEY), "plaintext key echoed back");
+    assert_eq!(gw.get("made", "/echo").send().await.unwrap().status(), 200);
+    assert_eq!(gw.state("made").await["configuredLimit"], 2);
+
+    // Duplicate → 409; invalid → 400 naming the field.
+    let create = |b: Value| gw.admin(Method::POST, "/admin/pools", Some(b));
+    assert_eq!(create(body.clone()).await.0, 409);
+    let (status, e) =
+        create(json!({"name": "bad", "upstream": up.url(), "concurrency": {"limit": 0}})).await;
+    assert_eq!(status, 400);
+    assert_eq!(e["error"], "invalid");
+    assert_eq!(e["field"], "concurrency.limit");
+    let (status, e) =
+        create(json!({"name": "bad", "upstream": up.url(), "concurrency": {"limit": "lots"}}))
+            .await;
+    assert_eq!(status, 400);
+    assert_eq!(e["field"], "concurrency.limit");
+    let r = send(gw.api(Method::POST, "/admin/pools").body("{not json")).await;
+    assert_eq!(r.status(), 400);
+
+    // Update: the new limit applies to the live gate.
+    let mut updated = body.clone();
+    updated["concurrency"]["limit"] = json!(5);
+    let (status, _) = gw
+        .admin(Method::PUT, "/admin/pools/made", Some(updated))
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(gw.state("made").await["configuredLimit"], 5);
+    assert_eq!(
+        gw.get("made", "/").send().await.unwrap().status(),
+        200,
+        "keys survive an update"
+    );
+
+    // List shows both, with who owns them.
+    let list = gw.admin_json("/admin/pools").await;
+    let names: Vec<(&str, &str)> = list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap(),
+                p["managedBy"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(names, vec![("fromfile", "config"), ("made", "api")]);
+    assert!(list["next"].is_null());
+    let page = gw.admin_json("/admin/pools?limit=1").await;
+    assert_eq!(page["items"].as_array().unwrap().len(), 1);
+    assert_eq!(page["next"], "fromfile");
+
+    // Config pools are read-only.
+    let r = send(
+        gw.api(Method::PUT, "/admin/pools/fromfile")
+            .json(&json!({"upstream": up.url()})),
+    );
+    expect_error(r.await, 409, "managed_by_config").await;
+    let (status, _) = gw
+        .admin(Method::DELETE, "/admin/pools/fromfile", None)
+        .await;
+    assert_eq!(status, 409);
+
+    // Delete: gone at once.
+    let (status, _) = gw.admin(Method::DELETE, "/admin/pools/made", None).await;
+    assert_eq!(status, 204);
+    expect_error(send(gw.get("made", "/")).await, 404, "pool_not_found").await;
+    let (status, _) = gw.admin(Method::GET, "/admin/pools/made", None).await;
+    assert_eq!(status, 404);
+}
+
+#[tokio::test]
+async fn api_pools_and_keys_survive_a_restart() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = format!(
+        "[server]\ndata_dir = {:?}\n",
+        dir.path().display().to_string()
+    );
+    let gw = gateway(&toml).await;
+    let pool = json!({"name": "kept", "upstream": up.url()});
+    assert_eq!(
+        gw.admin(Method::POST, "/admin/pools", Some(pool)).await.0,
+        201
+    );
+    let key = json_of(send(gw.api(Method::POST, "/admin/pools/kept/keys")).await).await;
+    let key = key["key"].as_str().unwrap().to_string();
+    gw.running.shutdown().await;
+
+    let gw = gateway(&toml).await;
+    let r = gw
+        .pool("kept", Method::GET, "/")
+        .header("x-nthpool-key", &key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let keys = gw.admin_json("/admin/pools/kept/keys").await;
+    assert_eq!(keys["items"].as_array().unwrap().len(), 1);
+    assert!(
+        keys["items"][0].get("key").is_none(),
+        "the plaintext is shown only once"
+    );
+}
+
+#[tokio::test]
+async fn keys_on_a_config_pool() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), "")).await;
+    let r = send(
+        gw.api(Method::POST, "/admin/pools/p/keys")
+            .json(&json!({"label": "worker-1"})),
+    );
+    let created = json_of(r.await).await;
+    assert_eq!(created["label"], "worker-1");
+    let list = gw.admin_json("/admin/pools/p/keys").await;
+    let items = list["items"].as_array().unwrap();
+    assert_eq!(items.len(), 3, "two config keys and one API key: {list}");
+    let config_key = items.iter().find(|k| k["managedBy"] == "config").unwrap();
+    let path = format!("/admin/pools/p/keys/{}", config_key["id"].as_str().unwrap());
+    assert_eq!(
+        gw.admin(Method::DELETE, &path, None).await.0,
+        409,
+        "config keys are revoked by editing the file"
+    );
+    let create_key = |b: Value| gw.admin(Method::POST, "/admin/pools/p/keys", Some(b));
+    let (status, e) = create_key(json!({"expiresAt": 1})).await;
+    assert_eq!(status, 400);
+    assert_eq!(e["field"], "expiresAt");
+    assert_eq!(create_key(json!({"colour": "red"})).await.0, 400);
+}
+
+#[tokio::test]
+async fn access_log_records_admitted_and_refused() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
+    assert_eq!(
+        gw.get("p", "/status/201").send().await.unwrap().status(),
+        201
+    );
+    assert_eq!(
+        gw.pool("p", Method::GET, "/")
+            .header("x-nthpool-key", "wrong-key-0123456789")
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        401
+    );
+    gw.flush_access_log().await;
+    let log = gw.admin_json("/admin/pools/p/access-log").await;
+    let items = log["items"].as_array().unwrap();
+    assert_eq!(items.len(), 2, "{log}");
+    // Newest first.
+    assert_eq!(items[0]["outcome"], "401");
+    assert!(items[0]["keyId"].is_null());
+    assert_eq!(items[0]["reason"], "unknown pool key");
+    assert_eq!(items[1]["outcome"], "admitted");
+    assert_eq!(items[1]["upstreamStatus"], 201);
+    assert_eq!(items[1]["route"], "proxy GET /status/201");
+    assert!(items[1]["keyId"].as_str().unwrap().starts_with("key_"));
+    assert!(
+        !log.to_string().contains(KEY),
+        "the key itself must never be logged"
+    );
+    let only = gw.admin_json("/admin/pools/p/access-log?outcome=401").await;
+    assert_eq!(only["items"].as_array().unwrap().len(), 1);
+    let page = gw.admin_json("/admin/pools/p/access-log?limit=1").await;
+    let next = page["next"].as_str().unwrap();
+    let page2 = gw
+        .admin_json(&format!("/admin/pools/p/access-log?limit=1&cursor={next}"))
+        .await;
+    assert_eq!(page2["items"][0]["outcome"], "admitted");
+}
+
+#[tokio::test]
+async fn ops_routes() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("metered", &up.url(), "limit = 4")).await;
+    assert_eq!(gw.get("metered", "/").send().await.unwrap().status(), 200);
+    let ops = |path: &str| send(gw.api_anon(Method::GET, path));
+    assert_eq!(ops("/healthz").await.status(), 200);
+    assert_eq!(ops("/readyz").await.status(), 200);
+    let m = ops("/metrics").await;
+    assert_eq!(m.status(), 200);
+    let text = m.text().await.unwrap();
+    assert!(
+        text.contains("nthbouncer_pool_effective_limit{pool=\"metered\"} 4"),
+        "{text}"
+    );
+    assert!(
+        text.contains("nthbouncer_admitted_total{pool=\"metered\",route=\"proxy\"}"),
+        "{text}"
+    );
+    assert!(
+        text.contains("nthbouncer_queue_wait_seconds_bucket{pool=\"metered\""),
+        "histograms have buckets: {text}"
+    );
+    let doc = json_of(ops("/openapi.json").await).await;
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3.1"));
+    for path in [
+        "/admin/pools",
+        "/admin/pools/{pool}/state",
+        "/admin/pools/{pool}/keys",
+        "/healthz",
+    ] {
+        assert!(
+            doc["paths"].get(path).is_some(),
+            "{path} missing from the OpenAPI document"
+        );
+    }
+}

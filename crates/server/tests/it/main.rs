@@ -1,0 +1,13 @@
+//! The server end to end over loopback, in one binary: the real router and a real counting
+//! upstream (`nthbouncer-testkit`), one module per feature, and the fuzz targets' saved inputs
+//! replayed.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod access;
+mod admin;
+mod fuzz_regressions;
+mod governor;
+mod jobs;
+mod lock;
+mod proxy;
+mod webhooks;

@@ -1,0 +1,463 @@
+//! End-to-end proxy behaviour over loopback: what crosses to the upstream and what does not,
+//! slots held by streamed bodies, clients that vanish, errors in the contract's shape.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use nthbouncer_testkit::*;
+use reqwest::Method;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+#[tokio::test]
+async fn upstream_sees_managed_credentials_never_our_headers() {
+    let up = Upstream::start().await;
+    let toml = format!(
+        "{}[pools.upstream_headers]\nauthorization = \"Bearer sk-managed\"\nx-api-version = \"2024-01\"\n",
+        pool_toml("p", &up.url(), "limit = 2")
+    );
+    let gw = gateway(&toml).await;
+    let r = gw
+        .get("p", "/echo?a=1&b=two")
+        .header("authorization", "Bearer caller-supplied")
+        .header("x-nthpool-priority", "high")
+        .header("connection", "x-hop-secret")
+        .header("x-hop-secret", "must-not-cross")
+        .header("x-forwarded-for", "10.9.9.9")
+        .header("x-custom", "kept")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // The upstream's own hop-by-hop response headers do not reach the caller either.
+    assert!(!r.headers().contains_key("x-upstream-hop"));
+    let echo: serde_json::Value = r.json().await.unwrap();
+    let h = &echo["headers"];
+    assert!(
+        h.get("x-nthpool-key").is_none(),
+        "the pool key leaked upstream: {h}"
+    );
+    assert!(h.get("x-nthpool-priority").is_none());
+    assert!(
+        h.get("x-hop-secret").is_none(),
+        "a header named in Connection crossed"
+    );
+    assert_eq!(
+        h["authorization"], "Bearer sk-managed",
+        "managed credential must override the caller's"
+    );
+    assert_eq!(h["x-api-version"], "2024-01");
+    assert_eq!(h["x-custom"], "kept");
+    assert_eq!(
+        h["host"],
+        up.addr.to_string(),
+        "Host must be rewritten to the upstream's"
+    );
+    assert_eq!(h["x-forwarded-host"], "p.localhost");
+    assert_eq!(h["x-forwarded-proto"], "http");
+    assert_eq!(h["x-forwarded-for"], "10.9.9.9, 127.0.0.1");
+    assert_eq!(echo["query"]["b"], "two");
+}
+
+#[tokio::test]
+async fn pool_key_in_authorization_is_not_forwarded() {
+    let up = Upstream::start().await;
+    let toml = format!(
+        "{}[pools.auth]\naccept = [\"bearer\", \"nthbouncer\"]\n",
+        pool_toml("p", &up.url(), "")
+    );
+    let gw = gateway(&toml).await;
+    // The header form is not accepted by this pool.
+    let r = gw.get("p", "/echo").send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    for scheme in ["Bearer", "Nthbouncer"] {
+        let r = gw
+            .pool("p", Method::GET, "/echo")
+            .header("authorization", format!("{scheme} {KEY}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{scheme}");
+        let echo: serde_json::Value = r.json().await.unwrap();
+        assert!(
+            echo["headers"].get("authorization").is_none(),
+            "pool auth leaked upstream"
+        );
+    }
+}
+
+#[tokio::test]
+async fn upstream_base_path_is_prefixed() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &format!("{}/base/", up.url()), "")).await;
+    let r = gw.get("p", "/x/y?z=1").send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(up.seen()[0].path, "/base/x/y?z=1");
+}
+
+#[tokio::test]
+async fn lock_paths_on_a_pool_host_are_proxied() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), "")).await;
+    let r = gw
+        .pool("p", Method::POST, "/pools/p/lock/acquire")
+        .header("x-nthpool-key", KEY)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = gw.get("p", "/admin/pools").send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let paths: Vec<String> = up.seen().into_iter().map(|s| s.path).collect();
+    assert_eq!(paths, vec!["/pools/p/lock/acquire", "/admin/pools"]);
+}
+
+#[tokio::test]
+async fn sse_stream_holds_its_slot_until_it_ends() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let mut resp = gw.get("p", "/sse?n=3").send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    up.release(1);
+    let first = resp.chunk().await.unwrap().unwrap();
+    assert_eq!(&first[..], b"data: 0\n\n");
+    // Mid-stream: the slot is still held.
+    assert_eq!(gw.state("p").await["inFlight"], 1);
+    assert_eq!(send(gw.no_queue("p", "/")).await.status(), 429);
+    up.release(2);
+    let mut rest = Vec::new();
+    while let Some(c) = resp.chunk().await.unwrap() {
+        rest.extend_from_slice(&c);
+    }
+    assert_eq!(
+        String::from_utf8(rest).unwrap(),
+        "data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+    );
+    gw.wait_state("p", "slot freed at stream end", |s| s["inFlight"] == 0)
+        .await;
+    assert_eq!(send(gw.no_queue("p", "/")).await.status(), 200);
+}
+
+#[tokio::test]
+async fn a_client_killed_mid_request_frees_its_slot_when_the_upstream_answers() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let req = gw.get("p", "/hold").header("x-seq", "doomed").send();
+    let task = tokio::spawn(req);
+    up.wait_arrivals(1).await;
+    assert_eq!(gw.state("p").await["inFlight"], 1);
+    task.abort();
+    // The upstream is still working on the abandoned call, so it still counts: handing its
+    // slot to the next caller now would put two calls on an upstream limited to one.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(up.in_flight(), 1);
+    assert_eq!(send(gw.no_queue("p", "/")).await.status(), 429);
+    // Its answer frees the slot, and the pool serves again.
+    up.release(1);
+    gw.wait_state("p", "slot freed once the upstream answered", |s| {
+        s["inFlight"] == 0
+    })
+    .await;
+    assert_eq!(send(gw.no_queue("p", "/")).await.status(), 200);
+    assert_eq!(up.max_in_flight(), 1);
+}
+
+#[tokio::test]
+async fn a_client_killed_mid_request_to_a_hung_upstream_frees_its_slot_at_the_timeout() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml(
+        "p",
+        &up.url(),
+        "limit = 1\nrequest_timeout_ms = 300",
+    ))
+    .await;
+    let task = tokio::spawn(gw.get("p", "/hold").header("x-seq", "doomed").send());
+    up.wait_arrivals(1).await;
+    task.abort();
+    gw.wait_state("p", "slot freed at the request timeout", |s| {
+        s["inFlight"] == 0
+    })
+    .await;
+    // The upstream call was cancelled with it.
+    eventually("upstream request cancelled", async || {
+        (up.in_flight() == 0).then_some(())
+    })
+    .await;
+    let r = gw.get("p", "/").send().await.unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+#[tokio::test]
+async fn a_client_killed_while_queued_leaves_the_queue() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let held = tokio::spawn(gw.get("p", "/hold").header("x-seq", "holder").send());
+    up.wait_arrivals(1).await;
+    let waiter = tokio::spawn(gw.get("p", "/hold").header("x-seq", "waiter").send());
+    gw.wait_state("p", "waiter parked", |s| s["queued"] == 1)
+        .await;
+    waiter.abort();
+    gw.wait_state("p", "waiter gone", |s| s["queued"] == 0)
+        .await;
+    up.release(1);
+    assert_eq!(held.await.unwrap().unwrap().status(), 200);
+    gw.wait_state("p", "idle", |s| s["inFlight"] == 0).await;
+    // The vanished waiter never reached the upstream.
+    assert_eq!(up.arrivals(), vec!["holder"]);
+}
+
+#[tokio::test]
+async fn unknown_host_and_bad_keys() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), "")).await;
+    let to_host = |host: &str| gw.client.get(format!("{}/", gw.base)).header("host", host);
+    expect_error(send(to_host("nope.localhost")).await, 404, "pool_not_found").await;
+    assert_eq!(send(to_host("elsewhere.example")).await.status(), 404);
+    // Host matching ignores the port and case.
+    let r = send(to_host("P.LocalHost:1234").header("x-nthpool-key", KEY)).await;
+    assert_eq!(r.status(), 200);
+
+    for bad in [
+        None,
+        Some("wrong-key-0123456789abc"),
+        Some("nb_live_0000000000000000000000000000000000AAAAAA"),
+        Some("x"),
+    ] {
+        let mut req = gw.pool("p", Method::GET, "/");
+        if let Some(k) = bad {
+            req = req.header("x-nthpool-key", k);
+        }
+        let (status, body) = call(req).await;
+        assert_eq!(status, 401, "{bad:?}");
+        assert_eq!(body["error"], "unauthorized");
+    }
+    assert!(
+        up.seen().len() == 1,
+        "refused requests must not reach the upstream"
+    );
+}
+
+#[tokio::test]
+async fn a_revoked_or_expired_key_is_refused() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), "")).await;
+    let create_key = |body: serde_json::Value| {
+        let r = gw.api(Method::POST, "/admin/pools/p/keys").json(&body);
+        async move { json_of(send(r).await).await }
+    };
+    let with_key = |key: &str| send(gw.pool("p", Method::GET, "/").header("x-nthpool-key", key));
+    let created = create_key(serde_json::json!({"label": "ci"})).await;
+    let key = created["key"].as_str().unwrap().to_string();
+    assert!(key.starts_with("nb_live_"));
+    assert_eq!(with_key(&key).await.status(), 200);
+    let revoke = format!("/admin/pools/p/keys/{}", created["id"].as_str().unwrap());
+    assert_eq!(gw.admin(Method::DELETE, &revoke, None).await.0, 200);
+    assert_eq!(with_key(&key).await.status(), 401);
+    // Revoking again: not found.
+    assert_eq!(gw.admin(Method::DELETE, &revoke, None).await.0, 404);
+
+    // A key that expires: valid now, and the index refuses it once past expiresAt.
+    let soon = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+        + 300;
+    let created = create_key(serde_json::json!({"expiresAt": soon})).await;
+    let key = created["key"].as_str().unwrap().to_string();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(with_key(&key).await.status(), 401);
+}
+
+#[tokio::test]
+async fn oversized_bodies_get_413() {
+    let up = Upstream::start().await;
+    let mut gw_toml = pool_toml("p", &up.url(), "");
+    gw_toml.insert_str(0, "[server]\nmax_body_bytes = 1024\n");
+    let gw = gateway(&gw_toml).await;
+    // Declared too large: refused before admission.
+    let post_body = || {
+        gw.pool("p", Method::POST, "/body")
+            .header("x-nthpool-key", KEY)
+    };
+    let r = send(post_body().body(vec![b'x'; 2048])).await;
+    expect_error(r, 413, "payload_too_large").await;
+    // Streamed (chunked, no length) and too large: cut off mid-stream.
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
+        (0..4).map(|_| Ok(vec![b'y'; 512])).collect();
+    let body = reqwest::Body::wrap_stream(futures_util::stream::iter(chunks));
+    let r = send(post_body().body(body)).await;
+    assert_eq!(r.status(), 413);
+    gw.wait_state("p", "slot freed", |s| s["inFlight"] == 0)
+        .await;
+    // Within the limit: fine.
+    let r = send(post_body().body(vec![b'x'; 1000])).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.text().await.unwrap(), "1000");
+}
+
+#[tokio::test]
+async fn request_bodies_stream_through_unbuffered() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), "")).await;
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>, std::io::Error>>(1);
+    let body = reqwest::Body::wrap_stream(tokio_stream_from(rx));
+    let req = gw
+        .pool("p", Method::POST, "/body")
+        .header("x-nthpool-key", KEY)
+        .body(body)
+        .send();
+    let resp = tokio::spawn(req);
+    tx.send(Ok(b"first".to_vec())).await.unwrap();
+    // The upstream receives the first chunk while the caller has not sent the rest: nothing
+    // waits for the whole body.
+    eventually("first chunk upstream", async || {
+        (up.state.body_chunks.load(Ordering::SeqCst) >= 1).then_some(())
+    })
+    .await;
+    tx.send(Ok(b"second".to_vec())).await.unwrap();
+    drop(tx);
+    let r = resp.await.unwrap().unwrap();
+    assert_eq!(r.text().await.unwrap(), "11");
+}
+
+fn tokio_stream_from(
+    mut rx: tokio::sync::mpsc::Receiver<Result<Vec<u8>, std::io::Error>>,
+) -> impl futures_util::Stream<Item = Result<Vec<u8>, std::io::Error>> {
+    futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+#[tokio::test]
+async fn unreachable_and_slow_upstreams() {
+    // A port nobody listens on.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let up = Upstream::start().await;
+    let toml = format!(
+        "{}{}",
+        pool_toml("dead", &dead, ""),
+        pool_toml("slow", &up.url(), "request_timeout_ms = 200")
+    );
+    let gw = gateway(&toml).await;
+    expect_error(send(gw.get("dead", "/")).await, 502, "upstream_unreachable").await;
+    assert_eq!(gw.state("dead").await["inFlight"], 0);
+
+    let r = send(gw.get("slow", "/hold").header("x-seq", "h")).await;
+    expect_error(r, 504, "upstream_timeout").await;
+    gw.wait_state("slow", "slot freed", |s| s["inFlight"] == 0)
+        .await;
+    up.release(1);
+}
+
+/// A body that streams past the request timeout is cut and its slot freed.
+#[tokio::test]
+async fn a_stream_past_the_request_timeout_is_cut() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), "request_timeout_ms = 300")).await;
+    let mut resp = gw.get("p", "/sse?n=5").send().await.unwrap();
+    up.release(1);
+    assert!(resp.chunk().await.unwrap().is_some());
+    // No more permits: the upstream stalls; the gateway cuts the body at the deadline.
+    let mut ended = false;
+    for _ in 0..100 {
+        match resp.chunk().await {
+            Ok(Some(_)) => continue,
+            Ok(None) | Err(_) => {
+                ended = true;
+                break;
+            }
+        }
+    }
+    assert!(ended);
+    gw.wait_state("p", "slot freed", |s| s["inFlight"] == 0)
+        .await;
+    up.release(10);
+}
+
+async fn raw_exchange(addr: std::net::SocketAddr, request: &[u8]) -> String {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(request).await.unwrap();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).to_string()
+}
+
+/// CL+TE smuggling: a request with both headers must not let a second, hidden request reach
+/// the upstream.
+#[tokio::test]
+async fn content_length_plus_transfer_encoding_cannot_smuggle() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), "")).await;
+    let smuggled = format!(
+        "POST /body HTTP/1.1\r\nHost: p.localhost\r\nX-Nthpool-Key: {KEY}\r\nContent-Length: 6\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: p.localhost\r\nX-Nthpool-Key: {KEY}\r\n\r\n"
+    );
+    let _ = raw_exchange(gw.running.addr, smuggled.as_bytes()).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        up.seen().iter().all(|s| !s.path.contains("smuggled")),
+        "a smuggled request reached the upstream: {:?}",
+        up.seen().iter().map(|s| &s.path).collect::<Vec<_>>()
+    );
+}
+
+/// Slowloris: a client that never finishes its request head is cut off.
+#[tokio::test]
+async fn slow_request_heads_are_cut_off() {
+    let up = Upstream::start().await;
+    let mut toml = pool_toml("p", &up.url(), "");
+    toml.insert_str(0, "[server]\nheader_read_timeout_ms = 300\n");
+    let gw = gateway(&toml).await;
+    let mut s = tokio::net::TcpStream::connect(gw.running.addr)
+        .await
+        .unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: p.localhost\r\nX-Partial: ")
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut buf)).await;
+    assert!(read.is_ok(), "the server kept a slow head open");
+    assert!(up.seen().is_empty());
+}
+
+/// Pooled upstream connections are closed by our idle timer before the upstream's own
+/// keep-alive timeout can bite: after an idle spell, a new connection is used.
+#[tokio::test]
+async fn idle_upstream_connections_are_retired() {
+    let up = Upstream::start().await;
+    let mut toml = pool_toml("p", &up.url(), "");
+    toml.insert_str(0, "[server]\nupstream_idle_timeout_ms = 100\n");
+    let gw = gateway(&toml).await;
+    assert_eq!(gw.get("p", "/").send().await.unwrap().status(), 200);
+    assert_eq!(gw.get("p", "/").send().await.unwrap().status(), 200);
+    assert_eq!(
+        up.state.connections.load(Ordering::SeqCst),
+        1,
+        "keep-alive reuses the connection"
+    );
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(gw.get("p", "/").send().await.unwrap().status(), 200);
+    assert_eq!(
+        up.state.connections.load(Ordering::SeqCst),
+        2,
+        "the idle connection was not retired"
+    );
+}
+
+/// 20 concurrent callers through `limit = 2`: the upstream never sees more than 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_clients_never_exceed_the_limit() {
+    let up = Upstream::start().await;
+    let gw = Arc::new(gateway(&pool_toml("p", &up.url(), "limit = 2")).await);
+    let mut tasks = Vec::new();
+    for _ in 0..40 {
+        let g = gw.clone();
+        tasks.push(tokio::spawn(async move {
+            g.get("p", "/sleep?ms=5").send().await.unwrap().status()
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    assert!(up.max_in_flight() <= 2);
+    assert_eq!(gw.state("p").await["inFlight"], 0);
+}

@@ -1,0 +1,486 @@
+//! The webhook delivery side of `JobStore` on SQLite (schema v3): due deliveries, recording
+//! attempts atomically with the destination's streak and deactivation, redelivery rounds,
+//! secret rotation, the attempt log, and the upgrade of a v2 database that has data in it.
+
+use nthbouncer_store::sqlite::{SqliteStore, DB_FILE_NAME, SCHEMA_VERSION};
+use nthbouncer_store::{
+    AttemptQuery, AttemptRecord, DeliveryNext, Finish, JobRequest, JobResult, JobStore, NewJob,
+    Redeliver, StoredDestination,
+};
+
+fn job(id: &str, now: u64) -> NewJob {
+    NewJob {
+        id: id.into(),
+        pool: "p".into(),
+        reason: "requested".into(),
+        key_id: "key_1".into(),
+        fairness: 1,
+        priority: "normal".into(),
+        created_at: now,
+        expires_at: now + 86_400_000,
+        retention_ms: 86_400_000,
+        destinations: 2,
+        request: JobRequest {
+            method: "GET".into(),
+            path_and_query: "/".into(),
+            headers: vec![],
+            body: vec![],
+        },
+    }
+}
+
+fn dest(id: &str, deactivate_after: u32) -> StoredDestination {
+    StoredDestination {
+        id: id.into(),
+        pool: "p".into(),
+        url: format!("https://hooks.example.com/{id}"),
+        secret: "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".into(),
+        active: true,
+        deactivate_after,
+        consecutive_failures: 0,
+        deactivated_at: None,
+        managed_by: "api".into(),
+        created_at: 1,
+        previous_secret: None,
+        previous_secret_expires_at: None,
+    }
+}
+
+/// Inserts and completes `id`, with one pending delivery per destination in `dests`.
+async fn finished(store: &SqliteStore, id: &str, now: u64, dests: &[&str]) {
+    store.insert_jobs(&[job(id, now)]).await.unwrap();
+    let attempt = store.start_attempt(id, now).await.unwrap().unwrap();
+    let dests: Vec<String> = dests.iter().map(|d| d.to_string()).collect();
+    let done = Finish::Completed(JobResult {
+        status: 200,
+        headers: vec![],
+        body: b"ok".to_vec(),
+        truncated: false,
+    });
+    assert!(store
+        .finish_attempt(id, attempt, &done, now, &dests)
+        .await
+        .unwrap());
+}
+
+fn record(
+    due: &nthbouncer_store::DueDelivery,
+    at: u64,
+    status: Option<u16>,
+    next: DeliveryNext,
+) -> AttemptRecord {
+    AttemptRecord {
+        delivery_id: due.id,
+        round: due.round,
+        job_id: due.job.id.clone(),
+        destination_id: due.destination.id.clone(),
+        pool: due.job.pool.clone(),
+        attempt: due.attempts + 1,
+        at,
+        status_code: status,
+        latency_ms: 3,
+        response_body: status.map(|s| format!("answered {s}")),
+        error: None,
+        manual: due.manual,
+        next,
+        gone: status == Some(410),
+    }
+}
+
+async fn destination(store: &SqliteStore, id: &str) -> StoredDestination {
+    store
+        .list_destinations(Some("p"))
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|d| d.id == id)
+        .unwrap()
+}
+
+#[tokio::test]
+async fn due_record_retry_and_deliver() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open_in_dir(tmp.path()).unwrap();
+    store.create_destination(&dest("wh_a", 20)).await.unwrap();
+    store.create_destination(&dest("wh_b", 20)).await.unwrap();
+    finished(&store, "job_1", 1_000, &["wh_a", "wh_b"]).await;
+
+    // Terminal: `destinations` is the number of deliveries; none delivered or failed yet.
+    let j = store.get_job("p", "job_1").await.unwrap().unwrap();
+    assert_eq!((j.destinations, j.delivered, j.failed), (2, 0, 0));
+
+    let due = store.due_deliveries("wh_a", 1_000, 10, &[]).await.unwrap();
+    assert_eq!(due.len(), 1);
+    assert_eq!(due[0].job.id, "job_1");
+    assert_eq!(due[0].job.result.as_ref().unwrap().body, b"ok");
+    assert_eq!(
+        (due[0].attempts, due[0].round_attempts, due[0].manual),
+        (0, 0, false)
+    );
+    assert!(store
+        .due_deliveries("wh_a", 999, 10, &[])
+        .await
+        .unwrap()
+        .is_empty());
+
+    // A failure with a retry: the streak grows, the delivery is due later.
+    let applied = store
+        .record_attempts(&[record(
+            &due[0],
+            1_000,
+            Some(500),
+            DeliveryNext::Retry { at: 6_000 },
+        )])
+        .await
+        .unwrap();
+    assert!(applied[0].recorded && applied[0].streak_changed && !applied[0].deactivated);
+    assert_eq!(destination(&store, "wh_a").await.consecutive_failures, 1);
+    assert!(store
+        .due_deliveries("wh_a", 5_999, 10, &[])
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        store.next_delivery_at("wh_a", 1_000).await.unwrap(),
+        Some(6_000)
+    );
+    assert_eq!(store.next_delivery_at("wh_a", 6_000).await.unwrap(), None);
+
+    // Then a success: delivered, streak reset, counts true.
+    let due = store.due_deliveries("wh_a", 6_000, 10, &[]).await.unwrap();
+    assert_eq!((due[0].attempts, due[0].round_attempts), (1, 1));
+    let applied = store
+        .record_attempts(&[record(&due[0], 6_000, Some(204), DeliveryNext::Delivered)])
+        .await
+        .unwrap();
+    assert!(applied[0].streak_changed);
+    assert_eq!(destination(&store, "wh_a").await.consecutive_failures, 0);
+    let j = store.get_job("p", "job_1").await.unwrap().unwrap();
+    assert_eq!((j.destinations, j.delivered, j.failed), (2, 1, 0));
+    let ds = store.job_deliveries("job_1").await.unwrap();
+    let a = ds.iter().find(|d| d.destination_id == "wh_a").unwrap();
+    assert_eq!(
+        (
+            a.status.as_str(),
+            a.attempts,
+            a.delivered_at,
+            a.next_attempt_at
+        ),
+        ("delivered", 2, Some(6_000), None)
+    );
+    let b = ds.iter().find(|d| d.destination_id == "wh_b").unwrap();
+    assert_eq!(
+        (b.status.as_str(), b.next_attempt_at),
+        ("pending", Some(1_000))
+    );
+
+    // The attempt log, newest first, by job, by destination, paginated.
+    let q = |job: Option<&str>, dest: Option<&str>, before: Option<u64>, limit: u32| AttemptQuery {
+        pool: "p".into(),
+        job_id: job.map(Into::into),
+        destination_id: dest.map(Into::into),
+        before,
+        limit,
+    };
+    let all = store.list_attempts(&q(None, None, None, 10)).await.unwrap();
+    assert_eq!(all.len(), 2);
+    assert_eq!((all[0].attempt, all[0].status_code), (2, Some(204)));
+    assert_eq!(all[0].outcome, "delivered");
+    assert_eq!(all[1].outcome, "retrying");
+    assert_eq!(all[1].response_body.as_deref(), Some("answered 500"));
+    let page = store
+        .list_attempts(&q(Some("job_1"), Some("wh_a"), Some(all[0].id), 10))
+        .await
+        .unwrap();
+    assert_eq!(page.len(), 1);
+    assert_eq!(page[0].id, all[1].id);
+    assert!(store
+        .list_attempts(&q(None, Some("wh_b"), None, 10))
+        .await
+        .unwrap()
+        .is_empty());
+    let other_pool = AttemptQuery {
+        pool: "q".into(),
+        ..q(None, None, None, 10)
+    };
+    assert!(store.list_attempts(&other_pool).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn streaks_deactivation_gone_and_manual() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open_in_dir(tmp.path()).unwrap();
+    store.create_destination(&dest("wh_a", 2)).await.unwrap();
+    store.create_destination(&dest("wh_b", 20)).await.unwrap();
+    for id in ["job_1", "job_2", "job_3"] {
+        finished(&store, id, 1_000, &["wh_a", "wh_b"]).await;
+    }
+
+    // Two failures in one batch: the second reaches deactivate_after = 2 and fails every other
+    // pending delivery of that destination (job_3's), and its own retry.
+    let due = store.due_deliveries("wh_a", 1_000, 10, &[]).await.unwrap();
+    assert_eq!(due.len(), 3);
+    let retry = DeliveryNext::Retry { at: 6_000 };
+    let applied = store
+        .record_attempts(&[
+            record(&due[0], 1_000, Some(500), retry),
+            record(&due[1], 1_000, None, retry),
+        ])
+        .await
+        .unwrap();
+    assert!(!applied[0].deactivated && applied[1].deactivated);
+    let a = destination(&store, "wh_a").await;
+    assert!(!a.active);
+    assert_eq!((a.consecutive_failures, a.deactivated_at), (2, Some(1_000)));
+    for id in ["job_1", "job_2", "job_3"] {
+        let j = store.get_job("p", id).await.unwrap().unwrap();
+        assert_eq!((j.delivered, j.failed), (0, 1), "{id}");
+    }
+    assert!(
+        store
+            .due_deliveries("wh_a", 10_000, 10, &[])
+            .await
+            .unwrap()
+            .is_empty(),
+        "an inactive destination has nothing due"
+    );
+    let attempts = store
+        .list_attempts(&AttemptQuery {
+            pool: "p".into(),
+            destination_id: Some("wh_a".into()),
+            limit: 10,
+            ..AttemptQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(attempts[0].outcome, "failed", "no retry after deactivation");
+
+    // A manual failure does not count; a 410 deactivates at once, manual or not.
+    let due = store.due_deliveries("wh_b", 1_000, 10, &[]).await.unwrap();
+    let mut manual = record(&due[0], 1_000, Some(500), retry);
+    manual.manual = true;
+    let applied = store.record_attempts(&[manual]).await.unwrap();
+    assert!(!applied[0].streak_changed && !applied[0].deactivated);
+    assert_eq!(destination(&store, "wh_b").await.consecutive_failures, 0);
+    let applied = store
+        .record_attempts(&[record(&due[1], 1_000, Some(410), DeliveryNext::Failed)])
+        .await
+        .unwrap();
+    assert!(applied[0].deactivated);
+    let b = destination(&store, "wh_b").await;
+    assert!(!b.active);
+    assert_eq!(b.consecutive_failures, 1);
+}
+
+#[tokio::test]
+async fn redelivery_rounds_are_fenced() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open_in_dir(tmp.path()).unwrap();
+    store.create_destination(&dest("wh_a", 20)).await.unwrap();
+    store.create_destination(&dest("wh_b", 20)).await.unwrap();
+    finished(&store, "job_1", 1_000, &["wh_a"]).await;
+    let due = store.due_deliveries("wh_a", 1_000, 10, &[]).await.unwrap();
+
+    // Unknown and unfinished jobs.
+    let ids = vec!["wh_a".to_string(), "wh_b".to_string()];
+    assert_eq!(
+        store
+            .redeliver_job("p", "job_nope", &ids, 2_000)
+            .await
+            .unwrap(),
+        Redeliver::NoSuchJob
+    );
+    assert_eq!(
+        store
+            .redeliver_job("q", "job_1", &ids, 2_000)
+            .await
+            .unwrap(),
+        Redeliver::NoSuchJob,
+        "another pool's job"
+    );
+    store.insert_jobs(&[job("job_2", 1_000)]).await.unwrap();
+    assert_eq!(
+        store
+            .redeliver_job("p", "job_2", &ids, 2_000)
+            .await
+            .unwrap(),
+        Redeliver::NotTerminal
+    );
+
+    // Redelivered while the first attempt runs: a new round (and a new delivery to wh_b).
+    assert_eq!(
+        store
+            .redeliver_job("p", "job_1", &ids, 2_000)
+            .await
+            .unwrap(),
+        Redeliver::Queued(2)
+    );
+    // The old round's success does not close the new round.
+    store
+        .record_attempts(&[record(&due[0], 2_500, Some(200), DeliveryNext::Delivered)])
+        .await
+        .unwrap();
+    let fresh = store.due_deliveries("wh_a", 3_000, 10, &[]).await.unwrap();
+    assert_eq!(fresh.len(), 1);
+    assert_eq!(
+        (
+            fresh[0].round,
+            fresh[0].round_attempts,
+            fresh[0].manual,
+            fresh[0].attempts
+        ),
+        (1, 0, true, 1)
+    );
+    let j = store.get_job("p", "job_1").await.unwrap().unwrap();
+    assert_eq!((j.destinations, j.delivered, j.failed), (2, 0, 0));
+    store
+        .record_attempts(&[record(&fresh[0], 3_000, Some(200), DeliveryNext::Delivered)])
+        .await
+        .unwrap();
+    let attempts = store
+        .list_attempts(&AttemptQuery {
+            pool: "p".into(),
+            job_id: Some("job_1".into()),
+            limit: 10,
+            ..AttemptQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(attempts.len(), 2);
+    assert!(attempts[0].manual && !attempts[1].manual);
+    assert_eq!((attempts[0].attempt, attempts[1].attempt), (2, 1));
+}
+
+#[tokio::test]
+async fn undeliverable_rotation_and_retention() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open_in_dir(tmp.path()).unwrap();
+    store.create_destination(&dest("wh_a", 20)).await.unwrap();
+    finished(&store, "job_1", 1_000, &["wh_a", "wh_gone"]).await;
+
+    // A delivery to a destination that is not active any more fails.
+    assert_eq!(
+        store
+            .fail_undeliverable(&["wh_a".to_string()], 2_000)
+            .await
+            .unwrap(),
+        1
+    );
+    let j = store.get_job("p", "job_1").await.unwrap().unwrap();
+    assert_eq!((j.destinations, j.failed), (2, 1));
+
+    // Rotation keeps the previous secret with its expiry; no grace drops it.
+    assert!(store
+        .rotate_destination_secret(
+            "p",
+            "wh_a",
+            "whsec_bmV3LW5ldy1uZXctbmV3LW5ldy1uZXctbmV3",
+            Some(9_000)
+        )
+        .await
+        .unwrap());
+    let a = destination(&store, "wh_a").await;
+    assert_eq!(a.secret, "whsec_bmV3LW5ldy1uZXctbmV3LW5ldy1uZXctbmV3");
+    assert_eq!(
+        a.previous_secret.as_deref(),
+        Some("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")
+    );
+    assert_eq!(a.previous_secret_expires_at, Some(9_000));
+    let due = store.due_deliveries("wh_a", 2_000, 10, &[]).await.unwrap();
+    assert_eq!(due[0].destination.previous_secret_expires_at, Some(9_000));
+    assert!(store
+        .rotate_destination_secret("p", "wh_a", "whsec_other", None)
+        .await
+        .unwrap());
+    let a = destination(&store, "wh_a").await;
+    assert_eq!(
+        (a.previous_secret, a.previous_secret_expires_at),
+        (None, None)
+    );
+    assert!(!store
+        .rotate_destination_secret("q", "wh_a", "whsec_x", None)
+        .await
+        .unwrap());
+
+    // Retention takes the attempt log with the job.
+    store
+        .record_attempts(&[record(&due[0], 2_000, Some(200), DeliveryNext::Delivered)])
+        .await
+        .unwrap();
+    let q = AttemptQuery {
+        pool: "p".into(),
+        limit: 10,
+        ..AttemptQuery::default()
+    };
+    assert_eq!(store.list_attempts(&q).await.unwrap().len(), 1);
+    assert_eq!(store.delete_retained(1_000 + 86_400_000).await.unwrap(), 1);
+    assert!(store.list_attempts(&q).await.unwrap().is_empty());
+    assert!(store.job_deliveries("job_1").await.unwrap().is_empty());
+}
+
+/// A v2 database with a job, a destination and a pending delivery in it is upgraded in place,
+/// and the delivery goes on from where it was.
+#[tokio::test]
+async fn upgrades_a_v2_database_with_data() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join(DB_FILE_NAME);
+    {
+        let raw = rusqlite::Connection::open(&path).unwrap();
+        // The v2 shape of the tables v3 changes or reads (as shipped; v1's are not needed here).
+        raw.execute_batch(
+            "CREATE TABLE jobs (id TEXT PRIMARY KEY NOT NULL, pool TEXT NOT NULL, status TEXT NOT NULL,
+                reason TEXT NOT NULL, key_id TEXT NOT NULL, fairness INTEGER NOT NULL, priority TEXT NOT NULL,
+                created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL, expires_at INTEGER NOT NULL,
+                retention_ms INTEGER NOT NULL, attempt INTEGER NOT NULL DEFAULT 0,
+                destinations INTEGER NOT NULL DEFAULT 0, error TEXT, request TEXT NOT NULL,
+                request_body BLOB NOT NULL, result TEXT, result_body BLOB);
+             CREATE TABLE job_events (job_id TEXT NOT NULL, at INTEGER NOT NULL, status TEXT NOT NULL,
+                attempt INTEGER NOT NULL, detail TEXT);
+             CREATE TABLE webhook_destinations (id TEXT PRIMARY KEY NOT NULL, pool TEXT NOT NULL,
+                url TEXT NOT NULL, secret TEXT NOT NULL, active INTEGER NOT NULL,
+                deactivate_after INTEGER NOT NULL, consecutive_failures INTEGER NOT NULL DEFAULT 0,
+                deactivated_at INTEGER, managed_by TEXT NOT NULL, created_at INTEGER NOT NULL);
+             CREATE TABLE deliveries (id INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL,
+                destination_id TEXT NOT NULL, status TEXT NOT NULL, attempts INTEGER NOT NULL DEFAULT 0,
+                next_attempt_at INTEGER NOT NULL, created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL,
+                UNIQUE (job_id, destination_id));
+             CREATE INDEX deliveries_due ON deliveries (status, next_attempt_at);
+             INSERT INTO jobs VALUES ('job_old', 'p', 'expired', 'requested', 'key_1', 1, 'normal',
+                1000, 2000, 2000, 86400000, 0, 1, NULL,
+                '{\"method\":\"GET\",\"path_and_query\":\"/\",\"headers\":[]}', x'', NULL, NULL);
+             INSERT INTO webhook_destinations VALUES ('wh_a', 'p', 'https://hooks.example.com/a',
+                'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw', 1, 20, 3, NULL, 'api', 1);
+             INSERT INTO deliveries (job_id, destination_id, status, attempts, next_attempt_at, created_at, updated_at)
+                VALUES ('job_old', 'wh_a', 'pending', 1, 7000, 2000, 2000);
+             PRAGMA user_version = 2;",
+        )
+        .unwrap();
+    }
+    let store = SqliteStore::open(&path).unwrap();
+    let raw = rusqlite::Connection::open(&path).unwrap();
+    let version: u32 = raw
+        .pragma_query_value(None, "user_version", |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, SCHEMA_VERSION);
+
+    let a = destination(&store, "wh_a").await;
+    assert_eq!((a.consecutive_failures, a.previous_secret), (3, None));
+    let due = store.due_deliveries("wh_a", 7_000, 10, &[]).await.unwrap();
+    assert_eq!(due.len(), 1);
+    assert_eq!(
+        (
+            due[0].attempts,
+            due[0].round_attempts,
+            due[0].round,
+            due[0].manual
+        ),
+        (1, 0, 0, false)
+    );
+    store
+        .record_attempts(&[record(&due[0], 7_000, Some(200), DeliveryNext::Delivered)])
+        .await
+        .unwrap();
+    let j = store.get_job("p", "job_old").await.unwrap().unwrap();
+    assert_eq!((j.destinations, j.delivered, j.failed), (1, 1, 0));
+    assert_eq!(destination(&store, "wh_a").await.consecutive_failures, 0);
+}

@@ -1,0 +1,5 @@
+//! The SQLite store's tests, in one binary, against real database files in temp dirs.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod deliveries;
+mod sqlite;

@@ -1,0 +1,616 @@
+//! Behaviour of `SqliteStore` through the `Store` trait, against real database files in
+//! temporary directories. Owns nothing but its temp dirs.
+
+use std::collections::HashSet;
+use std::path::Path;
+
+use nthbouncer_store::sqlite::{self, SqliteStore, DB_FILE_NAME, SCHEMA_VERSION};
+use nthbouncer_store::{
+    AccessLogEntry, AccessLogQuery, LeaseRecord, Store, StoreError, StoredKey, StoredPool,
+};
+use serde_json::json;
+
+fn open(dir: &Path) -> SqliteStore {
+    SqliteStore::open_in_dir(dir).unwrap()
+}
+
+fn pool(name: &str, now: u64) -> StoredPool {
+    StoredPool {
+        name: name.to_owned(),
+        spec: json!({ "upstream": format!("https://{name}.example"), "limits": { "concurrency": 4 } }),
+        created_at: now,
+        updated_at: now,
+    }
+}
+
+fn key(id: &str, pool: &str, created_at: u64) -> StoredKey {
+    StoredKey {
+        id: id.to_owned(),
+        pool: pool.to_owned(),
+        hash: format!("hash-of-{id}"),
+        label: Some(format!("label {id}")),
+        created_at,
+        expires_at: None,
+        revoked_at: None,
+    }
+}
+
+fn entry(pool: &str, at: u64, outcome: &str, key_id: Option<&str>) -> AccessLogEntry {
+    AccessLogEntry {
+        id: 0,
+        pool: pool.to_owned(),
+        at,
+        key_id: key_id.map(str::to_owned),
+        client_addr: "10.0.0.1:5555".to_owned(),
+        route: "proxy GET /v1/models".to_owned(),
+        outcome: outcome.to_owned(),
+        reason: (outcome != "admitted").then(|| "queue full".to_owned()),
+        status: if outcome == "admitted" { 200 } else { 429 },
+        queued_ms: at % 7,
+        upstream_status: (outcome == "admitted").then_some(200),
+        upstream_latency_ms: (outcome == "admitted").then_some(at % 13),
+    }
+}
+
+fn q(limit: u32) -> AccessLogQuery {
+    AccessLogQuery {
+        limit,
+        ..AccessLogQuery::default()
+    }
+}
+
+fn ids(entries: &[AccessLogEntry]) -> Vec<u64> {
+    entries.iter().map(|e| e.id).collect()
+}
+
+#[tokio::test]
+async fn open_creates_dirs_file_and_schema() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("nested").join("data");
+    let store = sqlite::open_in_dir(&dir).unwrap();
+    assert_eq!(store.path(), dir.join(DB_FILE_NAME));
+    assert!(dir.join(DB_FILE_NAME).is_file());
+    store.ping().await.unwrap();
+
+    let raw = rusqlite::Connection::open(dir.join(DB_FILE_NAME)).unwrap();
+    let version: u32 = raw
+        .pragma_query_value(None, "user_version", |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, SCHEMA_VERSION);
+    let mode: String = raw
+        .pragma_query_value(None, "journal_mode", |r| r.get(0))
+        .unwrap();
+    assert_eq!(mode, "wal");
+    drop(raw);
+
+    // Opening again (while the first store is still open) is a no-op for the schema.
+    let again = sqlite::open(&dir.join(DB_FILE_NAME)).unwrap();
+    again.ping().await.unwrap();
+}
+
+#[tokio::test]
+async fn refuses_a_newer_schema() {
+    let tmp = tempfile::tempdir().unwrap();
+    drop(open(tmp.path()));
+    let raw = rusqlite::Connection::open(tmp.path().join(DB_FILE_NAME)).unwrap();
+    raw.pragma_update(None, "user_version", SCHEMA_VERSION + 1)
+        .unwrap();
+    drop(raw);
+    let err = SqliteStore::open_in_dir(tmp.path()).unwrap_err();
+    assert!(
+        matches!(&err, StoreError::Backend(m) if m.contains("newer")),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn pools_crud_and_conflict() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(tmp.path());
+
+    assert!(store.list_pools().await.unwrap().is_empty());
+    assert_eq!(store.get_pool("b").await.unwrap(), None);
+
+    store.create_pool(&pool("b", 10)).await.unwrap();
+    store.create_pool(&pool("a", 20)).await.unwrap();
+    let err = store.create_pool(&pool("a", 30)).await.unwrap_err();
+    assert!(
+        matches!(&err, StoreError::Conflict(m) if m.contains('a')),
+        "{err}"
+    );
+
+    let names: Vec<_> = store
+        .list_pools()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|p| p.name)
+        .collect();
+    assert_eq!(names, ["a", "b"]);
+    // The conflicting create changed nothing.
+    assert_eq!(store.get_pool("a").await.unwrap(), Some(pool("a", 20)));
+
+    let spec = json!({ "upstream": "https://new.example", "tags": ["x", "y"], "n": null });
+    assert!(store.update_pool("b", &spec, 99).await.unwrap());
+    assert!(!store.update_pool("missing", &spec, 99).await.unwrap());
+    let b = store.get_pool("b").await.unwrap().unwrap();
+    assert_eq!(b.spec, spec);
+    assert_eq!((b.created_at, b.updated_at), (10, 99));
+
+    assert!(store.delete_pool("b").await.unwrap());
+    assert!(!store.delete_pool("b").await.unwrap());
+    assert_eq!(store.get_pool("b").await.unwrap(), None);
+    assert_eq!(store.list_pools().await.unwrap().len(), 1);
+    // The name is free again.
+    store.create_pool(&pool("b", 100)).await.unwrap();
+}
+
+#[tokio::test]
+async fn delete_pool_takes_its_keys_and_log_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(tmp.path());
+    store.create_pool(&pool("gone", 1)).await.unwrap();
+    store.create_pool(&pool("kept", 1)).await.unwrap();
+    store.create_key(&key("key_g", "gone", 1)).await.unwrap();
+    store.create_key(&key("key_k", "kept", 1)).await.unwrap();
+    // A key of a pool that exists only in the config file.
+    store.create_key(&key("key_c", "config", 1)).await.unwrap();
+    store
+        .append_access_log(&[
+            entry("gone", 1, "admitted", None),
+            entry("kept", 2, "admitted", None),
+            entry("config", 3, "admitted", None),
+        ])
+        .await
+        .unwrap();
+
+    assert!(store.delete_pool("gone").await.unwrap());
+    assert!(store.list_keys("gone").await.unwrap().is_empty());
+    assert!(store
+        .query_access_log("gone", &q(10))
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(store.list_keys("kept").await.unwrap().len(), 1);
+    assert_eq!(
+        store.query_access_log("kept", &q(10)).await.unwrap().len(),
+        1
+    );
+
+    // No pool row for "config": nothing is deleted, its keys and log stay.
+    assert!(!store.delete_pool("config").await.unwrap());
+    assert_eq!(store.list_keys("config").await.unwrap().len(), 1);
+    assert_eq!(
+        store
+            .query_access_log("config", &q(10))
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+}
+
+#[tokio::test]
+async fn keys_create_list_revoke_and_conflict() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(tmp.path());
+
+    // Inserted out of creation order; listing must be oldest first.
+    let mut k2 = key("key_2", "p", 200);
+    k2.label = None;
+    k2.expires_at = Some(5_000);
+    store.create_key(&k2).await.unwrap();
+    store.create_key(&key("key_1", "p", 100)).await.unwrap();
+    store.create_key(&key("key_3", "q", 50)).await.unwrap();
+
+    let listed = store.list_keys("p").await.unwrap();
+    assert_eq!(listed, vec![key("key_1", "p", 100), k2.clone()]);
+    assert!(store.list_keys("none").await.unwrap().is_empty());
+
+    let all: Vec<_> = store
+        .list_all_keys()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|k| k.id)
+        .collect();
+    assert_eq!(all, ["key_1", "key_2", "key_3"]);
+
+    // Same hash under a new id.
+    let mut dup_hash = key("key_9", "q", 1);
+    dup_hash.hash = k2.hash.clone();
+    let err = store.create_key(&dup_hash).await.unwrap_err();
+    assert!(
+        matches!(&err, StoreError::Conflict(m) if !m.contains(&k2.hash)),
+        "{err}"
+    );
+    // Same id with a new hash.
+    let mut dup_id = key("key_1", "q", 1);
+    dup_id.hash = "another-hash".to_owned();
+    let err = store.create_key(&dup_id).await.unwrap_err();
+    assert!(
+        matches!(&err, StoreError::Conflict(m) if m.contains("key_1")),
+        "{err}"
+    );
+    assert_eq!(store.list_all_keys().await.unwrap().len(), 3);
+
+    assert!(
+        !store.revoke_key("q", "key_1", 300).await.unwrap(),
+        "wrong pool"
+    );
+    assert!(
+        !store.revoke_key("p", "key_x", 300).await.unwrap(),
+        "no such key"
+    );
+    assert!(store.revoke_key("p", "key_1", 300).await.unwrap());
+    assert!(
+        !store.revoke_key("p", "key_1", 400).await.unwrap(),
+        "already revoked"
+    );
+
+    let listed = store.list_keys("p").await.unwrap();
+    assert_eq!(
+        listed[0].revoked_at,
+        Some(300),
+        "first revocation time is kept"
+    );
+    assert_eq!(listed[1].revoked_at, None);
+}
+
+#[tokio::test]
+async fn access_log_batch_and_filters() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(tmp.path());
+
+    // 300 entries in one batch, interleaved with another pool's.
+    let batch: Vec<_> = (0..300u64)
+        .flat_map(|i| {
+            let outcome = if i % 3 == 0 { "429" } else { "admitted" };
+            let key_id = (i % 2 == 0).then_some("key_even");
+            [
+                entry("p", 1_000 + i, outcome, key_id),
+                entry("other", 1_000 + i, "admitted", None),
+            ]
+        })
+        .collect();
+    store.append_access_log(&batch).await.unwrap();
+    store.append_access_log(&[]).await.unwrap();
+
+    let newest = store.query_access_log("p", &q(1000)).await.unwrap();
+    assert_eq!(newest.len(), 300);
+    assert!(newest.windows(2).all(|w| w[0].id > w[1].id), "newest first");
+    assert_eq!(newest[0].at, 1_299);
+    assert_eq!(newest[299].at, 1_000);
+    // Everything but the id round-trips.
+    let mut expected = entry("p", 1_299, "admitted", None);
+    expected.id = newest[0].id;
+    assert_eq!(newest[0], expected);
+    let mut expected = entry("p", 1_000, "429", Some("key_even"));
+    expected.id = newest[299].id;
+    assert_eq!(newest[299], expected);
+
+    let only = |f: fn(&mut AccessLogQuery)| {
+        let mut query = q(1000);
+        f(&mut query);
+        query
+    };
+
+    let rows = store
+        .query_access_log("p", &only(|q| q.outcome = Some("429".into())))
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 100);
+    assert!(rows.iter().all(|e| e.outcome == "429"));
+
+    let rows = store
+        .query_access_log("p", &only(|q| q.key_id = Some("key_even".into())))
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 150);
+    assert!(rows.iter().all(|e| e.key_id.as_deref() == Some("key_even")));
+
+    let rows = store
+        .query_access_log("p", &only(|q| q.since = Some(1_290)))
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 10, "since is inclusive");
+    assert_eq!(rows.last().unwrap().at, 1_290);
+
+    let rows = store
+        .query_access_log("p", &only(|q| q.until = Some(1_010)))
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 10, "until is exclusive");
+    assert_eq!(rows[0].at, 1_009);
+
+    let cursor = newest[49].id;
+    let rows = store
+        .query_access_log(
+            "p",
+            &AccessLogQuery {
+                before: Some(cursor),
+                ..q(1000)
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(ids(&rows), ids(&newest[50..]));
+
+    // All filters together.
+    let rows = store
+        .query_access_log(
+            "p",
+            &AccessLogQuery {
+                before: Some(newest[10].id),
+                since: Some(1_100),
+                until: Some(1_200),
+                outcome: Some("429".into()),
+                key_id: Some("key_even".into()),
+                limit: 1000,
+            },
+        )
+        .await
+        .unwrap();
+    let want: Vec<_> = newest
+        .iter()
+        .filter(|e| e.id < newest[10].id && (1_100..1_200).contains(&e.at))
+        .filter(|e| e.outcome == "429" && e.key_id.as_deref() == Some("key_even"))
+        .map(|e| e.id)
+        .collect();
+    assert!(!want.is_empty());
+    assert_eq!(ids(&rows), want);
+
+    // Limit is clamped to 1..=1000.
+    assert_eq!(store.query_access_log("p", &q(0)).await.unwrap().len(), 1);
+    assert_eq!(store.query_access_log("p", &q(7)).await.unwrap().len(), 7);
+    assert_eq!(
+        store
+            .query_access_log("other", &q(u32::MAX))
+            .await
+            .unwrap()
+            .len(),
+        300
+    );
+    store
+        .append_access_log(
+            &(0..800)
+                .map(|i| entry("big", i, "admitted", None))
+                .collect::<Vec<_>>(),
+        )
+        .await
+        .unwrap();
+    store
+        .append_access_log(
+            &(0..800)
+                .map(|i| entry("big", i, "admitted", None))
+                .collect::<Vec<_>>(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .query_access_log("big", &q(u32::MAX))
+            .await
+            .unwrap()
+            .len(),
+        1000
+    );
+    assert!(store
+        .query_access_log("nobody", &q(10))
+        .await
+        .unwrap()
+        .is_empty());
+}
+
+#[tokio::test]
+async fn access_log_pagination_with_before_cursor() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(tmp.path());
+    let batch: Vec<_> = (0..95).map(|i| entry("p", i, "admitted", None)).collect();
+    store.append_access_log(&batch).await.unwrap();
+
+    let mut seen = Vec::new();
+    let mut before = None;
+    loop {
+        let page = store
+            .query_access_log("p", &AccessLogQuery { before, ..q(20) })
+            .await
+            .unwrap();
+        if page.is_empty() {
+            break;
+        }
+        assert!(page.len() <= 20);
+        before = page.last().map(|e| e.id);
+        seen.extend(page);
+    }
+    assert_eq!(seen.len(), 95);
+    assert!(seen.windows(2).all(|w| w[0].id > w[1].id));
+    let ats: Vec<_> = seen.iter().map(|e| e.at).collect();
+    assert_eq!(ats, (0..95).rev().collect::<Vec<_>>());
+}
+
+#[tokio::test]
+async fn access_log_batch_is_all_or_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(tmp.path());
+    let mut batch: Vec<_> = (0..10).map(|i| entry("p", i, "admitted", None)).collect();
+    // SQLite integers are signed 64-bit; this row cannot be stored.
+    batch[7].at = u64::MAX;
+    let err = store.append_access_log(&batch).await.unwrap_err();
+    assert!(matches!(err, StoreError::Backend(_)), "{err}");
+    assert!(store
+        .query_access_log("p", &q(100))
+        .await
+        .unwrap()
+        .is_empty());
+}
+
+#[tokio::test]
+async fn trim_keeps_the_newest() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(tmp.path());
+    let batch: Vec<_> = (0..50)
+        .flat_map(|i| {
+            [
+                entry("p", i, "admitted", None),
+                entry("o", i, "admitted", None),
+            ]
+        })
+        .collect();
+    store.append_access_log(&batch).await.unwrap();
+    let before = store.query_access_log("p", &q(1000)).await.unwrap();
+
+    assert_eq!(store.trim_access_log("p", 100).await.unwrap(), 0);
+    assert_eq!(store.trim_access_log("p", 50).await.unwrap(), 0);
+    assert_eq!(store.trim_access_log("p", 20).await.unwrap(), 30);
+    let after = store.query_access_log("p", &q(1000)).await.unwrap();
+    assert_eq!(ids(&after), ids(&before[..20]));
+    assert_eq!(store.trim_access_log("p", 20).await.unwrap(), 0);
+    assert_eq!(store.trim_access_log("p", u64::MAX).await.unwrap(), 0);
+
+    // Other pools are untouched.
+    assert_eq!(
+        store.query_access_log("o", &q(1000)).await.unwrap().len(),
+        50
+    );
+
+    assert_eq!(store.trim_access_log("p", 0).await.unwrap(), 20);
+    assert!(store
+        .query_access_log("p", &q(1000))
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(store.trim_access_log("nobody", 0).await.unwrap(), 0);
+}
+
+#[tokio::test]
+async fn data_survives_reopen() {
+    let tmp = tempfile::tempdir().unwrap();
+    let last_id;
+    {
+        let store = open(tmp.path());
+        store.create_pool(&pool("p", 1)).await.unwrap();
+        store.create_key(&key("key_1", "p", 2)).await.unwrap();
+        store.revoke_key("p", "key_1", 3).await.unwrap();
+        let batch: Vec<_> = (0..10).map(|i| entry("p", i, "admitted", None)).collect();
+        store.append_access_log(&batch).await.unwrap();
+        last_id = store.query_access_log("p", &q(1)).await.unwrap()[0].id;
+        // Removing the newest rows must not let their ids be handed out again.
+        store.trim_access_log("p", 0).await.unwrap();
+        store
+            .append_access_log(&[entry("p", 10, "admitted", None)])
+            .await
+            .unwrap();
+    }
+
+    let store = open(tmp.path());
+    assert_eq!(store.get_pool("p").await.unwrap(), Some(pool("p", 1)));
+    let keys = store.list_all_keys().await.unwrap();
+    assert_eq!(keys.len(), 1);
+    assert_eq!(keys[0].revoked_at, Some(3));
+    let log = store.query_access_log("p", &q(100)).await.unwrap();
+    assert_eq!(log.len(), 1);
+    assert!(log[0].id > last_id);
+
+    store.trim_access_log("p", 0).await.unwrap();
+    store
+        .append_access_log(&[entry("p", 11, "admitted", None)])
+        .await
+        .unwrap();
+    let log = store.query_access_log("p", &q(100)).await.unwrap();
+    assert!(log[0].id > last_id + 1, "ids stay monotonic across reopen");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_use_from_many_tasks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(tmp.path());
+    store.create_pool(&pool("p", 0)).await.unwrap();
+
+    const TASKS: u64 = 32;
+    const ROUNDS: u64 = 10;
+    let mut handles = Vec::new();
+    for t in 0..TASKS {
+        let store = store.clone();
+        handles.push(tokio::spawn(async move {
+            for r in 0..ROUNDS {
+                let id = format!("key_{t}_{r}");
+                store.create_key(&key(&id, "p", t * 100 + r)).await?;
+                let batch: Vec<_> = (0..5)
+                    .map(|i| entry("p", t * 1000 + r * 10 + i, "admitted", Some(&id)))
+                    .collect();
+                store.append_access_log(&batch).await?;
+                store.query_access_log("p", &q(50)).await?;
+                store.list_keys("p").await?;
+                store.get_pool("p").await?;
+                store.ping().await?;
+                if r % 4 == 0 {
+                    store.trim_access_log("other", 10).await?;
+                    store
+                        .update_pool("p", &json!({ "writer": t }), t * 100 + r)
+                        .await?;
+                }
+            }
+            Ok::<_, StoreError>(())
+        }));
+    }
+    for h in handles {
+        h.await.unwrap().unwrap();
+    }
+
+    assert_eq!(
+        store.list_keys("p").await.unwrap().len() as u64,
+        TASKS * ROUNDS
+    );
+    // More rows than one page holds: walk them with the cursor.
+    let mut log = Vec::new();
+    let mut before = None;
+    loop {
+        let page = store
+            .query_access_log("p", &AccessLogQuery { before, ..q(1000) })
+            .await
+            .unwrap();
+        let Some(last) = page.last() else { break };
+        before = Some(last.id);
+        log.extend(page);
+    }
+    assert_eq!(log.len() as u64, TASKS * ROUNDS * 5);
+    let unique: HashSet<_> = log.iter().map(|e| e.id).collect();
+    assert_eq!(unique.len(), log.len());
+}
+
+fn lease(id: &str, pool: &str, request_deadline: u64) -> LeaseRecord {
+    LeaseRecord {
+        slot_id: id.to_owned(),
+        pool: pool.to_owned(),
+        request_deadline,
+    }
+}
+
+#[tokio::test]
+async fn leases_outstanding_survive_a_reopen_until_released_or_past_their_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let store = open(dir.path());
+        let granted = [
+            lease("a", "p", 5_000),
+            lease("b", "p", 9_000),
+            lease("c", "q", 2_000),
+        ];
+        store.apply_leases(&granted, &[], 1_000).await.unwrap();
+        store.apply_leases(&[], &["b".into()], 1_000).await.unwrap();
+    }
+    let store = open(dir.path());
+    assert_eq!(
+        store.outstanding_leases(1_000).await.unwrap(),
+        vec![lease("a", "p", 5_000), lease("c", "q", 2_000)]
+    );
+    // Past its request deadline a lease cannot be held any more: it is not reported, and the
+    // next write forgets it.
+    assert_eq!(
+        store.outstanding_leases(2_000).await.unwrap(),
+        vec![lease("a", "p", 5_000)]
+    );
+    store.apply_leases(&[], &[], 5_000).await.unwrap();
+    assert_eq!(store.outstanding_leases(0).await.unwrap(), vec![]);
+}

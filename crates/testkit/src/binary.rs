@@ -1,0 +1,254 @@
+//! The real binary as a child process: a guard that kills it, `nthbouncer serve` started from
+//! a generated config and waited on, and the requests tests make of it.
+//!
+//! `env!("CARGO_BIN_EXE_nthbouncer")` exists only in the binary crate's own tests, so every
+//! function here that starts the binary takes its path (`bin`) from the caller.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::wait::wait_until;
+use crate::{ADMIN_TOKEN, API_HOST, KEY};
+
+/// Kills (and reaps) the child when the test ends, whatever happens.
+pub struct Proc(pub Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Spawns the binary `bin` with `args`, its output discarded. `rust_log` sets `RUST_LOG`; `None`
+/// leaves the environment's.
+pub fn spawn(bin: &str, args: &[&str], rust_log: Option<&str>) -> Proc {
+    let mut cmd = Command::new(bin);
+    cmd.args(args).stdout(Stdio::null()).stderr(Stdio::null());
+    if let Some(level) = rust_log {
+        cmd.env("RUST_LOG", level);
+    }
+    Proc(cmd.spawn().unwrap())
+}
+
+/// Writes `text` as `nthbouncer.toml` in `dir` and returns its path.
+pub fn write_config(dir: &Path, text: &str) -> PathBuf {
+    let path = dir.join("nthbouncer.toml");
+    std::fs::File::create(&path)
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    path
+}
+
+/// The `[server]` table's first lines: listen on `127.0.0.1:port`, data in `dir/data`.
+pub fn server_toml(port: u16, dir: &Path) -> String {
+    format!(
+        "[server]\nlisten = \"127.0.0.1:{port}\"\ndata_dir = {:?}\n",
+        dir.join("data").display().to_string()
+    )
+}
+
+/// Waits (bounded, 10 s) until something accepts connections on `port`.
+pub fn wait_listening(port: u16) {
+    for _ in 0..400 {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    panic!("nothing listened on port {port}");
+}
+
+/// Waits (bounded, 10 s) until `/readyz` on `port` answers 200.
+pub async fn wait_ready(client: &reqwest::Client, port: u16) {
+    let ready = wait_until(400, Duration::from_millis(25), async || {
+        client
+            .get(format!("http://127.0.0.1:{port}/readyz"))
+            .header("host", API_HOST)
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 200)
+    })
+    .await;
+    assert!(ready, "the server on port {port} never became ready");
+}
+
+/// `nthbouncer serve` on a free loopback port, from a config written in its own tempdir, with
+/// the test admin token; its pools take the test key.
+pub struct Server {
+    bin: &'static str,
+    proc: Proc,
+    pub port: u16,
+    /// Used for every request the helpers make, readiness checks included.
+    pub client: reqwest::Client,
+    rust_log: &'static str,
+    config: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    /// Writes a config of the `[server]` table (listen, data dir, `admin_token`) followed by
+    /// `rest` (which may open with more `[server]` keys), starts `bin serve` with
+    /// `RUST_LOG=rust_log`, and waits until it is ready.
+    pub async fn start(
+        bin: &'static str,
+        rust_log: &'static str,
+        client: reqwest::Client,
+        rest: &str,
+    ) -> Server {
+        let port = free_port();
+        let dir = tempfile::tempdir().unwrap();
+        let config = write_config(
+            dir.path(),
+            &format!(
+                "{}admin_token = \"{ADMIN_TOKEN}\"\n{rest}",
+                server_toml(port, dir.path())
+            ),
+        );
+        let server = Server {
+            bin,
+            proc: spawn(
+                bin,
+                &["serve", "--config", config.to_str().unwrap()],
+                Some(rust_log),
+            ),
+            port,
+            client,
+            rust_log,
+            config,
+            _dir: dir,
+        };
+        wait_ready(&server.client, port).await;
+        server
+    }
+
+    /// `kill -9`: the process dies at once, with whatever it had in flight.
+    pub fn kill_9(&mut self) {
+        self.proc.0.kill().unwrap();
+        self.proc.0.wait().unwrap();
+    }
+
+    /// Starts `serve` again on the same config (same port, same data dir) and waits until it
+    /// is ready.
+    pub async fn restart(&mut self) {
+        let config = self.config.to_str().unwrap();
+        self.proc = spawn(
+            self.bin,
+            &["serve", "--config", config],
+            Some(self.rust_log),
+        );
+        wait_ready(&self.client, self.port).await;
+    }
+
+    /// `http://127.0.0.1:{port}{path}`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// A request to `path` on `pool`'s host with the test key.
+    pub fn pool(&self, pool: &str, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        self.client
+            .request(method, self.url(path))
+            .header("host", format!("{pool}.localhost"))
+            .header("x-nthpool-key", KEY)
+    }
+
+    /// GET `path` on `pool`'s host with the test key.
+    pub fn pool_get(&self, pool: &str, path: &str) -> reqwest::RequestBuilder {
+        self.pool(pool, reqwest::Method::GET, path)
+    }
+
+    /// A request to `path` on the API host with the test key.
+    pub fn api(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        self.client
+            .request(method, self.url(path))
+            .header("host", API_HOST)
+            .header("x-nthpool-key", KEY)
+    }
+
+    /// GET `path` on the admin API, as JSON (whatever the status).
+    pub async fn admin_json(&self, path: &str) -> Value {
+        self.client
+            .get(self.url(path))
+            .header("host", API_HOST)
+            .bearer_auth(ADMIN_TOKEN)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    /// Waits (bounded, 20 s) for `pool` to be idle: nothing in flight, nothing queued.
+    pub async fn wait_idle(&self, pool: &str) {
+        let mut last = Value::Null;
+        let idle = wait_until(1000, Duration::from_millis(20), async || {
+            let s = self.admin_json(&format!("/admin/pools/{pool}/state")).await;
+            let idle = s["inFlight"] == 0 && s["queued"] == 0;
+            last = s;
+            idle
+        })
+        .await;
+        assert!(idle, "pool {pool} never went idle: {last}");
+    }
+
+    /// Submits `n` async jobs to `pool` (`POST /work/{i}`, 16 at a time, with `body(i)` as the
+    /// body if any); every one must be accepted with 202. Their job ids, in submission order.
+    pub async fn submit_async_jobs(
+        &self,
+        pool: &str,
+        n: usize,
+        body: impl Fn(usize) -> Option<String>,
+    ) -> Vec<String> {
+        let sem = Arc::new(tokio::sync::Semaphore::new(16));
+        let mut tasks = Vec::with_capacity(n);
+        for i in 0..n {
+            let permit = sem.clone().acquire_owned().await.unwrap();
+            let mut req = self
+                .pool(pool, reqwest::Method::POST, &format!("/work/{i}"))
+                .header("x-nthpool-async", "1");
+            if let Some(body) = body(i) {
+                req = req.body(body);
+            }
+            tasks.push(tokio::spawn(async move {
+                let r = req.send().await.unwrap();
+                drop(permit);
+                assert_eq!(r.status(), 202);
+                let v: Value = r.json().await.unwrap();
+                v["jobId"].as_str().unwrap().to_string()
+            }));
+        }
+        let mut ids = Vec::with_capacity(n);
+        for t in tasks {
+            ids.push(t.await.unwrap());
+        }
+        ids
+    }
+
+    /// The job as its submitter polls it (`GET /pools/{pool}/jobs/{id}` with the test key):
+    /// the status and the JSON body.
+    pub async fn job(&self, pool: &str, id: &str) -> (u16, Value) {
+        let r = self
+            .api(reqwest::Method::GET, &format!("/pools/{pool}/jobs/{id}"))
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json().await.unwrap())
+    }
+}

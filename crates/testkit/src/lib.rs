@@ -1,0 +1,67 @@
+//! Test support shared by the end-to-end tests of the server, the client and the binary: a
+//! real gateway on loopback ([`gateway`]), a real upstream that counts what it sees
+//! ([`upstream`]), loopback HTTP servers ([`loopback`]), the real binary as a child process
+//! ([`binary`]), the access-policy fixtures ([`access`]) and bounded polling ([`wait`]).
+//!
+//! The few server internals a test reaches into are named once, in [`internals`] and
+//! [`gateway::Gateway::flush_access_log`], so that a move in the server is one edit here.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+pub mod access;
+pub mod binary;
+pub mod gateway;
+pub mod loopback;
+pub mod upstream;
+pub mod wait;
+
+pub use gateway::{clocked, clocked_at, gateway, gateway_with, Gateway};
+pub use loopback::{call, expect_error, header, json_of, ok, read_body, send, serve_http};
+pub use upstream::{Seen, Upstream};
+pub use wait::{bounded, eventually, poll, wait_until};
+
+/// Where every manual clock starts (epoch ms).
+pub const T0: u64 = 1_700_000_000_000;
+/// The admin token of every test gateway.
+pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
+/// A valid legacy-format key used by most test pools.
+pub const KEY: &str = "test-key-0123456789abcdef";
+/// The second key of every [`pool_toml`] pool.
+pub const KEY2: &str = "test-key-second-0123456789";
+/// The gateway's default API host.
+pub const API_HOST: &str = "api.localhost";
+/// A webhook signing secret in the `whsec_` format.
+pub const WEBHOOK_SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+/// An upstream nothing listens on: for lock pools, whose holders call the origin themselves.
+pub const NO_UPSTREAM: &str = "http://127.0.0.1:9";
+
+/// The server internals the tests use, in one place.
+pub mod internals {
+    pub use nthbouncer_server::access::MAX_FAILURES;
+    pub use nthbouncer_server::webhooks::{secret_key, sign};
+}
+
+/// A `[[pools]]` entry in TOML: `name` in front of `upstream`, keys [`KEY`] and [`KEY2`], and
+/// `concurrency` (TOML lines) as its `[pools.concurrency]` table.
+pub fn pool_toml(name: &str, upstream: &str, concurrency: &str) -> String {
+    format!(
+        "[[pools]]\nname = \"{name}\"\nupstream = \"{upstream}\"\nkeys = [\"{KEY}\", \"{KEY2}\"]\n[pools.concurrency]\n{concurrency}\n"
+    )
+}
+
+/// A lock pool in TOML. Its upstream is never called: lock holders call the origin themselves.
+pub fn lock_pool_toml(name: &str, concurrency: &str) -> String {
+    pool_toml(name, NO_UPSTREAM, concurrency)
+}
+
+/// A `[[pools.webhooks]]` destination at `url`, signed with [`WEBHOOK_SECRET`].
+pub fn webhook_toml(url: &str) -> String {
+    format!("[[pools.webhooks]]\nurl = \"{url}\"\nsecret = \"{WEBHOOK_SECRET}\"\n")
+}
+
+/// The wall clock in epoch ms.
+pub fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}

@@ -1,0 +1,108 @@
+//! Loopback HTTP servers and the request helpers every test uses.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::Value;
+
+/// Serves HTTP/1 and HTTP/2 on a loopback port, answering every request with `f`; its address.
+pub async fn serve_http<F, Fut, B>(f: F) -> SocketAddr
+where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Response<B>> + Send + 'static,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    serve_http_counting(|| {}, f).await
+}
+
+/// [`serve_http`], calling `on_connection` for every connection it accepts.
+pub async fn serve_http_counting<C, F, Fut, B>(on_connection: C, f: F) -> SocketAddr
+where
+    C: Fn() + Send + 'static,
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Response<B>> + Send + 'static,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            on_connection();
+            let f = f.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req| {
+                    let f = f.clone();
+                    async move { Ok::<_, Infallible>(f(req).await) }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+/// A request body read to its end (empty if it broke off).
+pub async fn read_body(body: Incoming) -> Bytes {
+    body.collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default()
+}
+
+/// A 200 with `body`.
+pub fn ok(body: &'static [u8]) -> Response<Full<Bytes>> {
+    Response::new(Full::new(Bytes::from_static(body)))
+}
+
+/// The request header `name` as text; empty when absent or not text.
+pub fn header(req: &Request<Incoming>, name: &str) -> String {
+    req.headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string()
+}
+
+/// Sends a request; a transport error fails the test.
+pub async fn send(rb: reqwest::RequestBuilder) -> reqwest::Response {
+    rb.send().await.unwrap()
+}
+
+/// The JSON body of a response (a body that is not JSON fails the test).
+pub async fn json_of(r: reqwest::Response) -> Value {
+    r.json().await.unwrap()
+}
+
+/// Sends a request: its status and JSON body (`Null` when the body is empty or not JSON).
+pub async fn call(rb: reqwest::RequestBuilder) -> (u16, Value) {
+    let r = send(rb).await;
+    let status = r.status().as_u16();
+    let bytes = r.bytes().await.unwrap();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+/// Asserts a JSON error answer with `status` and `error` code; returns its body.
+pub async fn expect_error(r: reqwest::Response, status: u16, code: &str) -> Value {
+    assert_eq!(r.status(), status, "status of an expected {code}");
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"], code, "{body}");
+    body
+}
