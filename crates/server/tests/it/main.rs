@@ -7,6 +7,7 @@ mod access;
 mod admin;
 mod fuzz_regressions;
 mod governor;
+mod job_upstream;
 mod jobs;
 mod lock;
 mod proxy;

@@ -1,24 +1,20 @@
 //! A job's upstream request is a proxied call's: the same `X-Forwarded-*`, plus its
 //! `Idempotency-Key`; and a job retries only what the origin cannot have acted on.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod support;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use nthbouncer_testkit::*;
 use reqwest::Method;
 use serde_json::Value;
-use support::*;
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpListener;
 
-const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
-
 fn async_pool(upstream: &str) -> String {
     format!(
-        "[server]\nallow_private_webhooks = true\n{}[pools.async]\nenabled = true\n\n[[pools.webhooks]]\nurl = \"http://127.0.0.1:9/hook\"\nsecret = \"{SECRET}\"\n",
-        pool_toml("p", upstream, "limit = 2")
+        "[server]\nallow_private_webhooks = true\n{}[pools.async]\nenabled = true\n\n{}",
+        pool_toml("p", upstream, "limit = 2"),
+        webhook_toml("http://127.0.0.1:9/hook"),
     )
 }
 
