@@ -4,10 +4,10 @@
 
 use std::sync::Arc;
 
-use http::header::AUTHORIZATION;
 use http::HeaderMap;
 use nthbouncer_config::keys;
 
+use crate::core::extract;
 use crate::pools::registry::PoolRuntime;
 
 pub const KEY_HEADER: &str = "x-nthpool-key";
@@ -51,12 +51,11 @@ fn presented_key<'a>(pool: &PoolRuntime, headers: &'a HeaderMap) -> Option<(&'a 
         }
     }
     if pool.accept_bearer || pool.accept_nthbouncer {
-        let value = headers.get(AUTHORIZATION)?.to_str().ok()?;
-        let (scheme, token) = value.trim().split_once(' ')?;
+        let (scheme, token) = extract::scheme_and_token(extract::authorization(headers)?)?;
         let accepted = (pool.accept_bearer && scheme.eq_ignore_ascii_case("bearer"))
             || (pool.accept_nthbouncer && scheme.eq_ignore_ascii_case("nthbouncer"));
         if accepted {
-            return Some((token.trim(), true));
+            return Some((token, true));
         }
     }
     None

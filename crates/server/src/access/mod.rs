@@ -42,6 +42,7 @@ pub use throttle::{FailureThrottle, BLOCK_MS, FAILURE_WINDOW_MS, MAX_FAILURES};
 use crate::app::state::AppState;
 use crate::core::access_log::{LogLine, LogOutcome, UpstreamSeen};
 use crate::core::error::{ApiError, ErrorCode};
+use crate::core::extract;
 use crate::pools::registry::PoolRuntime;
 use keys::{AuthFailure, Caller};
 
@@ -149,34 +150,19 @@ impl JwtSource {
         headers: &'a HeaderMap,
         key_in_authorization: bool,
     ) -> Option<(&'a str, bool)> {
-        let strip_bearer = |v: &'a str| {
-            let v = v.trim();
-            match v.split_once(' ') {
-                Some((scheme, rest)) if scheme.eq_ignore_ascii_case("bearer") => rest.trim(),
-                _ => v,
-            }
-        };
         if let Some(v) = headers.get(&self.header) {
             let from_authorization = self.header == http::header::AUTHORIZATION;
             if from_authorization && key_in_authorization {
                 return None;
             }
-            return Some((strip_bearer(v.to_str().ok()?), from_authorization));
+            let v = v.to_str().ok()?;
+            let token = extract::bearer(v).unwrap_or_else(|| v.trim());
+            return Some((token, from_authorization));
         }
         if key_in_authorization {
             return None;
         }
-        let v = headers
-            .get(http::header::AUTHORIZATION)?
-            .to_str()
-            .ok()?
-            .trim();
-        match v.split_once(' ') {
-            Some((scheme, rest)) if scheme.eq_ignore_ascii_case("bearer") => {
-                Some((rest.trim(), true))
-            }
-            _ => None,
-        }
+        Some((extract::bearer(extract::authorization(headers)?)?, true))
     }
 }
 
@@ -446,7 +432,7 @@ fn route_label(method: &Method, path: &str) -> String {
 }
 
 /// Middleware for the API host's pool routes (`/pools/{pool}/…`: lock, job poll): the same
-/// checks as the proxy. The handlers still resolve the caller from the pool key themselves.
+/// checks as the proxy, once per request; the result travels to the handler as a [`PoolCaller`].
 pub async fn require(
     State(state): State<Arc<AppState>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
@@ -454,8 +440,7 @@ pub async fn require(
     next: Next,
 ) -> Response {
     let Some(pool) = pool_segment(req.uri().path()).and_then(|name| state.pool(&name)) else {
-        // No pool by that name: the handler answers pool_not_found.
-        return next.run(req).await;
+        return ApiError::pool_not_found().into_response();
     };
     let client = client_addr(peer.ip(), req.headers(), &state.trusted_proxies);
     let route = route_label(req.method(), req.uri().path());
@@ -498,14 +483,25 @@ pub async fn require(
         log.at,
     ))
     .await;
-    if let Err(failure) = checked {
-        if logged {
-            return refuse(&pool, log, None, failure);
+    let caller = match checked {
+        Ok(authorized) => authorized.caller,
+        Err(failure) if logged => return refuse(&pool, log, None, failure),
+        Err(failure) => {
+            count_refusal(&pool, failure);
+            return failure.error().into_response();
         }
-        count_refusal(&pool, failure);
-        return failure.error().into_response();
-    }
-    next.run(Request::from_parts(parts, body)).await
+    };
+    let mut req = Request::from_parts(parts, body);
+    req.extensions_mut().insert(PoolCaller { pool, caller });
+    next.run(req).await
+}
+
+/// The pool a `/pools/{pool}/…` route names and the caller [`require`] authenticated: handlers
+/// behind it take this from the request's extensions instead of authenticating again.
+#[derive(Clone)]
+pub struct PoolCaller {
+    pub pool: Arc<PoolRuntime>,
+    pub caller: Caller,
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ use utoipa::ToSchema;
 
 use crate::app::state::{managed_by_config, AppState};
 use crate::core::error::{ApiError, ErrorCode};
-use crate::core::extract::parse_json;
+use crate::core::extract::{self, parse_json};
 use crate::core::pagination;
 use crate::pools::registry::{ManagedBy, PoolRuntime};
 
@@ -26,15 +26,7 @@ type AppStateRef = State<Arc<AppState>>;
 
 /// Rejects requests without the admin bearer token.
 pub async fn require_admin(State(state): AppStateRef, req: Request, next: Next) -> Response {
-    let presented = req
-        .headers()
-        .get(http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| {
-            v.strip_prefix("Bearer ")
-                .or_else(|| v.strip_prefix("bearer "))
-        })
-        .map(str::trim);
+    let presented = extract::authorization(req.headers()).and_then(extract::bearer);
     let ok = match (&state.admin_token, presented) {
         (Some(expected), Some(given)) => bool::from(expected.as_bytes().ct_eq(given.as_bytes())),
         _ => false,

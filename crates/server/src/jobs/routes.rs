@@ -4,8 +4,10 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, Method, StatusCode};
+use axum::extract::{Extension, Path, Query, State};
+
+use crate::access::PoolCaller;
+use axum::http::{Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use bytes::Bytes;
@@ -37,13 +39,10 @@ fn pool_or_404(state: &AppState, name: &str) -> Result<Arc<PoolRuntime>, ApiErro
               (status = 401, description = "unauthorized"), (status = 404, description = "job_not_found")))]
 pub async fn poll(
     State(state): AppStateRef,
+    Extension(PoolCaller { pool, .. }): Extension<PoolCaller>,
     method: Method,
-    Path((name, job_id)): Path<(String, String)>,
-    headers: HeaderMap,
+    Path((_pool, job_id)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
-    let pool = pool_or_404(&state, &name)?;
-    crate::access::keys::authenticate(&pool, &headers, state.now())
-        .map_err(|_| ApiError::unauthorized("missing or invalid pool key"))?;
     if !valid_job_id(&job_id) {
         return Err(job_not_found());
     }

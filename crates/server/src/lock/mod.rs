@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::rejection::PathRejection;
-use axum::extract::{ConnectInfo, Path, State};
-use axum::http::{HeaderMap, StatusCode, Uri};
+use axum::extract::{ConnectInfo, Extension, Path, State};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use bytes::Bytes;
@@ -24,13 +24,12 @@ use nthbouncer_store::LeaseRecord;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::access::keys::{self as auth, Caller};
+use crate::access::PoolCaller;
 use crate::app::state::AppState;
 use crate::core::access_log::{LogLine, LogOutcome, UpstreamSeen};
 use crate::core::admission::{self, Caller as AdmissionCaller};
 use crate::core::error::{ApiError, ErrorCode};
 use crate::core::extract::parse_json;
-use crate::pools::registry::PoolRuntime;
 
 /// Largest acquire or release body.
 pub const MAX_LOCK_BODY_BYTES: usize = crate::core::extract::MAX_API_BODY_BYTES;
@@ -126,35 +125,10 @@ fn is_empty(body: &Bytes) -> bool {
     body.iter().all(u8::is_ascii_whitespace)
 }
 
-/// `{pool}` of a lock route. A segment that does not decode to UTF-8 names no pool: that is
-/// `404 pool_not_found` in JSON, not axum's plain-text 400.
-fn pool_param(path: Result<Path<String>, PathRejection>) -> String {
-    path.map(|Path(name)| name).unwrap_or_default()
-}
-
-/// `{pool}` and `{slotId}` of a slot route. When a segment does not decode to UTF-8, the pool
-/// is looked up by its raw segment (pool names never need escaping) and the slot id is one that
-/// names no slot, so the answer is the JSON 404 it would be for any other unknown id.
-fn slot_params(path: Result<Path<(String, String)>, PathRejection>, uri: &Uri) -> (String, String) {
-    match path {
-        Ok(Path(params)) => params,
-        // "/pools/{pool}/lock/{slotId}/…": the third segment is the pool.
-        Err(_) => (
-            uri.path().split('/').nth(2).unwrap_or_default().to_string(),
-            String::new(),
-        ),
-    }
-}
-
-fn pool_and_caller(
-    state: &AppState,
-    name: &str,
-    headers: &HeaderMap,
-) -> Result<(Arc<PoolRuntime>, Caller), ApiError> {
-    let pool = state.pool(name).ok_or_else(ApiError::pool_not_found)?;
-    let caller = auth::authenticate(&pool, headers, state.now())
-        .map_err(|_| ApiError::unauthorized("missing or invalid pool key"))?;
-    Ok((pool, caller))
+/// `{slotId}` of a slot route. A segment that does not decode to UTF-8 names no slot: the
+/// answer is the JSON 404 of any other unknown id, not axum's plain-text 400.
+fn slot_param(path: Result<Path<(String, String)>, PathRejection>) -> String {
+    path.map(|Path((_, slot))| slot).unwrap_or_default()
 }
 
 /// The wait budget and priority an acquire body asks for (an empty body: the headers'), as the
@@ -185,37 +159,17 @@ pub fn acquire_params(
               (status = 429, description = "too_many_requests, may carry Retry-After"), (status = 504, description = "queue_timeout")))]
 pub async fn acquire(
     State(state): State<Arc<AppState>>,
-    path: Result<Path<String>, PathRejection>,
+    Extension(PoolCaller { pool, caller }): Extension<PoolCaller>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let name = pool_param(path);
-    let Some(pool) = state.pool(&name) else {
-        return ApiError::pool_not_found().into_response();
-    };
     let log = LogLine {
         log: &state.access_log,
         pool: &pool.name,
         at: state.now(),
         peer,
         route: "lock acquire".into(),
-    };
-    let caller = match auth::authenticate(&pool, &headers, log.at) {
-        Ok(c) => c,
-        Err(failure) => {
-            pool.metrics.unauthorized.increment(1);
-            let e = ApiError::unauthorized("missing or invalid pool key");
-            log.write(
-                None,
-                LogOutcome::Refused(e.status),
-                Some(failure.as_str()),
-                e.status,
-                0,
-                UpstreamSeen::default(),
-            );
-            return e.into_response();
-        }
     };
     let parsed = async {
         let bytes = read_body(&headers, body).await?;
@@ -287,13 +241,10 @@ fn slot_not_found() -> ApiError {
               (status = 404, description = "not_found: released or reclaimed"),
               (status = 409, description = "capped: the lease reached requestDeadline; release it")))]
 pub async fn renew(
-    State(state): State<Arc<AppState>>,
+    Extension(PoolCaller { pool, .. }): Extension<PoolCaller>,
     path: Result<Path<(String, String)>, PathRejection>,
-    uri: Uri,
-    headers: HeaderMap,
 ) -> Result<Json<Renewed>, ApiError> {
-    let (name, slot) = slot_params(path, &uri);
-    let (pool, _caller) = pool_and_caller(&state, &name, &headers)?;
+    let slot = slot_param(path);
     let slot = SlotId::parse(&slot).ok_or_else(slot_not_found)?;
     match pool.gate.renew(slot).await {
         Ok(lease_deadline) => Ok(Json(Renewed { lease_deadline })),
@@ -389,13 +340,12 @@ fn header_pairs<'a>(
               (status = 401, description = "unauthorized"), (status = 413, description = "payload_too_large")))]
 pub async fn release(
     State(state): State<Arc<AppState>>,
+    Extension(PoolCaller { pool, .. }): Extension<PoolCaller>,
     path: Result<Path<(String, String)>, PathRejection>,
-    uri: Uri,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<Released>, ApiError> {
-    let (name, slot) = slot_params(path, &uri);
-    let (pool, _caller) = pool_and_caller(&state, &name, &headers)?;
+    let slot = slot_param(path);
     let bytes = read_body(&headers, body).await?;
     let outcome = release_outcome(&bytes, state.now())?;
     let released = match SlotId::parse(&slot) {
