@@ -198,6 +198,9 @@ pub struct ConcurrencySpec {
     pub adaptive: bool,
     pub min_limit: u32,
     pub fair_share: bool,
+    /// Longest pause any one outcome report or upstream answer may impose (`Retry-After`,
+    /// reset hints, a learned pace), whatever it asks for.
+    pub max_pause_ms: u64,
 }
 
 impl Default for ConcurrencySpec {
@@ -214,6 +217,7 @@ impl Default for ConcurrencySpec {
             adaptive: true,
             min_limit: 1,
             fair_share: true,
+            max_pause_ms: 300_000,
         }
     }
 }
@@ -225,6 +229,10 @@ pub mod limits {
     pub const MAX_QUEUE_TIMEOUT_MS: u64 = 3_600_000;
     pub const MAX_REQUEST_TIMEOUT_MS: u64 = 86_400_000;
     pub const MIN_LEASE_TERM_MS: u64 = 100;
+    /// `concurrency.max_pause_ms`: at least a second (the pause after a throttle without a
+    /// hint), at most a day.
+    pub const MIN_MAX_PAUSE_MS: u64 = 1_000;
+    pub const MAX_MAX_PAUSE_MS: u64 = 86_400_000;
     pub const MAX_KEYS_PER_POOL: usize = 10_000;
 }
 
@@ -693,6 +701,17 @@ impl ConcurrencySpec {
                 format!("must be between 1 and limit ({})", self.limit),
             ));
         }
+        if !(limits::MIN_MAX_PAUSE_MS..=limits::MAX_MAX_PAUSE_MS).contains(&self.max_pause_ms) {
+            return Err(ConfigError::new(
+                k("max_pause_ms"),
+                format!(
+                    "must be between {} and {} (got {})",
+                    limits::MIN_MAX_PAUSE_MS,
+                    limits::MAX_MAX_PAUSE_MS,
+                    self.max_pause_ms
+                ),
+            ));
+        }
         Ok(())
     }
 }
@@ -768,6 +787,26 @@ mod tests {
 
         let e = err("[[pools]]\nname = \"x\"\nupstream = \"http://a\"\n[pools.concurrency]\nlimit = \"many\"\n");
         assert_eq!(e.key, "pools[0].concurrency.limit");
+    }
+
+    #[test]
+    fn max_pause_has_a_default_and_a_range() {
+        let base = "[[pools]]\nname = \"x\"\nupstream = \"http://a\"\n";
+        let c = Config::from_toml_str(base).unwrap();
+        assert_eq!(c.pools[0].concurrency.max_pause_ms, 300_000);
+        let c = Config::from_toml_str(&format!("{base}[pools.concurrency]\nmax_pause_ms = 1000\n"))
+            .unwrap();
+        assert_eq!(c.pools[0].concurrency.max_pause_ms, 1_000);
+        for bad in [0, 999, 86_400_001] {
+            let e = err(&format!(
+                "{base}[pools.concurrency]\nmax_pause_ms = {bad}\n"
+            ));
+            assert_eq!(e.key, "pools[0].concurrency.max_pause_ms");
+            assert!(e.rule.contains("between 1000 and 86400000"), "{e}");
+        }
+        // A pool stored before the key existed still reads, with the default.
+        let spec: ConcurrencySpec = serde_json::from_str(r#"{"limit": 3}"#).unwrap();
+        assert_eq!(spec.max_pause_ms, 300_000);
     }
 
     #[test]

@@ -416,13 +416,11 @@ impl PoolGate for InProcessGate {
         self.ensure_ticker();
         let mut st = self.inner.state.lock();
         let now = self.inner.clock.now_ms();
-        // Learn first: a throttle report must pause admission before its slot is handed on, and
-        // the governor still knows when this slot was granted (see `observe_held`).
-        if let Some(outcome) = &outcome {
-            let adjustment = st.gov.observe_held(now, slot.0, outcome);
-            self.inner.log_adjustment(adjustment, now);
-        }
-        let released = st.gov.release(now, slot.0);
+        // Only the release that frees a held slot teaches: an unknown id or a repeat must not
+        // pause or shrink the pool (any key holder can name a slot id). The governor learns
+        // before freeing, so a throttle pauses admission before the slot is handed on.
+        let (released, adjustment) = st.gov.release_observed(now, slot.0, outcome.as_ref());
+        self.inner.log_adjustment(adjustment, now);
         self.inner.settle(&mut st, now);
         released
     }

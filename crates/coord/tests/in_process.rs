@@ -11,7 +11,7 @@ use std::time::Duration;
 use nthbouncer_coord::in_process::InProcessCoordination;
 use nthbouncer_coord::{
     AcquireRequest, Clock, Coordination, Grant, ManualClock, Outcome, PoolGate, PoolSettings,
-    Priority, Refusal, RefusalReason, RenewError, SlotKind, SystemClock,
+    Priority, Refusal, RefusalReason, RenewError, SlotId, SlotKind, SystemClock,
 };
 use rand::Rng;
 use tokio::task::JoinHandle;
@@ -312,6 +312,53 @@ async fn throttle_report_pauses_and_the_ticker_resumes_at_the_pause_end() {
     clock.advance(1);
     let g = join(waiter).await.unwrap();
     assert_eq!(g.headers.effective_limit, 2);
+}
+
+/// The lock API's bogus release: `{"status":429,"retryAfterMs":900000}` on a slot id nobody
+/// holds used to answer `released:false` and still pause the pool 15 minutes and halve its limit.
+#[tokio::test]
+async fn only_a_release_that_frees_a_slot_teaches_and_pauses_are_capped() {
+    let (_clock, coord) = manual();
+    let gate = coord.open("p", limit(8));
+    let bogus = Outcome {
+        status: Some(429),
+        retry_after_ms: Some(900_000),
+        ..Outcome::default()
+    };
+    let before = gate.snapshot().await;
+    assert!(!gate.release(SlotId(42), Some(bogus.clone())).await);
+    assert_eq!(
+        gate.snapshot().await,
+        before,
+        "an unknown slot taught the pool"
+    );
+
+    // The holder's own release teaches, once; its pause is capped at `max_pause_ms`.
+    let a = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
+    assert!(gate.release(a.slot_id, Some(bogus.clone())).await);
+    let taught = gate.snapshot().await;
+    assert_eq!(
+        (taught.effective_limit, taught.paused_until),
+        (4, Some(T0 + PoolSettings::default().max_pause_ms))
+    );
+    assert!(!gate.release(a.slot_id, Some(bogus.clone())).await);
+    assert_eq!(
+        gate.snapshot().await,
+        taught,
+        "a repeat release re-fed its outcome"
+    );
+
+    // What the gateway observes itself still teaches, under the same cap.
+    let gate = coord.open(
+        "q",
+        PoolSettings {
+            max_pause_ms: 60_000,
+            ..limit(8)
+        },
+    );
+    gate.report(bogus).await;
+    let s = gate.snapshot().await;
+    assert_eq!((s.effective_limit, s.paused_until), (4, Some(T0 + 60_000)));
 }
 
 #[tokio::test]
