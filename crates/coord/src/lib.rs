@@ -17,7 +17,7 @@ pub mod nonces;
 
 use std::sync::Arc;
 
-pub use clock::{Clock, ManualClock, SystemClock};
+pub use clock::{monotonic_to_epoch, Clock, ManualClock, SystemClock};
 pub use nonces::{InProcessNonces, NonceKey, NonceStore, NonceVerdict};
 pub use nthbouncer_governor::{
     Outcome, PoolSettings, Priority, RateInfo, RefusalReason, Snapshot, Throttle,

@@ -2,10 +2,14 @@
 //! learning (SPEC §3).
 //!
 //! This crate owns the *rules* of admission and nothing else. It does no IO, spawns no threads
-//! and never reads a clock: every time-dependent method takes `now` (epoch milliseconds) from the
-//! caller, so it is deterministic and tested without sleeping. It must not know about HTTP, async
-//! runtimes, keys or storage; `nthbouncer-coord` wraps it in an async, locked shell and owns the
-//! wake-ups that [`Governor::next_wakeup`] asks for.
+//! and never reads a clock: every time-dependent method takes `now` (milliseconds) from the
+//! caller, so it is deterministic and tested without sleeping. `now` is the caller's
+//! *monotonic* clock (the in-process gate passes `Clock::monotonic_ms`), and every time the
+//! governor hands back (deadlines, `paused_until`, a throttle's `at`) is on that same clock: a
+//! wall-clock step must not reclaim every lease at once. Converting to epoch ms for display is
+//! the caller's job. It must not know about HTTP, async runtimes, keys or storage;
+//! `nthbouncer-coord` wraps it in an async, locked shell and owns the wake-ups that
+//! [`Governor::next_wakeup`] asks for.
 //!
 //! One [`Governor`] per pool. The caller drives it:
 //! - [`Governor::try_acquire`] admits at once, parks the ticket, or refuses;
@@ -168,7 +172,7 @@ impl RefusalReason {
 /// The last upstream throttle and why it counted as one.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Throttle {
-    /// Epoch ms.
+    /// On the caller's clock (the in-process gate shows it as epoch ms).
     pub at: u64,
     pub cause: String,
 }
