@@ -16,8 +16,8 @@ mod sqlite_jobs;
 
 pub use jobs::{
     AttemptApplied, AttemptQuery, AttemptRecord, DeliveryAttempt, DeliveryNext, DeliveryState,
-    DueDelivery, Finish, JobEvent, JobRequest, JobResult, JobStore, NewJob, Redeliver,
-    StoredDestination, StoredJob,
+    DueDelivery, Finish, JobCursor, JobEvent, JobRequest, JobResult, JobStore, NewJob, Redeliver,
+    StoredDestination, StoredJob, UnfinishedJob,
 };
 
 use serde::{Deserialize, Serialize};

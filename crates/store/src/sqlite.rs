@@ -177,6 +177,14 @@ const MIGRATIONS: &[&str] = &[
         PRIMARY KEY (pool, digest)
     ) WITHOUT ROWID;
     CREATE INDEX IF NOT EXISTS nonces_expires ON nonces (expires_at);",
+    // v5 -> v6: the unfinished backlog, read in pages at start-up and counted per pool for
+    // `async.max_pending`. Partial indexes: they hold only the (few) unfinished jobs, however
+    // many finished ones are retained. Queries must repeat the `status IN (...)` text for the
+    // planner to use them.
+    "CREATE INDEX IF NOT EXISTS jobs_unfinished_created
+        ON jobs (created_at, id) WHERE status IN ('accepted', 'queued', 'running');
+    CREATE INDEX IF NOT EXISTS jobs_unfinished_pool
+        ON jobs (pool) WHERE status IN ('accepted', 'queued', 'running');",
 ];
 
 /// The schema version this build writes (`PRAGMA user_version`).
@@ -412,7 +420,7 @@ pub(crate) fn is_unique_violation(e: &rusqlite::Error) -> bool {
 
 /// Values beyond SQLite's signed 64-bit range only appear as open-ended filter bounds, where
 /// `i64::MAX` means the same thing ("no limit").
-fn clamp_i64(v: u64) -> i64 {
+pub(crate) fn clamp_i64(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
