@@ -14,6 +14,10 @@ pub const DEFAULT_HMAC_WINDOW_S: u64 = 300;
 pub const MAX_HMAC_WINDOW_S: u64 = 3_600;
 pub const MIN_HMAC_SECRET_BYTES: usize = 16;
 pub const MAX_HMAC_SECRETS: usize = 16;
+/// `access.hmac.max_body_bytes`: a signed body is read whole before its signature is checked,
+/// so this bounds the memory one unverified request may take.
+pub const DEFAULT_HMAC_MAX_BODY_BYTES: u64 = 1024 * 1024;
+pub const MAX_HMAC_MAX_BODY_BYTES: u64 = 64 * 1024 * 1024;
 pub const DEFAULT_JWT_LEEWAY_S: u64 = 60;
 pub const MAX_JWT_LEEWAY_S: u64 = 600;
 pub const DEFAULT_JWT_HEADER: &str = "X-Nthpool-Jwt";
@@ -46,6 +50,10 @@ pub struct HmacSpec {
     /// How far `X-Nthpool-Timestamp` may be from our clock, either way, in seconds.
     #[serde(default = "default_window_s")]
     pub window_s: u64,
+    /// Largest signed body: it is read whole and verified before anything of the request
+    /// leaves the gateway (`413` beyond).
+    #[serde(default = "default_hmac_max_body_bytes")]
+    pub max_body_bytes: u64,
 }
 
 /// `[pools.access.jwt]`: a JWT from an issuer of the operator's choice.
@@ -89,6 +97,10 @@ pub struct CloudflareAccessSpec {
 
 fn default_window_s() -> u64 {
     DEFAULT_HMAC_WINDOW_S
+}
+
+fn default_hmac_max_body_bytes() -> u64 {
+    DEFAULT_HMAC_MAX_BODY_BYTES
 }
 
 fn default_algorithms() -> Vec<String> {
@@ -185,6 +197,15 @@ impl HmacSpec {
                 format!(
                     "must be between 1 and {MAX_HMAC_WINDOW_S} (got {})",
                     self.window_s
+                ),
+            ));
+        }
+        if self.max_body_bytes == 0 || self.max_body_bytes > MAX_HMAC_MAX_BODY_BYTES {
+            return Err(ConfigError::new(
+                format!("{at}.max_body_bytes"),
+                format!(
+                    "must be between 1 and {MAX_HMAC_MAX_BODY_BYTES} (got {})",
+                    self.max_body_bytes
                 ),
             ));
         }
@@ -415,6 +436,13 @@ mod tests {
         assert_eq!(e.key, "pools[0].access.hmac.secrets[0]");
         let e = err("[pools.access.hmac]\nsecrets = [\"0123456789abcdef\"]\nwindow_s = 0\n");
         assert_eq!(e.key, "pools[0].access.hmac.window_s");
+        for bad in [0, super::MAX_HMAC_MAX_BODY_BYTES + 1] {
+            let e = err(&format!(
+                "[pools.access.hmac]\nsecrets = [\"0123456789abcdef\"]\nmax_body_bytes = {bad}\n"
+            ));
+            assert_eq!(e.key, "pools[0].access.hmac.max_body_bytes");
+            assert!(e.rule.contains("between 1 and 67108864"), "{e}");
+        }
         let e = err("[pools.access.hmac]\nsecrets = [\"0123456789abcdef\"]\nwindw_s = 3\n");
         assert!(e.key.starts_with("pools[0].access.hmac"), "{e}");
 
@@ -468,6 +496,7 @@ mod tests {
                     "env:NTHBOUNCER_TEST_HMAC".into(),
                 ],
                 window_s: 300,
+                max_body_bytes: super::DEFAULT_HMAC_MAX_BODY_BYTES,
             }),
             ..Default::default()
         };

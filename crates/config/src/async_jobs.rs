@@ -8,6 +8,8 @@ use crate::ConfigError;
 pub const MIN_RETENTION_S: u64 = 60;
 pub const MAX_RETENTION_S: u64 = 604_800;
 pub const MAX_ASYNC_BODY_BYTES: u64 = 64 * 1024 * 1024;
+pub const DEFAULT_MAX_PENDING: u64 = 10_000;
+pub const MAX_MAX_PENDING: u64 = 10_000_000;
 
 /// `[pools.async]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -24,6 +26,10 @@ pub struct AsyncSpec {
     pub retention_s: u64,
     /// Largest request body a job keeps, and largest result body stored (`truncated` beyond).
     pub max_body_bytes: u64,
+    /// Most jobs of the pool accepted and not yet terminal; past it, a request that would
+    /// become a job gets `429 too_many_requests` with `Retry-After`. Bounds the backlog a
+    /// restart must resume.
+    pub max_pending: u64,
 }
 
 impl Default for AsyncSpec {
@@ -34,6 +40,7 @@ impl Default for AsyncSpec {
             on_queue_timeout: false,
             retention_s: 86_400,
             max_body_bytes: 1024 * 1024,
+            max_pending: DEFAULT_MAX_PENDING,
         }
     }
 }
@@ -53,6 +60,15 @@ impl AsyncSpec {
             return Err(ConfigError::new(
                 format!("{at}.max_body_bytes"),
                 format!("must be between 1 and {MAX_ASYNC_BODY_BYTES}"),
+            ));
+        }
+        if self.max_pending == 0 || self.max_pending > MAX_MAX_PENDING {
+            return Err(ConfigError::new(
+                format!("{at}.max_pending"),
+                format!(
+                    "must be between 1 and {MAX_MAX_PENDING} (got {})",
+                    self.max_pending
+                ),
             ));
         }
         if (self.on_open_wait || self.on_queue_timeout) && !self.enabled {

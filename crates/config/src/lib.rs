@@ -81,6 +81,12 @@ pub struct ServerSpec {
     pub upstream_connect_timeout_ms: u64,
     /// On SIGTERM, how long in-flight requests may take to finish.
     pub shutdown_grace_ms: u64,
+    /// An idle keep-alive (HTTP/1) or HTTP/2 connection is closed after this long without a
+    /// request in flight.
+    pub idle_timeout_ms: u64,
+    /// Most client connections open at once; past it a new connection is answered
+    /// `503 overloaded` and closed, so descriptors (and `/healthz`) stay available.
+    pub max_connections: u64,
     /// Newest access-log entries kept per pool.
     pub access_log_keep: u64,
 }
@@ -104,6 +110,8 @@ impl Default for ServerSpec {
             upstream_idle_timeout_ms: 4_000,
             upstream_connect_timeout_ms: 5_000,
             shutdown_grace_ms: 30_000,
+            idle_timeout_ms: 60_000,
+            max_connections: 10_000,
             access_log_keep: 10_000,
         }
     }
@@ -198,6 +206,9 @@ pub struct ConcurrencySpec {
     pub adaptive: bool,
     pub min_limit: u32,
     pub fair_share: bool,
+    /// Longest pause any one outcome report or upstream answer may impose (`Retry-After`,
+    /// reset hints, a learned pace), whatever it asks for.
+    pub max_pause_ms: u64,
 }
 
 impl Default for ConcurrencySpec {
@@ -214,6 +225,7 @@ impl Default for ConcurrencySpec {
             adaptive: true,
             min_limit: 1,
             fair_share: true,
+            max_pause_ms: 300_000,
         }
     }
 }
@@ -225,7 +237,13 @@ pub mod limits {
     pub const MAX_QUEUE_TIMEOUT_MS: u64 = 3_600_000;
     pub const MAX_REQUEST_TIMEOUT_MS: u64 = 86_400_000;
     pub const MIN_LEASE_TERM_MS: u64 = 100;
+    /// `concurrency.max_pause_ms`: at least a second (the pause after a throttle without a
+    /// hint), at most a day.
+    pub const MIN_MAX_PAUSE_MS: u64 = 1_000;
+    pub const MAX_MAX_PAUSE_MS: u64 = 86_400_000;
     pub const MAX_KEYS_PER_POOL: usize = 10_000;
+    pub const MAX_IDLE_TIMEOUT_MS: u64 = 86_400_000;
+    pub const MAX_CONNECTIONS: u64 = 1_000_000;
 }
 
 impl Config {
@@ -355,6 +373,26 @@ impl ServerSpec {
             self.upstream_connect_timeout_ms,
         )?;
         positive("server.access_log_keep", self.access_log_keep)?;
+        if self.idle_timeout_ms == 0 || self.idle_timeout_ms > limits::MAX_IDLE_TIMEOUT_MS {
+            return Err(ConfigError::new(
+                "server.idle_timeout_ms",
+                format!(
+                    "must be between 1 and {} (got {})",
+                    limits::MAX_IDLE_TIMEOUT_MS,
+                    self.idle_timeout_ms
+                ),
+            ));
+        }
+        if self.max_connections == 0 || self.max_connections > limits::MAX_CONNECTIONS {
+            return Err(ConfigError::new(
+                "server.max_connections",
+                format!(
+                    "must be between 1 and {} (got {})",
+                    limits::MAX_CONNECTIONS,
+                    self.max_connections
+                ),
+            ));
+        }
         if self.max_destinations_per_pool == 0 {
             return Err(ConfigError::new(
                 "server.max_destinations_per_pool",
@@ -693,6 +731,17 @@ impl ConcurrencySpec {
                 format!("must be between 1 and limit ({})", self.limit),
             ));
         }
+        if !(limits::MIN_MAX_PAUSE_MS..=limits::MAX_MAX_PAUSE_MS).contains(&self.max_pause_ms) {
+            return Err(ConfigError::new(
+                k("max_pause_ms"),
+                format!(
+                    "must be between {} and {} (got {})",
+                    limits::MIN_MAX_PAUSE_MS,
+                    limits::MAX_MAX_PAUSE_MS,
+                    self.max_pause_ms
+                ),
+            ));
+        }
         Ok(())
     }
 }
@@ -768,6 +817,84 @@ mod tests {
 
         let e = err("[[pools]]\nname = \"x\"\nupstream = \"http://a\"\n[pools.concurrency]\nlimit = \"many\"\n");
         assert_eq!(e.key, "pools[0].concurrency.limit");
+    }
+
+    #[test]
+    fn hardening_keys_have_defaults_and_ranges() {
+        let base = "[[pools]]\nname = \"x\"\nupstream = \"http://a\"\n";
+        let c = Config::from_toml_str(&format!(
+            "{base}[pools.access.hmac]\nsecrets = [\"0123456789abcdef\"]\n"
+        ))
+        .unwrap();
+        assert_eq!(c.server.idle_timeout_ms, 60_000);
+        assert_eq!(c.server.max_connections, 10_000);
+        let p = &c.pools[0];
+        assert_eq!(p.async_jobs.max_pending, 10_000);
+        assert_eq!(p.access.hmac.as_ref().unwrap().max_body_bytes, 1_048_576);
+
+        let c = Config::from_toml_str(&format!(
+            "[server]\nidle_timeout_ms = 5000\nmax_connections = 2\n{base}[pools.async]\nmax_pending = 3\n"
+        ))
+        .unwrap();
+        assert_eq!(
+            (c.server.idle_timeout_ms, c.server.max_connections),
+            (5_000, 2)
+        );
+        assert_eq!(c.pools[0].async_jobs.max_pending, 3);
+
+        for (toml, key) in [
+            ("[server]\nidle_timeout_ms = 0\n", "server.idle_timeout_ms"),
+            (
+                "[server]\nidle_timeout_ms = 86400001\n",
+                "server.idle_timeout_ms",
+            ),
+            ("[server]\nmax_connections = 0\n", "server.max_connections"),
+            (
+                "[server]\nmax_connections = 1000001\n",
+                "server.max_connections",
+            ),
+            (
+                &format!("{base}[pools.async]\nmax_pending = 0\n"),
+                "pools[0].async.max_pending",
+            ),
+            (
+                &format!("{base}[pools.async]\nmax_pending = 10000001\n"),
+                "pools[0].async.max_pending",
+            ),
+        ] {
+            let e = err(toml);
+            assert_eq!(e.key, key, "{toml}");
+            assert!(e.rule.contains("must be between 1 and"), "{e}");
+        }
+        // Unknown keys are still refused.
+        let e = err("[server]\nidle_timeout = 5\n");
+        assert!(e.rule.contains("unknown field"), "{e}");
+        // Pools stored before these keys existed still read, with the defaults.
+        let spec: AsyncSpec = serde_json::from_str(r#"{"enabled": true}"#).unwrap();
+        assert_eq!(spec.max_pending, 10_000);
+        let spec: HmacSpec =
+            serde_json::from_str(r#"{"secrets": ["0123456789abcdef"], "window_s": 60}"#).unwrap();
+        assert_eq!(spec.max_body_bytes, 1_048_576);
+    }
+
+    #[test]
+    fn max_pause_has_a_default_and_a_range() {
+        let base = "[[pools]]\nname = \"x\"\nupstream = \"http://a\"\n";
+        let c = Config::from_toml_str(base).unwrap();
+        assert_eq!(c.pools[0].concurrency.max_pause_ms, 300_000);
+        let c = Config::from_toml_str(&format!("{base}[pools.concurrency]\nmax_pause_ms = 1000\n"))
+            .unwrap();
+        assert_eq!(c.pools[0].concurrency.max_pause_ms, 1_000);
+        for bad in [0, 999, 86_400_001] {
+            let e = err(&format!(
+                "{base}[pools.concurrency]\nmax_pause_ms = {bad}\n"
+            ));
+            assert_eq!(e.key, "pools[0].concurrency.max_pause_ms");
+            assert!(e.rule.contains("between 1000 and 86400000"), "{e}");
+        }
+        // A pool stored before the key existed still reads, with the default.
+        let spec: ConcurrencySpec = serde_json::from_str(r#"{"limit": 3}"#).unwrap();
+        assert_eq!(spec.max_pause_ms, 300_000);
     }
 
     #[test]

@@ -4,6 +4,13 @@
 //! [`ManualClock`] for tests, which moves only when told and wakes sleepers when it does. Nothing
 //! else in this crate may call `SystemTime::now`, `Instant::now` or `tokio::time::sleep`
 //! directly, so every timing rule can be tested without waiting.
+//!
+//! A clock gives two readings. **Monotonic** milliseconds (from an arbitrary origin, never
+//! stepped) run every deadline kept in process: leases, wait budgets, pauses, RPM windows. A
+//! wall-clock step (NTP, an operator's `date`, a VM resumed) must not reclaim every held slot
+//! at once or stretch a pause for hours. **Epoch** milliseconds are only for what is shown
+//! (a grant's `leaseDeadline`, the pool state) and for records that outlive the process
+//! (lease records, jobs, deliveries), which a monotonic origin cannot mean anything to.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -11,20 +18,47 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::watch;
+use tokio::time::Instant;
 
-/// A source of epoch-millisecond time that can also wait for a given time.
+/// A source of epoch and monotonic millisecond time that can also wait for either.
 pub trait Clock: Send + Sync + 'static {
-    /// Epoch milliseconds; never decreases.
+    /// Epoch milliseconds; never decreases. For what is shown and what is stored.
     fn now_ms(&self) -> u64;
     /// Resolves once `now_ms() >= deadline_ms` (at once if it already is).
     fn sleep_until(&self, deadline_ms: u64) -> Pin<Box<dyn Future<Output = ()> + Send>>;
+    /// Milliseconds from an arbitrary origin (fixed for the clock's life); never decreases and
+    /// never moves with the wall clock. For every deadline kept in process.
+    fn monotonic_ms(&self) -> u64;
+    /// Resolves once `monotonic_ms() >= deadline_ms` (at once if it already is).
+    fn sleep_until_monotonic(&self, deadline_ms: u64) -> Pin<Box<dyn Future<Output = ()> + Send>>;
+}
+
+/// Converts monotonic instant `t` to epoch ms, given both readings of one moment. What is shown
+/// follows the wall clock: after a wall step the same monotonic deadline shows the new time.
+pub fn monotonic_to_epoch(t: u64, monotonic_now: u64, epoch_now: u64) -> u64 {
+    if t >= monotonic_now {
+        epoch_now.saturating_add(t - monotonic_now)
+    } else {
+        epoch_now.saturating_sub(monotonic_now - t)
+    }
 }
 
 /// Wall-clock time, made non-decreasing: if the system clock steps back, time stands still until
-/// it catches up, so deadlines handed out earlier never move into the future again.
-#[derive(Debug, Default)]
+/// it catches up, so epoch times handed out earlier never move into the future again. Monotonic
+/// time is tokio's (`Instant`), counted from the clock's creation.
+#[derive(Debug)]
 pub struct SystemClock {
     last: AtomicU64,
+    origin: Instant,
+}
+
+impl Default for SystemClock {
+    fn default() -> Self {
+        SystemClock {
+            last: AtomicU64::new(0),
+            origin: Instant::now(),
+        }
+    }
 }
 
 impl SystemClock {
@@ -49,43 +83,79 @@ impl Clock for SystemClock {
         let remaining = deadline_ms.saturating_sub(self.now_ms());
         Box::pin(tokio::time::sleep(Duration::from_millis(remaining)))
     }
+
+    fn monotonic_ms(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn sleep_until_monotonic(&self, deadline_ms: u64) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        match self.origin.checked_add(Duration::from_millis(deadline_ms)) {
+            Some(at) => Box::pin(tokio::time::sleep_until(at)),
+            // Past what an `Instant` can express: never, for any practical purpose.
+            None => Box::pin(std::future::pending()),
+        }
+    }
 }
 
-/// A clock for tests: starts at a given time and moves only through [`ManualClock::advance`] and
-/// [`ManualClock::set`]. Sleepers wake as soon as the clock reaches their deadline.
+/// Both readings of a [`ManualClock`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Readings {
+    epoch: u64,
+    monotonic: u64,
+}
+
+/// A clock for tests: starts with both readings at a given time, and moves only when told.
+/// [`ManualClock::advance`] and [`ManualClock::set`] move both readings, as real time passing
+/// does; [`ManualClock::step_wall`] moves only the wall clock, as an NTP step would. Sleepers
+/// wake as soon as the reading they wait on reaches their deadline.
 #[derive(Debug)]
 pub struct ManualClock {
-    now: watch::Sender<u64>,
+    now: watch::Sender<Readings>,
 }
 
 impl ManualClock {
     pub fn new(start_ms: u64) -> Self {
         ManualClock {
-            now: watch::Sender::new(start_ms),
+            now: watch::Sender::new(Readings {
+                epoch: start_ms,
+                monotonic: start_ms,
+            }),
         }
     }
 
-    /// Moves the clock forward by `ms`.
+    /// Lets `ms` pass: both readings move forward by `ms`.
     pub fn advance(&self, ms: u64) {
-        self.now.send_modify(|now| *now = now.saturating_add(ms));
+        self.now.send_modify(|now| {
+            now.epoch = now.epoch.saturating_add(ms);
+            now.monotonic = now.monotonic.saturating_add(ms);
+        });
     }
 
-    /// Moves the clock to `ms`; a time in the past is ignored (the clock never goes back).
+    /// Lets time pass until the wall clock reads `ms`; a time in the past is ignored (time never
+    /// goes back).
     pub fn set(&self, ms: u64) {
         self.now.send_if_modified(|now| {
-            if ms > *now {
-                *now = ms;
+            if ms > now.epoch {
+                now.monotonic = now.monotonic.saturating_add(ms - now.epoch);
+                now.epoch = ms;
                 true
             } else {
                 false
             }
         });
     }
+
+    /// Steps only the wall clock forward by `ms`, as NTP or an operator would: monotonic time
+    /// and its sleepers do not move.
+    pub fn step_wall(&self, ms: u64) {
+        self.now
+            .send_modify(|now| now.epoch = now.epoch.saturating_add(ms));
+    }
 }
 
 impl Clock for ManualClock {
     fn now_ms(&self) -> u64 {
-        *self.now.borrow()
+        self.now.borrow().epoch
     }
 
     fn sleep_until(&self, deadline_ms: u64) -> Pin<Box<dyn Future<Output = ()> + Send>> {
@@ -93,7 +163,19 @@ impl Clock for ManualClock {
         Box::pin(async move {
             // An error means the clock itself is gone: nobody can advance it any more, so
             // waking is as good as anything and avoids hanging forever.
-            let _ = rx.wait_for(|&now| now >= deadline_ms).await;
+            let _ = rx.wait_for(|now| now.epoch >= deadline_ms).await;
+        })
+    }
+
+    fn monotonic_ms(&self) -> u64 {
+        self.now.borrow().monotonic
+    }
+
+    fn sleep_until_monotonic(&self, deadline_ms: u64) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        let mut rx = self.now.subscribe();
+        Box::pin(async move {
+            // As in `sleep_until`: a gone clock wakes its sleepers.
+            let _ = rx.wait_for(|now| now.monotonic >= deadline_ms).await;
         })
     }
 }
@@ -135,6 +217,49 @@ mod tests {
         assert_eq!(c.now_ms(), 1_500);
         c.set(9_000);
         assert_eq!(c.now_ms(), 9_000);
+        assert_eq!(c.monotonic_ms(), 9_000);
+        // A wall step moves only the wall clock.
+        c.step_wall(3_600_000);
+        assert_eq!((c.now_ms(), c.monotonic_ms()), (3_609_000, 9_000));
+        c.advance(1);
+        assert_eq!((c.now_ms(), c.monotonic_ms()), (3_609_001, 9_001));
+    }
+
+    #[tokio::test]
+    async fn a_wall_step_wakes_wall_sleepers_only() {
+        let c = Arc::new(ManualClock::new(0));
+        let wall = tokio::spawn(c.sleep_until(1_000));
+        let mono = tokio::spawn(c.sleep_until_monotonic(1_000));
+        c.step_wall(1_000);
+        wall.await.unwrap();
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!mono.is_finished());
+        c.advance(1_000);
+        mono.await.unwrap();
+    }
+
+    #[test]
+    fn monotonic_instants_show_as_epoch_ms_of_the_same_moment() {
+        assert_eq!(monotonic_to_epoch(1_500, 1_000, 50_000), 50_500);
+        assert_eq!(monotonic_to_epoch(500, 1_000, 50_000), 49_500);
+        assert_eq!(monotonic_to_epoch(u64::MAX, 0, 50_000), u64::MAX);
+        assert_eq!(monotonic_to_epoch(0, 100_000, 50_000), 0);
+    }
+
+    #[tokio::test]
+    async fn system_clock_monotonic_sleeps_until_its_deadline() {
+        let c = SystemClock::new();
+        c.sleep_until_monotonic(0).await;
+        let deadline = c.monotonic_ms() + 5;
+        c.sleep_until_monotonic(deadline).await;
+        assert!(c.monotonic_ms() >= deadline);
+        // A deadline no `Instant` can hold does not panic; it just never comes.
+        let never = c.sleep_until_monotonic(u64::MAX);
+        assert!(tokio::time::timeout(Duration::from_millis(1), never)
+            .await
+            .is_err());
     }
 
     #[tokio::test]

@@ -13,7 +13,10 @@
 //!   means the grant is already in the waiter's channel (or the pool closed);
 //! - no slot leaks: a waiter that gives up (timeout or dropped future) either leaves the queue
 //!   or releases the grant that raced in;
-//! - all time comes from the injected [`Clock`], so tests drive it with a `ManualClock`.
+//! - all time comes from the injected [`Clock`], so tests drive it with a `ManualClock`;
+//! - the governor runs on the clock's *monotonic* reading, so a wall-clock step reclaims no
+//!   lease and stretches no pause; epoch ms appear only in what the gate hands out (a grant's
+//!   deadlines, a renewed lease, the snapshot), converted at the moment they are handed out.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -23,10 +26,41 @@ use nthbouncer_governor::{Adjustment, Admitted, Governor, Ticket, TryAcquire};
 use parking_lot::Mutex;
 use tokio::sync::{oneshot, Notify};
 
+use crate::clock::monotonic_to_epoch;
 use crate::{
     AcquireRequest, Clock, Coordination, GateHeaders, Grant, Outcome, PoolGate, PoolSettings,
     Refusal, RenewError, SlotId, SlotKind, Snapshot, SystemClock,
 };
+
+/// Both readings of one moment: `mono` for the governor, `epoch` for what is shown.
+#[derive(Clone, Copy, Debug)]
+struct Now {
+    mono: u64,
+    epoch: u64,
+}
+
+impl Now {
+    fn read(clock: &dyn Clock) -> Now {
+        Now {
+            mono: clock.monotonic_ms(),
+            epoch: clock.now_ms(),
+        }
+    }
+
+    /// Monotonic instant `t` as epoch ms.
+    fn epoch_of(self, t: u64) -> u64 {
+        monotonic_to_epoch(t, self.mono, self.epoch)
+    }
+
+    /// A grant with its deadlines as epoch ms, for the caller.
+    fn shown(self, admitted: Admitted) -> Admitted {
+        Admitted {
+            lease_deadline: self.epoch_of(admitted.lease_deadline),
+            request_deadline: self.epoch_of(admitted.request_deadline),
+            ..admitted
+        }
+    }
+}
 
 /// In-process [`Coordination`]: each opened pool gets an independent [`InProcessGate`].
 pub struct InProcessCoordination {
@@ -57,6 +91,7 @@ impl Coordination for InProcessCoordination {
 /// What a parked caller receives: the grant plus the lease terms in force when it was made.
 #[derive(Debug)]
 struct Dispatched {
+    /// Deadlines already in epoch ms (converted under the lock, when granted).
     admitted: Admitted,
     term_ms: u64,
     renew_interval_ms: u64,
@@ -72,7 +107,7 @@ struct State {
 /// Shared between a gate and its ticker without keeping the gate alive.
 struct TickerSignal {
     notify: Notify,
-    /// The ticker's next planned wake-up (epoch ms, `u64::MAX` for none). Read and written under
+    /// The ticker's next planned wake-up (monotonic ms, `u64::MAX` for none). Read and written under
     /// the gate's lock, so a change that needs an earlier wake-up is never missed.
     scheduled: AtomicU64,
     stop: AtomicBool,
@@ -157,7 +192,7 @@ async fn run_ticker(gate: Weak<Inner>, signal: Arc<TickerSignal>, clock: Arc<dyn
             Some(at) => {
                 tokio::select! {
                     () = changed => {}
-                    () = clock.sleep_until(at) => {}
+                    () = clock.sleep_until_monotonic(at) => {}
                 }
             }
             None => changed.await,
@@ -171,12 +206,12 @@ impl Inner {
     /// One ticker round: reclaim expired leases, admit waiters, plan the next wake-up.
     fn tick(&self) -> Option<u64> {
         let mut st = self.state.lock();
-        let now = self.clock.now_ms();
-        while let Some(id) = st.gov.reclaim_expired(now) {
+        let now = self.now();
+        while let Some(id) = st.gov.reclaim_expired(now.mono) {
             tracing::debug!(pool = %self.pool, slot = %SlotId(id), "lease expired; slot reclaimed");
         }
         self.drain(&mut st, now);
-        let next = st.gov.next_wakeup(now);
+        let next = st.gov.next_wakeup(now.mono);
         self.signal
             .scheduled
             .store(next.unwrap_or(u64::MAX), Ordering::Release);
@@ -185,9 +220,9 @@ impl Inner {
 
     /// Hands every admissible waiter its grant, then makes sure the ticker will wake in time for
     /// whatever comes next. Call after anything that may free capacity or change timing.
-    fn settle(&self, st: &mut State, now: u64) {
+    fn settle(&self, st: &mut State, now: Now) {
         self.drain(st, now);
-        if let Some(at) = st.gov.next_wakeup(now) {
+        if let Some(at) = st.gov.next_wakeup(now.mono) {
             if at < self.signal.scheduled.load(Ordering::Acquire) {
                 // Recorded here too, so a burst of changes wakes the ticker once.
                 self.signal.scheduled.store(at, Ordering::Release);
@@ -196,14 +231,14 @@ impl Inner {
         }
     }
 
-    fn drain(&self, st: &mut State, now: u64) {
+    fn drain(&self, st: &mut State, now: Now) {
         let term_ms = st.gov.settings().lease_term_ms;
         let renew_interval_ms = st.gov.settings().renew_interval_ms;
-        while let Some(admitted) = st.gov.dispatch(now) {
+        while let Some(admitted) = st.gov.dispatch(now.mono) {
             let delivered = match st.waiters.remove(&admitted.id) {
                 Some(tx) => tx
                     .send(Dispatched {
-                        admitted,
+                        admitted: now.shown(admitted),
                         term_ms,
                         renew_interval_ms,
                     })
@@ -212,13 +247,13 @@ impl Inner {
             };
             if !delivered {
                 // The waiter is gone without having cancelled: free the slot for the next one.
-                st.gov.release(now, admitted.id);
+                st.gov.release(now.mono, admitted.id);
             }
         }
     }
 
-    fn headers(st: &State, now: u64, queued_ms: u64) -> GateHeaders {
-        let (remaining_slots, effective_limit, rpm_remaining) = st.gov.headers(now);
+    fn headers(st: &State, now: Now, queued_ms: u64) -> GateHeaders {
+        let (remaining_slots, effective_limit, rpm_remaining) = st.gov.headers(now.mono);
         GateHeaders {
             remaining_slots,
             effective_limit,
@@ -229,7 +264,7 @@ impl Inner {
 
     /// One line per change of what the pool has learned (the governor already filters out
     /// repeats and jitter), so an operator can follow the limit, the pace and every pause.
-    fn log_adjustment(&self, adjustment: Option<Adjustment>, now: u64) {
+    fn log_adjustment(&self, adjustment: Option<Adjustment>, now: Now) {
         let Some(a) = adjustment else {
             return;
         };
@@ -238,10 +273,14 @@ impl Inner {
             effective_limit = a.effective_limit,
             learned_limit = ?a.learned_limit,
             learned_rpm = ?a.learned_rpm,
-            pause_ms = a.paused_until.map_or(0, |until| until.saturating_sub(now)),
+            pause_ms = a.paused_until.map_or(0, |until| until.saturating_sub(now.mono)),
             "adaptive: {}",
             a.what
         );
+    }
+
+    fn now(&self) -> Now {
+        Now::read(&*self.clock)
     }
 
     fn stop_ticker(&self) {
@@ -284,8 +323,8 @@ impl Drop for QueueGuard<'_> {
         st.waiters.remove(&self.id);
         if !st.gov.cancel(self.id) {
             // Already dispatched: the grant sits unread in the channel being dropped with us.
-            let now = self.inner.clock.now_ms();
-            if st.gov.release(now, self.id) {
+            let now = self.inner.now();
+            if st.gov.release(now.mono, self.id) {
                 self.inner.settle(&mut st, now);
             }
         }
@@ -302,7 +341,7 @@ impl PoolGate for InProcessGate {
             if st.closed {
                 return Err(Refusal::PoolClosed);
             }
-            let now = inner.clock.now_ms();
+            let now = inner.now();
             // 128 random bits collide practically never; the check keeps the governor's "ids are
             // unique" precondition true regardless.
             let id = loop {
@@ -323,13 +362,13 @@ impl PoolGate for InProcessGate {
                 priority: req.priority,
                 lease_ms,
             };
-            match st.gov.try_acquire(now, ticket, req.wait_ms > 0) {
+            match st.gov.try_acquire(now.mono, ticket, req.wait_ms > 0) {
                 TryAcquire::Admitted(admitted) => {
                     inner.settle(&mut st, now);
                     let (term_ms, renew_interval_ms) = dispatched_terms;
                     return Ok(grant(
                         Dispatched {
-                            admitted,
+                            admitted: now.shown(admitted),
                             term_ms,
                             renew_interval_ms,
                         },
@@ -351,7 +390,7 @@ impl PoolGate for InProcessGate {
                     let (tx, rx) = oneshot::channel();
                     st.waiters.insert(id, tx);
                     inner.settle(&mut st, now);
-                    (id, now, rx)
+                    (id, now.mono, rx)
                 }
             }
         };
@@ -365,18 +404,18 @@ impl PoolGate for InProcessGate {
         let received = tokio::select! {
             biased;
             received = &mut rx => Some(received),
-            () = inner.clock.sleep_until(deadline) => None,
+            () = inner.clock.sleep_until_monotonic(deadline) => None,
         };
         let received = match received {
             Some(received) => received.ok(),
             None => {
                 let mut st = inner.state.lock();
-                let now = inner.clock.now_ms();
+                let now = inner.now();
                 if st.gov.cancel(id) {
                     st.waiters.remove(&id);
                     guard.armed = false;
                     return Err(Refusal::QueueTimeout {
-                        headers: Inner::headers(&st, now, now.saturating_sub(start)),
+                        headers: Inner::headers(&st, now, now.mono.saturating_sub(start)),
                     });
                 }
                 // Not queued any more, and grants are sent under the lock we now hold: either
@@ -388,7 +427,7 @@ impl PoolGate for InProcessGate {
         match received {
             Some(dispatched) => {
                 guard.armed = false;
-                let queued_ms = inner.clock.now_ms().saturating_sub(start);
+                let queued_ms = inner.clock.monotonic_ms().saturating_sub(start);
                 Ok(grant(dispatched, queued_ms))
             }
             // The sender was dropped without a grant: only `close` does that. The armed guard
@@ -400,29 +439,29 @@ impl PoolGate for InProcessGate {
     async fn renew(&self, slot: SlotId) -> Result<u64, RenewError> {
         self.ensure_ticker();
         let mut st = self.inner.state.lock();
-        let now = self.inner.clock.now_ms();
-        let renewed = st.gov.renew(now, slot.0);
+        let now = self.inner.now();
+        let renewed = st.gov.renew(now.mono, slot.0);
         if renewed.is_err() {
             // A renew that found its lease expired reclaimed the slot: hand it on.
             self.inner.settle(&mut st, now);
         }
-        renewed.map_err(|refusal| match refusal {
-            nthbouncer_governor::RenewRefusal::NotFound => RenewError::NotFound,
-            nthbouncer_governor::RenewRefusal::Capped => RenewError::Capped,
-        })
+        renewed
+            .map(|deadline| now.epoch_of(deadline))
+            .map_err(|refusal| match refusal {
+                nthbouncer_governor::RenewRefusal::NotFound => RenewError::NotFound,
+                nthbouncer_governor::RenewRefusal::Capped => RenewError::Capped,
+            })
     }
 
     async fn release(&self, slot: SlotId, outcome: Option<Outcome>) -> bool {
         self.ensure_ticker();
         let mut st = self.inner.state.lock();
-        let now = self.inner.clock.now_ms();
-        // Learn first: a throttle report must pause admission before its slot is handed on, and
-        // the governor still knows when this slot was granted (see `observe_held`).
-        if let Some(outcome) = &outcome {
-            let adjustment = st.gov.observe_held(now, slot.0, outcome);
-            self.inner.log_adjustment(adjustment, now);
-        }
-        let released = st.gov.release(now, slot.0);
+        let now = self.inner.now();
+        // Only the release that frees a held slot teaches: an unknown id or a repeat must not
+        // pause or shrink the pool (any key holder can name a slot id). The governor learns
+        // before freeing, so a throttle pauses admission before the slot is handed on.
+        let (released, adjustment) = st.gov.release_observed(now.mono, slot.0, outcome.as_ref());
+        self.inner.log_adjustment(adjustment, now);
         self.inner.settle(&mut st, now);
         released
     }
@@ -430,8 +469,8 @@ impl PoolGate for InProcessGate {
     async fn report(&self, outcome: Outcome) {
         self.ensure_ticker();
         let mut st = self.inner.state.lock();
-        let now = self.inner.clock.now_ms();
-        let adjustment = st.gov.observe(now, &outcome);
+        let now = self.inner.now();
+        let adjustment = st.gov.observe(now.mono, &outcome);
         self.inner.log_adjustment(adjustment, now);
         self.inner.settle(&mut st, now);
     }
@@ -439,14 +478,21 @@ impl PoolGate for InProcessGate {
     async fn reconfigure(&self, settings: PoolSettings) {
         self.ensure_ticker();
         let mut st = self.inner.state.lock();
-        let now = self.inner.clock.now_ms();
-        st.gov.reconfigure(settings, now);
+        let now = self.inner.now();
+        st.gov.reconfigure(settings, now.mono);
         self.inner.settle(&mut st, now);
     }
 
     async fn snapshot(&self) -> Snapshot {
         let st = self.inner.state.lock();
-        st.gov.snapshot(self.inner.clock.now_ms())
+        let now = self.inner.now();
+        let mut s = st.gov.snapshot(now.mono);
+        s.paused_until = s.paused_until.map(|t| now.epoch_of(t));
+        s.paced_until = s.paced_until.map(|t| now.epoch_of(t));
+        if let Some(throttle) = s.last_throttle.as_mut() {
+            throttle.at = now.epoch_of(throttle.at);
+        }
+        s
     }
 
     async fn close(&self) {

@@ -17,7 +17,7 @@ pub mod nonces;
 
 use std::sync::Arc;
 
-pub use clock::{Clock, ManualClock, SystemClock};
+pub use clock::{monotonic_to_epoch, Clock, ManualClock, SystemClock};
 pub use nonces::{InProcessNonces, NonceKey, NonceStore, NonceVerdict};
 pub use nthbouncer_governor::{
     Outcome, PoolSettings, Priority, RateInfo, RefusalReason, Snapshot, Throttle,
@@ -127,10 +127,13 @@ pub trait PoolGate: Send + Sync + 'static {
     async fn acquire(&self, req: AcquireRequest) -> Result<Grant, Refusal>;
     /// Extends a lease by one term, never past its request deadline.
     async fn renew(&self, slot: SlotId) -> Result<u64, RenewError>;
-    /// Frees a slot (idempotent: `true` only the first time) and feeds the outcome, if any, to
-    /// adaptive learning.
+    /// Frees a slot (idempotent: `true` only the first time) and, only when it freed one, feeds
+    /// the outcome, if any, to adaptive learning: an unknown, reclaimed or already released slot
+    /// teaches nothing, so a bogus report cannot pause the pool. No single outcome pauses
+    /// admission for longer than the pool's `max_pause_ms`.
     async fn release(&self, slot: SlotId, outcome: Option<Outcome>) -> bool;
-    /// Feeds an upstream outcome to adaptive learning without releasing anything.
+    /// Feeds an upstream outcome the gateway observed itself to adaptive learning without
+    /// releasing anything (its pause capped at `max_pause_ms` like any other).
     async fn report(&self, outcome: Outcome);
     /// Applies new settings; raising the limit admits waiters at once.
     async fn reconfigure(&self, settings: PoolSettings);

@@ -11,7 +11,7 @@ use std::time::Duration;
 use nthbouncer_coord::in_process::InProcessCoordination;
 use nthbouncer_coord::{
     AcquireRequest, Clock, Coordination, Grant, ManualClock, Outcome, PoolGate, PoolSettings,
-    Priority, Refusal, RefusalReason, RenewError, SlotKind, SystemClock,
+    Priority, Refusal, RefusalReason, RenewError, SlotId, SlotKind, SystemClock,
 };
 use rand::Rng;
 use tokio::task::JoinHandle;
@@ -241,6 +241,71 @@ async fn unrenewed_lease_is_reclaimed_after_one_term_and_goes_to_a_waiter() {
     assert_eq!(gate.snapshot().await.in_flight, 1);
 }
 
+/// Leases run on the monotonic clock: a wall-clock step (NTP, an operator's `date`) reclaims
+/// nothing, while monotonic time past the term does. Before, the gate ran its leases on the wall
+/// clock, and a one-hour step reclaimed every held slot at once (and handed it to a waiter).
+#[tokio::test]
+async fn a_wall_clock_step_reclaims_nothing_but_monotonic_time_does() {
+    let (clock, coord) = manual();
+    let gate = coord.open("p", limit(1));
+    let held = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
+    let term = PoolSettings::default().lease_term_ms;
+    assert_eq!(held.lease_deadline, T0 + term);
+    let waiter = spawn_acquire(&gate, req(60_000, SlotKind::Lease));
+    queued(&gate, 1).await;
+
+    clock.step_wall(3_600_000);
+    settle().await;
+    let s = gate.snapshot().await;
+    assert_eq!(
+        (s.in_flight, s.queued),
+        (1, 1),
+        "the wall step reclaimed the lease"
+    );
+    assert!(!waiter.is_finished());
+    // What is shown follows the wall clock: the renewed lease ends one term from the new time.
+    assert_eq!(
+        gate.renew(held.slot_id).await.unwrap(),
+        T0 + 3_600_000 + term
+    );
+
+    // Monotonic time past the (renewed) term reclaims it, and the waiter gets the slot.
+    clock.advance(term - 1);
+    settle().await;
+    assert!(!waiter.is_finished());
+    clock.advance(1);
+    let next = join(waiter).await.unwrap();
+    assert_eq!(next.lease_deadline, T0 + 3_600_000 + 2 * term);
+    assert_eq!(gate.renew(held.slot_id).await, Err(RenewError::NotFound));
+}
+
+/// A pause and a wait budget are monotonic too: a wall step neither ends them nor stretches them,
+/// and the pause is shown in epoch ms of the moment it is read.
+#[tokio::test]
+async fn pauses_and_wait_budgets_ignore_wall_steps() {
+    let (clock, coord) = manual();
+    let gate = coord.open("p", limit(1));
+    gate.report(Outcome {
+        status: Some(429),
+        retry_after_ms: Some(2_000),
+        ..Outcome::default()
+    })
+    .await;
+    assert_eq!(gate.snapshot().await.paused_until, Some(T0 + 2_000));
+    let waiter = spawn_acquire(&gate, req(10_000, SlotKind::Exchange));
+    queued(&gate, 1).await;
+    clock.step_wall(3_600_000);
+    settle().await;
+    assert!(!waiter.is_finished(), "the wall step ended the pause");
+    assert_eq!(
+        gate.snapshot().await.paused_until,
+        Some(T0 + 3_600_000 + 2_000)
+    );
+    clock.advance(2_000);
+    let g = join(waiter).await.unwrap();
+    assert_eq!(g.headers.queued_ms, 2_000);
+}
+
 #[tokio::test]
 async fn renewing_keeps_a_lease_alive_until_the_cap() {
     let (clock, coord) = manual();
@@ -312,6 +377,53 @@ async fn throttle_report_pauses_and_the_ticker_resumes_at_the_pause_end() {
     clock.advance(1);
     let g = join(waiter).await.unwrap();
     assert_eq!(g.headers.effective_limit, 2);
+}
+
+/// The lock API's bogus release: `{"status":429,"retryAfterMs":900000}` on a slot id nobody
+/// holds used to answer `released:false` and still pause the pool 15 minutes and halve its limit.
+#[tokio::test]
+async fn only_a_release_that_frees_a_slot_teaches_and_pauses_are_capped() {
+    let (_clock, coord) = manual();
+    let gate = coord.open("p", limit(8));
+    let bogus = Outcome {
+        status: Some(429),
+        retry_after_ms: Some(900_000),
+        ..Outcome::default()
+    };
+    let before = gate.snapshot().await;
+    assert!(!gate.release(SlotId(42), Some(bogus.clone())).await);
+    assert_eq!(
+        gate.snapshot().await,
+        before,
+        "an unknown slot taught the pool"
+    );
+
+    // The holder's own release teaches, once; its pause is capped at `max_pause_ms`.
+    let a = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
+    assert!(gate.release(a.slot_id, Some(bogus.clone())).await);
+    let taught = gate.snapshot().await;
+    assert_eq!(
+        (taught.effective_limit, taught.paused_until),
+        (4, Some(T0 + PoolSettings::default().max_pause_ms))
+    );
+    assert!(!gate.release(a.slot_id, Some(bogus.clone())).await);
+    assert_eq!(
+        gate.snapshot().await,
+        taught,
+        "a repeat release re-fed its outcome"
+    );
+
+    // What the gateway observes itself still teaches, under the same cap.
+    let gate = coord.open(
+        "q",
+        PoolSettings {
+            max_pause_ms: 60_000,
+            ..limit(8)
+        },
+    );
+    gate.report(bogus).await;
+    let s = gate.snapshot().await;
+    assert_eq!((s.effective_limit, s.paused_until), (4, Some(T0 + 60_000)));
 }
 
 #[tokio::test]

@@ -17,7 +17,8 @@
 //! throttle of a request admitted *after* the last decrease is new evidence (TCP's "one
 //! reduction per window"); for reports not tied to a held slot, a throttle within the pause it
 //! caused (at least [`DEFAULT_PAUSE_MS`]) belongs to the same burst. Every throttle still
-//! pauses admission for its hint ([`DEFAULT_PAUSE_MS`] without one, at most [`MAX_PAUSE_MS`]).
+//! pauses admission for its hint ([`DEFAULT_PAUSE_MS`] without one, at most the pool's
+//! `max_pause_ms`, which also caps the slowest pace and a spent budget's pause).
 //!
 //! **Concurrency: decrease.** A concurrency throttle at effective limit `e`: if a lower level
 //! `good` is known to work (a whole window of successes ran at it), step back to `good` — the
@@ -64,11 +65,6 @@ use crate::{Outcome, PoolSettings, RateInfo, Throttle};
 /// decreases only once).
 pub(crate) const DEFAULT_PAUSE_MS: u64 = 1_000;
 
-/// Longest pause any single report can impose, and the slowest pace. Hints come from upstreams
-/// and from lock callers' release reports; a bogus hint must not freeze a pool for days. A
-/// longer real limit simply re-pauses on the next throttle.
-pub(crate) const MAX_PAUSE_MS: u64 = 15 * 60_000;
-
 /// How long a concurrency level that drew a throttle is not retried. Each probe of a level the
 /// origin refuses costs about one throttle and one pause, so this bounds that waste to one per
 /// half minute, while a raised origin limit is still found within a minute or so.
@@ -107,6 +103,9 @@ pub(crate) struct Bounds {
     pub(crate) limit: u32,
     /// Already clamped to `limit`.
     pub(crate) min_limit: u32,
+    /// Longest pause any single report can impose, and the slowest pace
+    /// (`PoolSettings::max_pause_ms`).
+    pub(crate) max_pause_ms: u64,
 }
 
 impl Bounds {
@@ -114,6 +113,7 @@ impl Bounds {
         Bounds {
             limit: settings.limit,
             min_limit: settings.min_limit.min(settings.limit),
+            max_pause_ms: settings.max_pause_ms,
         }
     }
 
@@ -202,12 +202,13 @@ impl Adaptive {
     }
 
     /// The pace in force as requests per minute (at least 1), for display and the RPM gate.
-    pub(crate) fn learned_rpm(&self, now: u64) -> Option<u32> {
-        self.pace_us(now).map(rpm_of)
+    pub(crate) fn learned_rpm(&self, b: Bounds, now: u64) -> Option<u32> {
+        self.pace_us(b, now).map(rpm_of)
     }
 
     /// The minimum spacing between admissions in microseconds, if a pace is in force at `now`.
-    pub(crate) fn pace_us(&self, now: u64) -> Option<u64> {
+    /// The spacing is capped at `max_pause_ms`: a pace is a pause between admissions.
+    pub(crate) fn pace_us(&self, b: Bounds, now: u64) -> Option<u64> {
         let pace = self
             .pace
             .filter(|p| now.saturating_sub(p.at) < RATE_STALE_MS)?;
@@ -215,7 +216,7 @@ impl Adaptive {
             / u128::from(RATE_MARGIN_PERMILLE);
         let us = u64::try_from(us)
             .unwrap_or(u64::MAX)
-            .min(MAX_PAUSE_MS * 1_000);
+            .min(b.max_pause_ms.saturating_mul(1_000));
         (us > 0).then_some(us)
     }
 
@@ -264,7 +265,7 @@ impl Adaptive {
             let pause_ms = outcome
                 .retry_after_ms
                 .unwrap_or(DEFAULT_PAUSE_MS)
-                .min(MAX_PAUSE_MS);
+                .min(b.max_pause_ms);
             let until = now.saturating_add(pause_ms);
             self.pause(until);
             if spent.is_empty() {
@@ -286,7 +287,7 @@ impl Adaptive {
 
         for (what, reset_ms) in &spent {
             if let Some(reset_ms) = reset_ms.filter(|&ms| ms > 0) {
-                let pause_ms = reset_ms.min(MAX_PAUSE_MS);
+                let pause_ms = reset_ms.min(b.max_pause_ms);
                 self.pause(now.saturating_add(pause_ms));
                 causes.push(format!("{what} budget spent, resets in {pause_ms}ms"));
             }
@@ -327,7 +328,7 @@ impl Adaptive {
                 notes.push(format!("paused for {}ms", until - now));
             }
         }
-        let rpm = self.learned_rpm(now);
+        let rpm = self.learned_rpm(b, now);
         if rpm_changed(self.noted_rpm, rpm) {
             match (rpm, self.pace) {
                 (Some(rpm), Some(pace)) => notes.push(format!(
@@ -357,6 +358,9 @@ impl Adaptive {
         }
         self.good = self.good.map(|g| b.clamp(g));
         self.ceiling = self.ceiling.filter(|&c| c <= b.limit);
+        // A lower cap applies to the pause already running too (the pace reads it live).
+        let cap = now.saturating_add(b.max_pause_ms);
+        self.paused_until = self.paused_until.map(|until| until.min(cap));
     }
 
     /// Drops everything learned (adaptive switched off): the configured settings rule alone.

@@ -2,10 +2,14 @@
 //! learning (SPEC §3).
 //!
 //! This crate owns the *rules* of admission and nothing else. It does no IO, spawns no threads
-//! and never reads a clock: every time-dependent method takes `now` (epoch milliseconds) from the
-//! caller, so it is deterministic and tested without sleeping. It must not know about HTTP, async
-//! runtimes, keys or storage; `nthbouncer-coord` wraps it in an async, locked shell and owns the
-//! wake-ups that [`Governor::next_wakeup`] asks for.
+//! and never reads a clock: every time-dependent method takes `now` (milliseconds) from the
+//! caller, so it is deterministic and tested without sleeping. `now` is the caller's
+//! *monotonic* clock (the in-process gate passes `Clock::monotonic_ms`), and every time the
+//! governor hands back (deadlines, `paused_until`, a throttle's `at`) is on that same clock: a
+//! wall-clock step must not reclaim every lease at once. Converting to epoch ms for display is
+//! the caller's job. It must not know about HTTP, async runtimes, keys or storage;
+//! `nthbouncer-coord` wraps it in an async, locked shell and owns the wake-ups that
+//! [`Governor::next_wakeup`] asks for.
 //!
 //! One [`Governor`] per pool. The caller drives it:
 //! - [`Governor::try_acquire`] admits at once, parks the ticket, or refuses;
@@ -84,7 +88,15 @@ pub struct PoolSettings {
     pub min_limit: u32,
     /// Round-robin between fairness keys within a priority class.
     pub fair_share: bool,
+    /// Longest pause (and slowest pace) any single outcome may impose, whatever its
+    /// `Retry-After` or reset hint says: hints come from upstreams and from lock holders' release
+    /// reports, and one bogus figure must not stop a pool for long. A real longer limit simply
+    /// re-pauses on the next throttle.
+    pub max_pause_ms: u64,
 }
+
+/// Default of [`PoolSettings::max_pause_ms`] (`concurrency.max_pause_ms`): five minutes.
+pub const DEFAULT_MAX_PAUSE_MS: u64 = 300_000;
 
 impl Default for PoolSettings {
     fn default() -> Self {
@@ -98,6 +110,7 @@ impl Default for PoolSettings {
             adaptive: true,
             min_limit: 1,
             fair_share: true,
+            max_pause_ms: DEFAULT_MAX_PAUSE_MS,
         }
     }
 }
@@ -159,7 +172,7 @@ impl RefusalReason {
 /// The last upstream throttle and why it counted as one.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Throttle {
-    /// Epoch ms.
+    /// On the caller's clock (the in-process gate shows it as epoch ms).
     pub at: u64,
     pub cause: String,
 }
@@ -415,9 +428,28 @@ impl Governor {
     /// releasing the slot. Knowing when the request was admitted lets a throttle of a request
     /// admitted before the last decrease count as part of the overshoot already answered, and
     /// not shrink the limit again.
+    ///
+    /// Teaches nothing unless `id` holds a slot: a report about a slot nobody holds (an unknown
+    /// id, one already released or reclaimed) is not evidence about the upstream, and anyone who
+    /// can name a slot id could otherwise pause the pool. Prefer [`Governor::release_observed`],
+    /// which cannot be called in the wrong order.
     pub fn observe_held(&mut self, now: u64, id: u128, outcome: &Outcome) -> Option<Adjustment> {
-        let admitted_at = self.leases.granted_at(id);
-        self.learn(now, outcome, admitted_at)
+        let admitted_at = self.leases.granted_at(id)?;
+        self.learn(now, outcome, Some(admitted_at))
+    }
+
+    /// Frees slot `id` and, only if it was held, learns from the outcome of its request (learning
+    /// first, so a throttle pauses admission before the slot is handed on). A repeated release
+    /// frees nothing and so teaches nothing. Returns whether a slot was freed and what the
+    /// outcome changed.
+    pub fn release_observed(
+        &mut self,
+        now: u64,
+        id: u128,
+        outcome: Option<&Outcome>,
+    ) -> (bool, Option<Adjustment>) {
+        let adjustment = outcome.and_then(|outcome| self.observe_held(now, id, outcome));
+        (self.release(now, id), adjustment)
     }
 
     fn learn(
@@ -443,7 +475,7 @@ impl Governor {
         Some(Adjustment {
             effective_limit: self.effective_limit(now),
             learned_limit: self.adaptive.learned_limit(bounds, now),
-            learned_rpm: self.adaptive.learned_rpm(now),
+            learned_rpm: self.adaptive.learned_rpm(self.bounds(), now),
             paused_until: self.adaptive.paused_until(now),
             what,
         })
@@ -498,7 +530,7 @@ impl Governor {
             effective_limit: self.effective_limit(now),
             configured_limit: self.settings.limit,
             learned_limit: self.adaptive.learned_limit(self.bounds(), now),
-            learned_rpm: self.adaptive.learned_rpm(now),
+            learned_rpm: self.adaptive.learned_rpm(self.bounds(), now),
             rpm_remaining: self.rpm_remaining(now),
             paused_until: self.adaptive.paused_until(now),
             paced_until: self.paced_until(now),
@@ -546,7 +578,7 @@ impl Governor {
     /// The RPM in force: the smaller of the configured (if any) and the learned (if any).
     fn rpm_limit(&self, now: u64) -> Option<u32> {
         let configured = Some(self.settings.rpm).filter(|&r| r > 0);
-        match (configured, self.adaptive.learned_rpm(now)) {
+        match (configured, self.adaptive.learned_rpm(self.bounds(), now)) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
@@ -559,7 +591,7 @@ impl Governor {
     /// When the learned pace lets the next admission in, if not at `now`.
     fn paced_until(&self, now: u64) -> Option<u64> {
         self.adaptive
-            .pace_us(now)
+            .pace_us(self.bounds(), now)
             .and_then(|spacing| self.pacer.blocked_until(now, spacing))
     }
 
@@ -617,7 +649,7 @@ impl Governor {
         if self.rpm_limit(now).is_some() {
             self.rpm.record(now);
         }
-        if let Some(spacing) = self.adaptive.pace_us(now) {
+        if let Some(spacing) = self.adaptive.pace_us(self.bounds(), now) {
             self.pacer.record(now, spacing);
         }
         self.admitted_total += 1;

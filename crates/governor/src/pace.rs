@@ -9,7 +9,7 @@
 //!
 //! Owns only `tat` and the arithmetic; the spacing is passed in (it changes with every
 //! announcement, and only the [`crate::Governor`] knows whether a pace is in force). Times are
-//! epoch milliseconds outside, microseconds inside, so fast paces (under a millisecond apart)
+//! milliseconds (the caller's monotonic clock) outside, microseconds inside, so fast paces (under a millisecond apart)
 //! average out exactly instead of rounding.
 
 /// Admissions allowed back to back. Two, not one: two callers granted in the same millisecond
@@ -31,7 +31,7 @@ impl Pacer {
         spacing_us.saturating_mul(BURST - 1).max(1_000)
     }
 
-    /// The earliest epoch ms at which an admission is allowed under `spacing_us`; `<= now`
+    /// The earliest time (ms) at which an admission is allowed under `spacing_us`; `<= now`
     /// means "now".
     pub(crate) fn next_allowed(&self, spacing_us: u64) -> u64 {
         self.tat_us

@@ -835,3 +835,100 @@ fn decay_admits_slot_blocked_waiters_without_a_call() {
     assert_eq!(drain(&mut g, 120_000), vec![9]);
     assert_eq!(g.snapshot(120_000).effective_limit, 6);
 }
+
+#[test]
+fn only_the_release_that_frees_a_held_slot_teaches() {
+    let mut g = Governor::new(settings(8));
+    let bogus = Outcome {
+        status: Some(429),
+        retry_after_ms: Some(900_000),
+        via: Some("lock release"),
+        ..Outcome::default()
+    };
+    // A slot id nobody holds: nothing freed, nothing learned (before the fix this paused the
+    // pool for 15 minutes and halved its limit).
+    assert_eq!(g.release_observed(1_000, 42, Some(&bogus)), (false, None));
+    assert_eq!(g.observe_held(1_000, 42, &bogus), None);
+    let s = g.snapshot(1_000);
+    assert_eq!(
+        (s.paused_until, s.effective_limit, s.last_throttle),
+        (None, 8, None)
+    );
+
+    // A real holder's report teaches once; the repeat release re-feeds nothing.
+    admitted(g.try_acquire(1_000, ticket(1), false));
+    let (released, adjustment) = g.release_observed(1_100, 1, Some(&bogus));
+    assert!(released);
+    let adjustment = adjustment.unwrap();
+    assert_eq!(adjustment.effective_limit, 4);
+    // Capped at the default `max_pause_ms`, not the 900000 asked for.
+    assert_eq!(adjustment.paused_until, Some(1_100 + DEFAULT_MAX_PAUSE_MS));
+    let later = 1_100 + DEFAULT_MAX_PAUSE_MS;
+    let before = g.snapshot(later);
+    assert_eq!(before.paused_until, None);
+    assert_eq!(g.release_observed(later, 1, Some(&bogus)), (false, None));
+    assert_eq!(g.snapshot(later), before);
+}
+
+#[test]
+fn max_pause_caps_every_pause_one_outcome_can_impose() {
+    let mut g = Governor::new(PoolSettings {
+        max_pause_ms: 5_000,
+        ..settings(8)
+    });
+    // Retry-After.
+    g.observe(
+        0,
+        &Outcome {
+            status: Some(503),
+            retry_after_ms: Some(3_600_000),
+            ..Outcome::default()
+        },
+    );
+    assert_eq!(g.snapshot(0).paused_until, Some(5_000));
+    // A spent budget's reset.
+    g.observe(
+        10_000,
+        &Outcome {
+            status: Some(200),
+            rate: Some(RateInfo {
+                remaining: Some(0),
+                reset_ms: Some(86_400_000),
+                ..RateInfo::default()
+            }),
+            ..Outcome::default()
+        },
+    );
+    assert_eq!(g.snapshot(10_000).paused_until, Some(15_000));
+    // An announced pace of one a day spaces admissions at most `max_pause_ms` apart (after the
+    // pacer's burst of two).
+    g.observe(20_000, &announced(1, 86_400_000));
+    admitted(g.try_acquire(20_000, ticket(1), false));
+    admitted(g.try_acquire(20_000, ticket(2), false));
+    assert_eq!(g.snapshot(20_000).paced_until, Some(25_000));
+    // Retry-After of a refusal reflects the cap.
+    let (reason, retry) = refused(g.try_acquire(20_000, ticket(3), false));
+    assert_eq!((reason, retry), (RefusalReason::Rpm, Some(5_000)));
+}
+
+#[test]
+fn lowering_max_pause_shortens_the_pause_already_running() {
+    let mut g = Governor::new(settings(8));
+    g.observe(
+        0,
+        &Outcome {
+            status: Some(429),
+            retry_after_ms: Some(200_000),
+            ..Outcome::default()
+        },
+    );
+    assert_eq!(g.snapshot(0).paused_until, Some(200_000));
+    g.reconfigure(
+        PoolSettings {
+            max_pause_ms: 10_000,
+            ..settings(8)
+        },
+        1_000,
+    );
+    assert_eq!(g.snapshot(1_000).paused_until, Some(11_000));
+}

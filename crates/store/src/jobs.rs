@@ -87,6 +87,35 @@ pub struct StoredJob {
     pub result: Option<JobResult>,
 }
 
+/// An unfinished job as the resume pages list it: the stored job without its request body,
+/// so a restart with a large backlog does not load every body at once. The body stays on disk
+/// until the job's turn comes ([`JobStore::job_request_body`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnfinishedJob {
+    /// The job as stored, except that `request.body` is empty.
+    pub job: StoredJob,
+    /// Length in bytes of the request body left on disk.
+    pub body_len: u64,
+}
+
+/// Where a page of [`JobStore::unfinished_jobs_page`] ends: the last job's `(created_at, id)`.
+/// A position, not a row reference, so it stays valid if that job finishes or is deleted.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct JobCursor {
+    pub created_at: u64,
+    pub id: String,
+}
+
+impl JobCursor {
+    /// The cursor just after `job`.
+    pub fn after(job: &StoredJob) -> Self {
+        JobCursor {
+            created_at: job.created_at,
+            id: job.id.clone(),
+        }
+    }
+}
+
 /// One step of a job's history.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobEvent {
@@ -260,8 +289,23 @@ pub trait JobStore: Send + Sync + 'static {
         limit: u32,
     ) -> Result<Vec<StoredJob>>;
     async fn job_events(&self, id: &str) -> Result<Vec<JobEvent>>;
-    /// Jobs not yet terminal (to resume at start-up).
+    /// Jobs not yet terminal (to resume at start-up), bodies and all. Prefer
+    /// [`JobStore::unfinished_jobs_page`]: this loads the whole backlog into memory at once.
     async fn unfinished_jobs(&self) -> Result<Vec<StoredJob>>;
+    /// One page of jobs not yet terminal, oldest first by `(created_at, id)`, after `after`
+    /// (exclusive; `None` = from the start), at most `limit` (clamped to 1..=1000), without
+    /// their request bodies. An empty page means the end.
+    async fn unfinished_jobs_page(
+        &self,
+        after: Option<&JobCursor>,
+        limit: u32,
+    ) -> Result<Vec<UnfinishedJob>>;
+    /// A job's request body, loaded when its turn comes; `None` if the job is gone.
+    async fn job_request_body(&self, id: &str) -> Result<Option<Vec<u8>>>;
+    /// How many of `pool`'s jobs are accepted and not yet terminal (`async.max_pending`).
+    async fn count_unfinished_jobs(&self, pool: &str) -> Result<u64>;
+    /// The same count for every pool that has any, to seed per-pool counters at start-up.
+    async fn unfinished_job_counts(&self) -> Result<Vec<(String, u64)>>;
     /// `accepted → queued`; no effect on any other status.
     async fn mark_queued(&self, id: &str, now: u64) -> Result<()>;
     /// Starts a run attempt: status `running`, `attempt + 1`. `None` if the job is terminal or

@@ -1,8 +1,8 @@
 //! Durable state behind one small trait.
 //!
 //! This crate owns what must survive a restart: pools created through the admin API, pool keys
-//! (hashes only), the pool access log, async jobs, webhook destinations, and the delivery outbox
-//! with its attempt log. [`Store`] is the seam; [`sqlite::SqliteStore`] is the embedded default, and a
+//! (hashes only), the pool access log, lock leases outstanding, the HMAC nonces seen (digests
+//! only), async jobs, webhook destinations, and the delivery outbox with its attempt log. [`Store`] is the seam; [`sqlite::SqliteStore`] is the embedded default, and a
 //! PostgreSQL implementation must fit the same trait unchanged.
 //!
 //! It must not know about HTTP or the governor. Pool settings are stored as opaque JSON (the
@@ -16,8 +16,8 @@ mod sqlite_jobs;
 
 pub use jobs::{
     AttemptApplied, AttemptQuery, AttemptRecord, DeliveryAttempt, DeliveryNext, DeliveryState,
-    DueDelivery, Finish, JobEvent, JobRequest, JobResult, JobStore, NewJob, Redeliver,
-    StoredDestination, StoredJob,
+    DueDelivery, Finish, JobCursor, JobEvent, JobRequest, JobResult, JobStore, NewJob, Redeliver,
+    StoredDestination, StoredJob, UnfinishedJob,
 };
 
 use serde::{Deserialize, Serialize};
@@ -101,6 +101,19 @@ pub struct LeaseRecord {
     pub request_deadline: u64,
 }
 
+/// An HMAC request nonce seen on a pool (SPEC §9), remembered until `expires_at` so a captured
+/// request cannot be replayed within the signature window, even across a restart.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct NonceRecord {
+    pub pool: String,
+    /// A cryptographic digest of the nonce (fixed size whatever the nonce's length); the store
+    /// treats it as opaque bytes.
+    pub digest: Vec<u8>,
+    /// Epoch ms; past it the nonce's signature can no longer pass the timestamp window, so the
+    /// record may go.
+    pub expires_at: u64,
+}
+
 #[async_trait::async_trait]
 pub trait Store: Send + Sync + 'static {
     /// Cheap liveness probe for `/readyz`.
@@ -144,4 +157,15 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<()>;
     /// The recorded leases whose request deadline is after `now`.
     async fn outstanding_leases(&self, now: u64) -> Result<Vec<LeaseRecord>>;
+
+    /// Remembers a batch of seen nonces in one transaction (durable when this returns), and says
+    /// for each, in order, whether it is new: `true` = newly remembered (never seen, or its
+    /// earlier record had expired at `now`), `false` = already remembered and unexpired at `now`
+    /// (a replay; its record is left as it was). A nonce twice in one batch: the second is a
+    /// replay of the first.
+    async fn remember_nonces(&self, nonces: &[NonceRecord], now: u64) -> Result<Vec<bool>>;
+    /// The remembered nonces unexpired at `now` (`expires_at > now`), to load at start-up.
+    async fn unexpired_nonces(&self, now: u64) -> Result<Vec<NonceRecord>>;
+    /// Forgets nonces expired at `now` (`expires_at <= now`); returns how many.
+    async fn purge_nonces(&self, now: u64) -> Result<u64>;
 }

@@ -23,7 +23,8 @@ use rusqlite::types::{Type, Value};
 use rusqlite::{ffi, params, Connection, OptionalExtension, Row, TransactionBehavior};
 
 use crate::{
-    AccessLogEntry, AccessLogQuery, LeaseRecord, Result, Store, StoreError, StoredKey, StoredPool,
+    AccessLogEntry, AccessLogQuery, LeaseRecord, NonceRecord, Result, Store, StoreError, StoredKey,
+    StoredPool,
 };
 
 /// File name used by [`SqliteStore::open_in_dir`].
@@ -167,6 +168,23 @@ const MIGRATIONS: &[&str] = &[
         request_deadline INTEGER NOT NULL
     ) WITHOUT ROWID;
     CREATE INDEX IF NOT EXISTS leases_deadline ON leases (request_deadline);",
+    // v4 -> v5: HMAC nonces seen, so a restart does not reopen a replay window. Digests only;
+    // `expires_at` drives the purge and the start-up load.
+    "CREATE TABLE IF NOT EXISTS nonces (
+        pool       TEXT NOT NULL,
+        digest     BLOB NOT NULL,
+        expires_at INTEGER NOT NULL,
+        PRIMARY KEY (pool, digest)
+    ) WITHOUT ROWID;
+    CREATE INDEX IF NOT EXISTS nonces_expires ON nonces (expires_at);",
+    // v5 -> v6: the unfinished backlog, read in pages at start-up and counted per pool for
+    // `async.max_pending`. Partial indexes: they hold only the (few) unfinished jobs, however
+    // many finished ones are retained. Queries must repeat the `status IN (...)` text for the
+    // planner to use them.
+    "CREATE INDEX IF NOT EXISTS jobs_unfinished_created
+        ON jobs (created_at, id) WHERE status IN ('accepted', 'queued', 'running');
+    CREATE INDEX IF NOT EXISTS jobs_unfinished_pool
+        ON jobs (pool) WHERE status IN ('accepted', 'queued', 'running');",
 ];
 
 /// The schema version this build writes (`PRAGMA user_version`).
@@ -402,7 +420,7 @@ pub(crate) fn is_unique_violation(e: &rusqlite::Error) -> bool {
 
 /// Values beyond SQLite's signed 64-bit range only appear as open-ended filter bounds, where
 /// `i64::MAX` means the same thing ("no limit").
-fn clamp_i64(v: u64) -> i64 {
+pub(crate) fn clamp_i64(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
@@ -761,6 +779,67 @@ impl Store for SqliteStore {
                     .ctx("apply_leases")?;
             }
             tx.commit().ctx("apply_leases")
+        })
+        .await
+    }
+
+    async fn remember_nonces(&self, nonces: &[NonceRecord], now: u64) -> Result<Vec<bool>> {
+        let nonces = nonces.to_vec();
+        let now = clamp_i64(now);
+        self.write(move |conn| {
+            let tx = conn.transaction().ctx("remember_nonces")?;
+            let mut fresh = Vec::with_capacity(nonces.len());
+            {
+                // An expired record is replaced (the nonce is new again); an unexpired one is
+                // left alone and counts as a replay: the upsert then changes no row.
+                let mut upsert = tx
+                    .prepare_cached(
+                        "INSERT INTO nonces (pool, digest, expires_at) VALUES (?1, ?2, ?3)                          ON CONFLICT (pool, digest) DO UPDATE SET expires_at = excluded.expires_at                          WHERE nonces.expires_at <= ?4",
+                    )
+                    .ctx("remember_nonces")?;
+                for n in &nonces {
+                    let changed = upsert
+                        .execute(params![n.pool, n.digest, clamp_i64(n.expires_at), now])
+                        .ctx("remember_nonces")?;
+                    fresh.push(changed > 0);
+                }
+            }
+            tx.commit().ctx("remember_nonces")?;
+            Ok(fresh)
+        })
+        .await
+    }
+
+    async fn unexpired_nonces(&self, now: u64) -> Result<Vec<NonceRecord>> {
+        let now = clamp_i64(now);
+        self.read(move |conn| {
+            let mut stmt = conn
+                .prepare_cached(
+                    "SELECT pool, digest, expires_at FROM nonces WHERE expires_at > ?1                      ORDER BY expires_at",
+                )
+                .ctx("unexpired_nonces")?;
+            let rows = stmt
+                .query_map([now], |r| {
+                    Ok(NonceRecord {
+                        pool: r.get(0)?,
+                        digest: r.get(1)?,
+                        expires_at: r.get(2)?,
+                    })
+                })
+                .ctx("unexpired_nonces")?;
+            rows.collect::<rusqlite::Result<Vec<_>>>()
+                .ctx("unexpired_nonces")
+        })
+        .await
+    }
+
+    async fn purge_nonces(&self, now: u64) -> Result<u64> {
+        let now = clamp_i64(now);
+        self.write(move |conn| {
+            let removed = conn
+                .execute("DELETE FROM nonces WHERE expires_at <= ?1", [now])
+                .ctx("purge_nonces")?;
+            Ok(removed as u64)
         })
         .await
     }

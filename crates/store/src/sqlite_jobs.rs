@@ -5,11 +5,11 @@
 use rusqlite::{params, Connection, OptionalExtension, Row, Transaction};
 
 use crate::jobs::{delivery_status, status};
-use crate::sqlite::{Ctx, SqliteStore};
+use crate::sqlite::{clamp_i64, Ctx, SqliteStore};
 use crate::{
     AttemptApplied, AttemptQuery, AttemptRecord, DeliveryAttempt, DeliveryNext, DeliveryState,
-    DueDelivery, Finish, JobEvent, JobRequest, JobResult, JobStore, NewJob, Redeliver, Result,
-    StoreError, StoredDestination, StoredJob,
+    DueDelivery, Finish, JobCursor, JobEvent, JobRequest, JobResult, JobStore, NewJob, Redeliver,
+    Result, StoreError, StoredDestination, StoredJob, UnfinishedJob,
 };
 
 // A terminal job's `destinations` is the number of its deliveries (the destinations that were
@@ -25,6 +25,21 @@ const JOB_COLUMNS: &str =
      error, request, request_body, result, result_body, \
      (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id AND +d.status = 'delivered'), \
      (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id AND +d.status = 'failed')";
+
+/// [`JOB_COLUMNS`] with an empty request body (column 15) and the body's length appended
+/// (column 20): the resume pages leave bodies on disk. Keep the two in step.
+const JOB_HEAD_COLUMNS: &str =
+    "id, pool, status, reason, key_id, fairness, priority, created_at, updated_at, expires_at, \
+     retention_ms, attempt, \
+     CASE WHEN status IN ('completed', 'failed', 'expired') \
+          THEN (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id) ELSE destinations END, \
+     error, request, X'', result, result_body, \
+     (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id AND +d.status = 'delivered'), \
+     (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id AND +d.status = 'failed'), \
+     length(request_body)";
+
+/// The statuses of a job not yet terminal, as SQL, in the exact text of the partial indexes.
+const UNFINISHED: &str = "status IN ('accepted', 'queued', 'running')";
 
 const DEST_COLUMNS: &str =
     "id, pool, url, secret, active, deactivate_after, consecutive_failures, deactivated_at, managed_by, created_at, \
@@ -471,6 +486,84 @@ impl JobStore for SqliteStore {
                 .ctx("unfinished_jobs")?;
             let rows = stmt.query_map([], job_from_row).ctx("unfinished_jobs")?;
             rows.collect::<rusqlite::Result<Vec<_>>>().ctx("unfinished_jobs")
+        })
+        .await
+    }
+
+    async fn unfinished_jobs_page(
+        &self,
+        after: Option<&JobCursor>,
+        limit: u32,
+    ) -> Result<Vec<UnfinishedJob>> {
+        let (after_at, after_id) = match after {
+            Some(c) => (Some(clamp_i64(c.created_at)), Some(c.id.clone())),
+            None => (None, None),
+        };
+        let limit = limit.clamp(1, 1000);
+        self.read(move |conn| {
+            // A (created_at, id) position, not a row lookup: valid even if that job is gone.
+            // `INDEXED BY`: without statistics the planner picks `jobs_status` and sorts every
+            // unfinished job for each page; the partial index walks them in order instead (and
+            // the statement fails to prepare, loudly, if the index ever stops applying).
+            let sql = format!(
+                "SELECT {JOB_HEAD_COLUMNS} FROM jobs INDEXED BY jobs_unfinished_created \
+                 WHERE {UNFINISHED} \
+                 AND (?1 IS NULL OR (created_at, id) > (?1, ?2)) \
+                 ORDER BY created_at, id LIMIT ?3"
+            );
+            let mut stmt = conn.prepare_cached(&sql).ctx("unfinished_jobs_page")?;
+            let rows = stmt
+                .query_map(params![after_at, after_id, limit], |row| {
+                    Ok(UnfinishedJob {
+                        job: job_from_row(row)?,
+                        body_len: row.get(20)?,
+                    })
+                })
+                .ctx("unfinished_jobs_page")?;
+            rows.collect::<rusqlite::Result<Vec<_>>>()
+                .ctx("unfinished_jobs_page")
+        })
+        .await
+    }
+
+    async fn job_request_body(&self, id: &str) -> Result<Option<Vec<u8>>> {
+        let id = id.to_owned();
+        self.read(move |conn| {
+            conn.prepare_cached("SELECT request_body FROM jobs WHERE id = ?1")
+                .ctx("job_request_body")?
+                .query_row([id], |r| r.get(0))
+                .optional()
+                .ctx("job_request_body")
+        })
+        .await
+    }
+
+    async fn count_unfinished_jobs(&self, pool: &str) -> Result<u64> {
+        let pool = pool.to_owned();
+        self.read(move |conn| {
+            conn.prepare_cached(&format!(
+                "SELECT COUNT(*) FROM jobs INDEXED BY jobs_unfinished_pool \
+                 WHERE pool = ?1 AND {UNFINISHED}"
+            ))
+            .ctx("count_unfinished_jobs")?
+            .query_row([pool], |r| r.get(0))
+            .ctx("count_unfinished_jobs")
+        })
+        .await
+    }
+
+    async fn unfinished_job_counts(&self) -> Result<Vec<(String, u64)>> {
+        self.read(move |conn| {
+            let mut stmt = conn
+                .prepare_cached(&format!(
+                    "SELECT pool, COUNT(*) FROM jobs WHERE {UNFINISHED} GROUP BY pool ORDER BY pool"
+                ))
+                .ctx("unfinished_job_counts")?;
+            let rows = stmt
+                .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+                .ctx("unfinished_job_counts")?;
+            rows.collect::<rusqlite::Result<Vec<_>>>()
+                .ctx("unfinished_job_counts")
         })
         .await
     }

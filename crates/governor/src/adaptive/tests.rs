@@ -5,6 +5,7 @@ use super::*;
 const B: Bounds = Bounds {
     limit: 10,
     min_limit: 2,
+    max_pause_ms: 300_000,
 };
 
 /// In use: as many in flight as the limit could be, so successes count towards growth.
@@ -193,7 +194,7 @@ fn other_throttle_signals() {
 fn pause_is_capped() {
     let mut a = Adaptive::default();
     a.observe(0, &throttle(u64::MAX), B, Context::default());
-    assert_eq!(a.paused_until(0), Some(MAX_PAUSE_MS));
+    assert_eq!(a.paused_until(0), Some(B.max_pause_ms));
 }
 
 #[test]
@@ -261,6 +262,7 @@ fn a_probe_that_fails_steps_back_to_the_last_good_level_instead_of_halving() {
     let b = Bounds {
         limit: 64,
         min_limit: 1,
+        max_pause_ms: 300_000,
     };
     let mut a = Adaptive::default();
     // Converged at 8 (good), probing 9 fails: back to 8, not 4.
@@ -286,7 +288,7 @@ fn a_probe_that_fails_steps_back_to_the_last_good_level_instead_of_halving() {
 fn rate_throttles_pause_and_leave_the_concurrency_limit_alone() {
     let mut a = Adaptive::default();
     a.observe(0, &rate(per_minute(300)), B, BUSY);
-    assert_eq!(a.learned_rpm(0), Some(291));
+    assert_eq!(a.learned_rpm(B, 0), Some(291));
     let spent = Outcome {
         status: Some(429),
         retry_after_ms: Some(150),
@@ -300,7 +302,7 @@ fn rate_throttles_pause_and_leave_the_concurrency_limit_alone() {
     let note = a.observe(10, &spent, B, BUSY).unwrap();
     assert_eq!(a.learned_limit(B, 10), None, "concurrency is innocent");
     assert_eq!(a.paused_until(10), Some(160));
-    assert_eq!(a.learned_rpm(10), Some(291));
+    assert_eq!(a.learned_rpm(B, 10), Some(291));
     assert_eq!(
         note,
         "paused for 150ms; cause: status 429, retry-after 150ms; \
@@ -326,8 +328,8 @@ fn pace_from_an_announced_window_or_from_remaining_until_reset() {
     let mut a = Adaptive::default();
     // 300 per minute, used at 97 %: 206 ms apart, 291 rpm.
     let note = a.observe(0, &rate(per_minute(300)), B, BUSY);
-    assert_eq!(a.pace_us(0), Some(206_185));
-    assert_eq!(a.learned_rpm(0), Some(291));
+    assert_eq!(a.pace_us(B, 0), Some(206_185));
+    assert_eq!(a.learned_rpm(B, 0), Some(291));
     assert_eq!(
         note.as_deref(),
         Some("pace 291 rpm (from 300 requests per 60000ms)")
@@ -343,7 +345,7 @@ fn pace_from_an_announced_window_or_from_remaining_until_reset() {
         B,
         BUSY,
     );
-    assert_eq!(a.learned_rpm(1), Some(291));
+    assert_eq!(a.learned_rpm(B, 1), Some(291));
     // ... but a burst left only 240 for the next 60 s (a rolling window): spread those.
     let note = a.observe(
         2,
@@ -355,7 +357,7 @@ fn pace_from_an_announced_window_or_from_remaining_until_reset() {
         B,
         BUSY,
     );
-    assert_eq!(a.learned_rpm(2), Some(233));
+    assert_eq!(a.learned_rpm(B, 2), Some(233));
     assert_eq!(
         note.as_deref(),
         Some("pace 233 rpm (from 240 requests left for 60000ms)")
@@ -372,7 +374,7 @@ fn pace_from_an_announced_window_or_from_remaining_until_reset() {
         })
     };
     let note = a.observe(0, &fixed, B, BUSY);
-    assert_eq!(a.learned_rpm(0), Some(58));
+    assert_eq!(a.learned_rpm(B, 0), Some(58));
     assert_eq!(
         note.as_deref(),
         Some("pace 58 rpm (from 600 requests left for 600000ms (github))")
@@ -401,7 +403,7 @@ fn pace_from_an_announced_window_or_from_remaining_until_reset() {
     });
     a.observe(3, &spent, B, BUSY);
     assert_eq!(a.paused_until(3), Some(5_003));
-    assert_eq!(a.learned_rpm(3), Some(29));
+    assert_eq!(a.learned_rpm(B, 3), Some(29));
     // The slowest pace is capped like a pause.
     let mut a = Adaptive::default();
     a.observe(
@@ -414,16 +416,16 @@ fn pace_from_an_announced_window_or_from_remaining_until_reset() {
         B,
         BUSY,
     );
-    assert_eq!(a.pace_us(0), Some(MAX_PAUSE_MS * 1_000));
-    assert_eq!(a.learned_rpm(0), Some(1));
+    assert_eq!(a.pace_us(B, 0), Some(B.max_pause_ms * 1_000));
+    assert_eq!(a.learned_rpm(B, 0), Some(1));
 }
 
 #[test]
 fn an_announced_pace_lapses_when_nobody_repeats_it() {
     let mut a = Adaptive::default();
     a.observe(0, &rate(per_minute(60)), B, BUSY);
-    assert_eq!(a.learned_rpm(RATE_STALE_MS - 1), Some(58));
-    assert_eq!(a.learned_rpm(RATE_STALE_MS), None);
+    assert_eq!(a.learned_rpm(B, RATE_STALE_MS - 1), Some(58));
+    assert_eq!(a.learned_rpm(B, RATE_STALE_MS), None);
     let note = a.observe(RATE_STALE_MS, &status(200), B, BUSY);
     assert_eq!(note.as_deref(), Some("pace lifted"));
 }
@@ -433,6 +435,7 @@ fn learned_limit_decays_towards_the_configuration_when_the_origin_is_quiet() {
     let b = Bounds {
         limit: 64,
         min_limit: 1,
+        max_pause_ms: 300_000,
     };
     let mut a = Adaptive::default();
     a.observe(0, &throttle(0), b, Context::default());
@@ -531,7 +534,8 @@ fn clamping() {
         b,
         Bounds {
             limit: 3,
-            min_limit: 3
+            min_limit: 3,
+            max_pause_ms: 300_000,
         }
     );
     let mut a = Adaptive::default();
@@ -560,6 +564,7 @@ fn clamping() {
         Bounds {
             limit: 4,
             min_limit: 1,
+            max_pause_ms: 300_000,
         },
         0,
     );
@@ -569,6 +574,7 @@ fn clamping() {
     let wider = Bounds {
         limit: 20,
         min_limit: 6,
+        max_pause_ms: 300_000,
     };
     a.rebound(wider, 0);
     assert_eq!(a.learned_limit(wider, 0), Some(6));
@@ -581,7 +587,11 @@ fn forget_keeps_only_the_record() {
     a.observe(0, &throttle(5_000), B, Context::default());
     a.forget();
     assert_eq!(
-        (a.learned_limit(B, 0), a.learned_rpm(0), a.paused_until(0)),
+        (
+            a.learned_limit(B, 0),
+            a.learned_rpm(B, 0),
+            a.paused_until(0)
+        ),
         (None, None, None)
     );
     assert!(a.last_throttle().is_some());

@@ -435,3 +435,59 @@ proptest! {
         prop_assert_eq!((s.admitted_total, s.refused_total), (m.admitted, m.refused));
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    /// Whatever one outcome says (any hint, any reset, any announced rate), it holds admission
+    /// back for at most `max_pause_ms`: as a pause, and as the spacing of a learned pace.
+    #[test]
+    fn no_single_outcome_pauses_past_max_pause(
+        max_pause_ms in 1_000u64..2_000_000,
+        kind in 0u8..9,
+        ms in 0u64..u64::MAX - 1,
+        held in any::<bool>(),
+        now in 0u64..1 << 42,
+    ) {
+        let mut g = Governor::new(PoolSettings { limit: 4, max_pause_ms, ..PoolSettings::default() });
+        let o = outcome(kind, ms);
+        if held {
+            let t = Ticket { id: 1, fairness_key: 0, priority: Priority::Normal, lease_ms: 1_000 };
+            prop_assert!(matches!(g.try_acquire(now, t, false), TryAcquire::Admitted(_)));
+            prop_assert!(g.release_observed(now, 1, Some(&o)).0);
+        } else {
+            g.observe(now, &o);
+        }
+        let s = g.snapshot(now);
+        if let Some(until) = s.paused_until {
+            prop_assert!(until - now <= max_pause_ms, "paused {}ms", until - now);
+        }
+        if let Some(rpm) = s.learned_rpm {
+            // One admission per `max_pause_ms` at the slowest, rounded to whole requests/minute.
+            prop_assert!(u64::from(rpm) * max_pause_ms >= 30_000, "pace {rpm} rpm");
+        }
+        // Whatever holds a newcomer back, its Retry-After stays within the cap too.
+        let t = Ticket { id: 2, fairness_key: 0, priority: Priority::Normal, lease_ms: 1_000 };
+        if let TryAcquire::Refused { retry_after_ms: Some(retry), .. } = g.try_acquire(now, t, false) {
+            prop_assert!(retry <= max_pause_ms, "retry after {retry}ms");
+        }
+    }
+
+    /// A report on a slot nobody holds — never granted, or already released — changes nothing.
+    #[test]
+    fn reports_on_slots_nobody_holds_teach_nothing(kind in 0u8..9, ms in 0u64..10_000_000, stale in any::<bool>()) {
+        let mut g = Governor::new(PoolSettings { limit: 4, ..PoolSettings::default() });
+        let id = if stale {
+            let t = Ticket { id: 7, fairness_key: 0, priority: Priority::Normal, lease_ms: 1_000 };
+            prop_assert!(matches!(g.try_acquire(1_000, t, false), TryAcquire::Admitted(_)));
+            prop_assert_eq!(g.release_observed(1_000, 7, None), (true, None));
+            7
+        } else {
+            99
+        };
+        let before = g.snapshot(2_000);
+        prop_assert_eq!(g.release_observed(2_000, id, Some(&outcome(kind, ms))), (false, None));
+        prop_assert_eq!(g.observe_held(2_000, id, &outcome(kind, ms)), None);
+        prop_assert_eq!(g.snapshot(2_000), before);
+    }
+}

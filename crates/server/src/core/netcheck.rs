@@ -1,17 +1,55 @@
 //! Which addresses a webhook may not reach unless `server.allow_private_webhooks` is set:
-//! loopback, private (RFC 1918, unique-local), link-local, CGNAT, unspecified, multicast,
-//! broadcast, documentation ranges and cloud metadata endpoints.
+//! loopback, private (RFC 1918, unique-local), link-local, site-local, CGNAT, unspecified,
+//! multicast, broadcast, documentation ranges and cloud metadata endpoints — and the same behind
+//! an IPv6 form that carries an IPv4 address (IPv4-mapped, IPv4-compatible, IPv4-translated,
+//! NAT64, 6to4), which reaches that IPv4 address through the host's stack or a translator and so
+//! is judged by it. Tunnel and local-use prefixes whose destination cannot be judged from the
+//! address (NAT64 local-use, Teredo) are refused outright.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use ipnet::Ipv6Net;
+
+/// NAT64 well-known prefix (RFC 6052): the last 32 bits are the IPv4 address reached.
+const NAT64: Ipv6Net = Ipv6Net::new_assert(Ipv6Addr::new(0x64, 0xff9b, 0, 0, 0, 0, 0, 0), 96);
+/// NAT64 local-use prefix (RFC 8215): translated by the operator's own gear, to wherever it
+/// routes; nothing in the address says where.
+const NAT64_LOCAL_USE: Ipv6Net =
+    Ipv6Net::new_assert(Ipv6Addr::new(0x64, 0xff9b, 1, 0, 0, 0, 0, 0), 48);
+/// 6to4 (RFC 3056): bits 16..48 are the IPv4 address of the site.
+const SIX_TO_FOUR: Ipv6Net = Ipv6Net::new_assert(Ipv6Addr::new(0x2002, 0, 0, 0, 0, 0, 0, 0), 16);
+/// IPv4-compatible addresses (RFC 4291 §2.5.5.1, deprecated): `::a.b.c.d`.
+const IPV4_COMPATIBLE: Ipv6Net = Ipv6Net::new_assert(Ipv6Addr::UNSPECIFIED, 96);
+/// IPv4-translated addresses (RFC 2765 SIIT): `::ffff:0:a.b.c.d`.
+const IPV4_TRANSLATED: Ipv6Net =
+    Ipv6Net::new_assert(Ipv6Addr::new(0, 0, 0, 0, 0xffff, 0, 0, 0), 96);
+/// Site-local (RFC 3879 deprecated it, but stacks may still route it inside a site).
+const SITE_LOCAL: Ipv6Net = Ipv6Net::new_assert(Ipv6Addr::new(0xfec0, 0, 0, 0, 0, 0, 0, 0), 10);
+/// Teredo (RFC 4380): tunnelled over IPv4 through relays, the client's address obfuscated.
+const TEREDO: Ipv6Net = Ipv6Net::new_assert(Ipv6Addr::new(0x2001, 0, 0, 0, 0, 0, 0, 0), 32);
+/// Discard-only (RFC 6666).
+const DISCARD_ONLY: Ipv6Net = Ipv6Net::new_assert(Ipv6Addr::new(0x100, 0, 0, 0, 0, 0, 0, 0), 64);
 
 pub fn is_private(ip: &IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => is_private_v4(v4),
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => is_private_v4(&v4),
-            None => is_private_v6(v6),
-        },
+        IpAddr::V6(v6) => is_private_v6(v6) || embedded_v4(v6).is_some_and(|v4| is_private_v4(&v4)),
     }
+}
+
+/// The IPv4 address an IPv6 address stands for, in the forms that embed one.
+fn embedded_v4(ip: &Ipv6Addr) -> Option<Ipv4Addr> {
+    if let Some(v4) = ip.to_ipv4_mapped() {
+        return Some(v4);
+    }
+    let o = ip.octets();
+    if NAT64.contains(ip) || IPV4_COMPATIBLE.contains(ip) || IPV4_TRANSLATED.contains(ip) {
+        return Some(Ipv4Addr::new(o[12], o[13], o[14], o[15]));
+    }
+    if SIX_TO_FOUR.contains(ip) {
+        return Some(Ipv4Addr::new(o[2], o[3], o[4], o[5]));
+    }
+    None
 }
 
 fn is_private_v4(ip: &Ipv4Addr) -> bool {
@@ -31,14 +69,16 @@ fn is_private_v4(ip: &Ipv4Addr) -> bool {
 }
 
 fn is_private_v6(ip: &Ipv6Addr) -> bool {
-    let first = ip.segments()[0];
     ip.is_loopback()
         || ip.is_unspecified()
         || ip.is_multicast()
-        || (first & 0xfe00) == 0xfc00 // unique local fc00::/7
-        || (first & 0xffc0) == 0xfe80 // link-local fe80::/10
-        || (first == 0x2001 && ip.segments()[1] == 0x0db8) // documentation
-        || *ip == Ipv6Addr::new(0xfd00, 0x0ec2, 0, 0, 0, 0, 0, 0x0254) // AWS IMDS over IPv6
+        || ip.is_unique_local() // fc00::/7, includes AWS IMDS over IPv6 (fd00:ec2::254)
+        || ip.is_unicast_link_local() // fe80::/10
+        || SITE_LOCAL.contains(ip)
+        || NAT64_LOCAL_USE.contains(ip)
+        || TEREDO.contains(ip)
+        || DISCARD_ONLY.contains(ip)
+        || (ip.segments()[0] == 0x2001 && ip.segments()[1] == 0x0db8) // documentation
 }
 
 #[cfg(test)]
@@ -65,6 +105,54 @@ mod tests {
             assert!(is_private(&private.parse().unwrap()), "{private}");
         }
         for public in ["1.1.1.1", "8.8.8.8", "2606:4700::1111", "100.128.0.1"] {
+            assert!(!is_private(&public.parse().unwrap()), "{public}");
+        }
+    }
+
+    /// IPv6 forms that carry an IPv4 address are judged by it, and prefixes whose destination
+    /// the address does not tell are refused. Before, every one of the "private" column passed
+    /// (issue #12): a webhook to `64:ff9b::7f00:1` reached loopback through NAT64.
+    #[test]
+    fn ipv6_forms_that_carry_ipv4_are_judged_by_it() {
+        for private in [
+            // NAT64 well-known prefix: loopback, RFC 1918, metadata, CGNAT behind it.
+            "64:ff9b::127.0.0.1",
+            "64:ff9b::10.0.0.1",
+            "64:ff9b::169.254.169.254",
+            "64:ff9b::100.64.0.1",
+            // NAT64 local-use: refused whatever it embeds.
+            "64:ff9b:1::8.8.8.8",
+            "64:ff9b:1:ffff::1",
+            // 6to4 of private IPv4.
+            "2002:7f00:1::1",
+            "2002:a9fe:a9fe::",
+            "2002:c0a8:101:1::1",
+            // IPv4-compatible and IPv4-translated.
+            "::127.0.0.1",
+            "::10.1.2.3",
+            "::169.254.169.254",
+            "::ffff:0:127.0.0.1",
+            "::ffff:0:192.168.0.1",
+            // Site-local, Teredo, discard-only.
+            "fec0::1",
+            "feff:ffff::1",
+            "2001:0:4136:e378:8000:63bf:3fff:fdd2",
+            "100::1",
+        ] {
+            assert!(is_private(&private.parse().unwrap()), "{private}");
+        }
+        for public in [
+            "64:ff9b::8.8.8.8",
+            "64:ff9b::1.1.1.1",
+            "2002:808:808::1",
+            "::8.8.8.8",
+            "::ffff:0:1.1.1.1",
+            "::ffff:8.8.8.8",
+            // Next to the refused prefixes, not in them.
+            "64:ff9b:2::1",
+            "2001:1::1",
+            "2003::1",
+        ] {
             assert!(!is_private(&public.parse().unwrap()), "{public}");
         }
     }

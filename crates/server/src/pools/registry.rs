@@ -205,6 +205,7 @@ impl PoolRuntime {
             adaptive: spec.adaptive,
             min_limit: spec.min_limit,
             fair_share: spec.fair_share,
+            max_pause_ms: spec.max_pause_ms,
         }
     }
 

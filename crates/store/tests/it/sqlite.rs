@@ -6,7 +6,8 @@ use std::path::Path;
 
 use nthbouncer_store::sqlite::{self, SqliteStore, DB_FILE_NAME, SCHEMA_VERSION};
 use nthbouncer_store::{
-    AccessLogEntry, AccessLogQuery, LeaseRecord, Store, StoreError, StoredKey, StoredPool,
+    AccessLogEntry, AccessLogQuery, LeaseRecord, NonceRecord, Store, StoreError, StoredKey,
+    StoredPool,
 };
 use serde_json::json;
 
@@ -613,4 +614,110 @@ async fn leases_outstanding_survive_a_reopen_until_released_or_past_their_deadli
     );
     store.apply_leases(&[], &[], 5_000).await.unwrap();
     assert_eq!(store.outstanding_leases(0).await.unwrap(), vec![]);
+}
+
+fn nonce(pool: &str, digest: u8, expires_at: u64) -> NonceRecord {
+    NonceRecord {
+        pool: pool.to_owned(),
+        digest: vec![digest; 16],
+        expires_at,
+    }
+}
+
+/// Seen HMAC nonces are durable (SPEC §9): before, they lived only in the process and a restart
+/// reopened the replay window (the store had no nonce methods at all).
+#[tokio::test]
+async fn nonces_are_remembered_once_and_survive_a_reopen() {
+    let tmp = tempfile::tempdir().unwrap();
+    {
+        let store = open(tmp.path());
+        let fresh = store
+            .remember_nonces(
+                &[
+                    nonce("p", 1, 10_000),
+                    nonce("p", 2, 10_000),
+                    // The same digest on another pool is another nonce.
+                    nonce("q", 1, 10_000),
+                    // Twice in one batch: the second is a replay of the first.
+                    nonce("p", 3, 10_000),
+                    nonce("p", 3, 10_000),
+                ],
+                1_000,
+            )
+            .await
+            .unwrap();
+        assert_eq!(fresh, vec![true, true, true, true, false]);
+        // A replay is refused and leaves the record as it was (no extension).
+        assert_eq!(
+            store
+                .remember_nonces(&[nonce("p", 1, 99_000), nonce("p", 4, 12_000)], 2_000)
+                .await
+                .unwrap(),
+            vec![false, true]
+        );
+    }
+    // Reopened, as after a restart: everything unexpired is still there.
+    let store = open(tmp.path());
+    let mut loaded = store.unexpired_nonces(2_000).await.unwrap();
+    loaded.sort_by(|a, b| (&a.pool, &a.digest).cmp(&(&b.pool, &b.digest)));
+    assert_eq!(
+        loaded,
+        vec![
+            nonce("p", 1, 10_000),
+            nonce("p", 2, 10_000),
+            nonce("p", 3, 10_000),
+            nonce("p", 4, 12_000),
+            nonce("q", 1, 10_000),
+        ]
+    );
+    assert_eq!(
+        store
+            .remember_nonces(&[nonce("p", 2, 20_000)], 3_000)
+            .await
+            .unwrap(),
+        vec![false]
+    );
+    // Expired at `now` (expires_at <= now): not loaded, new again, and purged.
+    assert_eq!(
+        store.unexpired_nonces(10_000).await.unwrap(),
+        vec![nonce("p", 4, 12_000)]
+    );
+    assert_eq!(
+        store
+            .remember_nonces(&[nonce("p", 1, 30_000)], 10_000)
+            .await
+            .unwrap(),
+        vec![true]
+    );
+    assert_eq!(store.purge_nonces(10_000).await.unwrap(), 3);
+    let left = store.unexpired_nonces(0).await.unwrap();
+    assert_eq!(left, vec![nonce("p", 4, 12_000), nonce("p", 1, 30_000)]);
+    assert_eq!(
+        store.remember_nonces(&[], 0).await.unwrap(),
+        Vec::<bool>::new()
+    );
+}
+
+/// A store written by the previous schema (v4, no nonce table) migrates on open and keeps its
+/// data.
+#[tokio::test]
+async fn a_v4_store_migrates_to_remember_nonces() {
+    let tmp = tempfile::tempdir().unwrap();
+    {
+        let store = open(tmp.path());
+        store.create_pool(&pool("p", 1)).await.unwrap();
+    }
+    let raw = rusqlite::Connection::open(tmp.path().join(DB_FILE_NAME)).unwrap();
+    raw.execute_batch("DROP TABLE nonces; PRAGMA user_version = 4;")
+        .unwrap();
+    drop(raw);
+    let store = open(tmp.path());
+    assert!(store.get_pool("p").await.unwrap().is_some());
+    assert_eq!(
+        store
+            .remember_nonces(&[nonce("p", 1, 5_000)], 0)
+            .await
+            .unwrap(),
+        vec![true]
+    );
 }

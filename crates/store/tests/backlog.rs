@@ -1,0 +1,123 @@
+//! The unfinished-job backlog on SQLite (schema v6): counted per pool for `async.max_pending`,
+//! resumed in pages without request bodies, each body loaded when its job's turn comes.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use nthbouncer_store::sqlite::SqliteStore;
+use nthbouncer_store::{Finish, JobCursor, JobRequest, JobStore, NewJob, UnfinishedJob};
+
+fn job(id: &str, pool: &str, created_at: u64, body: &[u8]) -> NewJob {
+    NewJob {
+        id: id.into(),
+        pool: pool.into(),
+        reason: "requested".into(),
+        key_id: "key_1".into(),
+        fairness: 1,
+        priority: "normal".into(),
+        created_at,
+        expires_at: created_at + 86_400_000,
+        retention_ms: 86_400_000,
+        destinations: 0,
+        request: JobRequest {
+            method: "POST".into(),
+            path_and_query: format!("/v1/{id}"),
+            headers: vec![("content-type".into(), "application/json".into())],
+            body: body.to_vec(),
+        },
+    }
+}
+
+async fn all_pages(store: &SqliteStore, limit: u32) -> Vec<Vec<UnfinishedJob>> {
+    let mut pages = Vec::new();
+    let mut after: Option<JobCursor> = None;
+    loop {
+        let page = store
+            .unfinished_jobs_page(after.as_ref(), limit)
+            .await
+            .unwrap();
+        let Some(last) = page.last() else {
+            return pages;
+        };
+        after = Some(JobCursor::after(&last.job));
+        pages.push(page);
+    }
+}
+
+/// Before, the only way to resume was `unfinished_jobs`, which loads every pending job with its
+/// body at once (a large backlog crash-looped a restart) and nothing counted a pool's backlog.
+#[tokio::test]
+async fn the_backlog_is_counted_paged_without_bodies_and_bodies_load_on_demand() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open_in_dir(tmp.path()).unwrap();
+    // Two jobs share a creation time: the id breaks the tie.
+    store
+        .insert_jobs(&[
+            job("job_c", "p", 1_000, b"body c"),
+            job("job_a", "p", 2_000, &[7u8; 4096]),
+            job("job_b", "p", 2_000, b""),
+            job("job_q1", "q", 1_500, b"q one"),
+            job("job_d", "p", 3_000, b"body d"),
+            job("job_done", "p", 500, b"finished"),
+            job("job_q2", "q", 4_000, b"q two"),
+        ])
+        .await
+        .unwrap();
+    let attempt = store.start_attempt("job_done", 600).await.unwrap().unwrap();
+    assert!(store
+        .finish_attempt("job_done", attempt, &Finish::Failed("x".into()), 700, &[])
+        .await
+        .unwrap());
+    // A running job is still unfinished.
+    store.start_attempt("job_d", 3_100).await.unwrap().unwrap();
+
+    assert_eq!(store.count_unfinished_jobs("p").await.unwrap(), 4);
+    assert_eq!(store.count_unfinished_jobs("q").await.unwrap(), 2);
+    assert_eq!(store.count_unfinished_jobs("none").await.unwrap(), 0);
+    assert_eq!(
+        store.unfinished_job_counts().await.unwrap(),
+        vec![("p".to_string(), 4), ("q".to_string(), 2)]
+    );
+
+    let pages = all_pages(&store, 2).await;
+    assert_eq!(
+        pages.iter().map(Vec::len).collect::<Vec<_>>(),
+        vec![2, 2, 2]
+    );
+    let listed: Vec<&UnfinishedJob> = pages.iter().flatten().collect();
+    let ids: Vec<&str> = listed.iter().map(|u| u.job.id.as_str()).collect();
+    assert_eq!(
+        ids,
+        vec!["job_c", "job_q1", "job_a", "job_b", "job_d", "job_q2"]
+    );
+    for u in &listed {
+        // Everything but the body, exactly as stored.
+        let mut full = store
+            .get_job(&u.job.pool, &u.job.id)
+            .await
+            .unwrap()
+            .unwrap();
+        let body = std::mem::take(&mut full.request.body);
+        assert_eq!(u.job, full);
+        assert_eq!(u.body_len, body.len() as u64);
+        assert_eq!(store.job_request_body(&u.job.id).await.unwrap(), Some(body));
+    }
+    assert_eq!(listed[4].job.status, "running");
+    assert_eq!(store.job_request_body("job_nope").await.unwrap(), None);
+
+    // The cursor is a position: it holds even if the job it names finished meanwhile.
+    let cursor = JobCursor::after(&listed[1].job);
+    let attempt = store.start_attempt("job_q1", 5_000).await.unwrap().unwrap();
+    assert!(store
+        .finish_attempt("job_q1", attempt, &Finish::Failed("x".into()), 5_000, &[])
+        .await
+        .unwrap());
+    let next = store.unfinished_jobs_page(Some(&cursor), 2).await.unwrap();
+    let next: Vec<&str> = next.iter().map(|u| u.job.id.as_str()).collect();
+    assert_eq!(next, vec!["job_a", "job_b"]);
+    assert_eq!(store.count_unfinished_jobs("q").await.unwrap(), 1);
+
+    // The old all-at-once read still works, bodies included.
+    let all = store.unfinished_jobs().await.unwrap();
+    assert_eq!(all.len(), 5);
+    assert_eq!(all[1].request.body, vec![7u8; 4096]);
+}
