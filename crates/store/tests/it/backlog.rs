@@ -1,8 +1,6 @@
 //! The unfinished-job backlog on SQLite (schema v6): counted per pool for `async.max_pending`,
 //! resumed in pages without request bodies, each body loaded when its job's turn comes.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use nthbouncer_store::sqlite::SqliteStore;
 use nthbouncer_store::{Finish, JobCursor, JobRequest, JobStore, NewJob, UnfinishedJob};
 
