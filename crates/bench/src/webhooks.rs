@@ -178,7 +178,7 @@ pub async fn run(args: WebhooksArgs) -> Result<(), BoxError> {
         store.insert_jobs(&batch).await?;
         let ids: Vec<String> = urls
             .iter()
-            .map(|u| nthbouncer_server::app::state::config_destination_id(POOL, u))
+            .map(|u| nthbouncer_server::pools::config_destination_id(POOL, u))
             .collect();
         let active = HashMap::from([(POOL.to_string(), ids)]);
         let expired = store.expire_jobs(now, &active).await?;
@@ -231,7 +231,7 @@ pub async fn run(args: WebhooksArgs) -> Result<(), BoxError> {
 
     // Every delivery recorded as delivered (the attempt log is group-committed just after the
     // receiver answered, so allow it a moment).
-    let store = server.state.jobs.clone();
+    let store = server.state.jobs.store.clone();
     let mut recorded = 0usize;
     for _ in 0..1000 {
         recorded = 0;

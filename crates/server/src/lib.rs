@@ -30,5 +30,8 @@ pub mod proxy;
 pub mod upstream;
 pub mod webhooks;
 
-pub use app::serve::{check_config, start, Options, Running};
+pub use app::start::{check_config, start, Options, Running};
 pub use app::state::StartError;
+
+#[cfg(test)]
+mod tidy;

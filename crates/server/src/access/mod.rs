@@ -20,12 +20,10 @@ pub mod keys;
 mod signing;
 mod throttle;
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::sync::Arc;
 
-use axum::body::Body;
-use axum::extract::{ConnectInfo, Request, State};
-use axum::middleware::Next;
+use arc_swap::ArcSwap;
 use axum::response::{IntoResponse, Response};
 use http::{HeaderMap, HeaderName, Method, StatusCode, Uri};
 use ipnet::IpNet;
@@ -39,12 +37,12 @@ pub use signing::{
 };
 pub use throttle::{FailureThrottle, BLOCK_MS, FAILURE_WINDOW_MS, MAX_FAILURES};
 
-use crate::app::state::AppState;
 use crate::core::access_log::{LogLine, LogOutcome, UpstreamSeen};
 use crate::core::error::{ApiError, ErrorCode};
 use crate::core::extract;
-use crate::pools::registry::PoolRuntime;
-use keys::{AuthFailure, Caller};
+use crate::core::metrics::PoolMetrics;
+use crate::upstream::UpstreamClient;
+use keys::{Accept, AuthFailure, Caller, KeyIndex};
 
 /// The one message of every authentication refusal: it must not say which part failed.
 pub const CREDENTIALS_MESSAGE: &str = "missing or invalid credentials";
@@ -175,11 +173,20 @@ pub struct AccessPolicy {
     /// Credential headers that must not reach the upstream (beyond `X-Nthpool-*`).
     credential_headers: Vec<HeaderName>,
     state: Arc<AccessState>,
+    /// The forms of the pool key the pool accepts.
+    accept: Accept,
+    /// The pool's keys; shared across settings changes, swapped when keys change.
+    keys: Arc<ArcSwap<KeyIndex>>,
 }
 
 impl AccessPolicy {
     /// Resolves a validated spec; `at` names the table in errors (`pools[0].access`).
-    pub fn build(at: &str, spec: &AccessSpec) -> Result<AccessPolicy, ConfigError> {
+    pub fn build(
+        at: &str,
+        spec: &AccessSpec,
+        accept: Accept,
+        keys: Arc<ArcSwap<KeyIndex>>,
+    ) -> Result<AccessPolicy, ConfigError> {
         spec.validate(at)?;
         let hmac = match &spec.hmac {
             Some(h) => Some(HmacPolicy::new(
@@ -232,7 +239,14 @@ impl AccessPolicy {
             cloudflare,
             credential_headers,
             state: Arc::new(AccessState::default()),
+            accept,
+            keys,
         })
+    }
+
+    /// The pool's key index (shared by every settings version of the pool).
+    pub fn keys(&self) -> &Arc<ArcSwap<KeyIndex>> {
+        &self.keys
     }
 
     /// Keeps the nonces and failure counts of the pool's previous settings.
@@ -279,8 +293,8 @@ pub struct Authorized {
 /// Checks a request against the pool key and the pool's access policies at `now` (epoch ms).
 #[allow(clippy::too_many_arguments)]
 pub async fn authorize(
-    state: &AppState,
-    pool: &PoolRuntime,
+    http: &UpstreamClient,
+    policy: &AccessPolicy,
     client: IpAddr,
     method: &Method,
     uri: &Uri,
@@ -288,14 +302,13 @@ pub async fn authorize(
     body: BodyState<'_>,
     now: u64,
 ) -> Result<Authorized, Failure> {
-    let policy = &pool.access;
     if !policy.ip_allow.is_empty() && !policy.ip_allow.iter().any(|n| n.contains(&client)) {
         return Err(Failure::IpNotAllowed);
     }
     if let Some(ms) = policy.state.throttle.blocked(client, now) {
         return Err(Failure::Throttled { retry_after_ms: ms });
     }
-    let result = credentials(state, pool, method, uri, headers, body, now).await;
+    let result = credentials(http, policy, method, uri, headers, body, now).await;
     if let Err(f) = &result {
         if f.counts() {
             policy.state.throttle.record_failure(client, now);
@@ -305,16 +318,17 @@ pub async fn authorize(
 }
 
 async fn credentials(
-    state: &AppState,
-    pool: &PoolRuntime,
+    http: &UpstreamClient,
+    policy: &AccessPolicy,
     method: &Method,
     uri: &Uri,
     headers: &HeaderMap,
     body: BodyState<'_>,
     now: u64,
 ) -> Result<Authorized, Failure> {
-    let policy = &pool.access;
-    let mut caller = keys::authenticate(pool, headers, now).map_err(Failure::Key)?;
+    let index = policy.keys.load();
+    let mut caller =
+        keys::authenticate(policy.accept, &index, headers, now).map_err(Failure::Key)?;
     let pending = match &policy.hmac {
         Some(h) => Some(
             h.begin(method, uri, headers, now, policy.state.nonces.clone())
@@ -327,7 +341,7 @@ async fn credentials(
             .token(headers, caller.used_authorization)
             .ok_or(Failure::Jwt(JwtFailure::Missing))?;
         j.policy
-            .verify(token, &state.client, now)
+            .verify(token, http, now)
             .await
             .map_err(Failure::Jwt)?;
         caller.used_authorization |= from_authorization;
@@ -338,7 +352,7 @@ async fn credentials(
             .and_then(|v| v.to_str().ok())
             .map(str::trim)
             .ok_or(Failure::CloudflareAccess(JwtFailure::Missing))?;
-        cf.verify(token, &state.client, now)
+        cf.verify(token, http, now)
             .await
             .map_err(Failure::CloudflareAccess)?;
     }
@@ -371,12 +385,12 @@ pub async fn body_verdict(
 
 /// Answers a refusal: the metric, the access-log line with the precise reason, the uniform body.
 pub fn refuse(
-    pool: &PoolRuntime,
+    metrics: &PoolMetrics,
     log: LogLine<'_>,
     key_id: Option<&str>,
     failure: Failure,
 ) -> Response {
-    count_refusal(pool, failure);
+    count_refusal(metrics, failure);
     let e = failure.error();
     log.write(
         key_id,
@@ -389,119 +403,12 @@ pub fn refuse(
     e.into_response()
 }
 
-fn count_refusal(pool: &PoolRuntime, failure: Failure) {
+/// Counts a refusal in the pool's metrics.
+pub fn count_refusal(metrics: &PoolMetrics, failure: Failure) {
     match failure {
-        Failure::Throttled { .. } => pool.metrics.refused_429.increment(1),
-        _ => pool.metrics.unauthorized.increment(1),
+        Failure::Throttled { .. } => metrics.refused_429.increment(1),
+        _ => metrics.unauthorized.increment(1),
     }
-}
-
-/// The pool named by a `/pools/{pool}/…` path, percent-decoded the way the router decodes it for
-/// the handlers (so an encoded name cannot reach a pool around these checks).
-fn pool_segment(path: &str) -> Option<String> {
-    let mut segments = path.strip_prefix('/')?.split('/');
-    if segments.next()? != "pools" {
-        return None;
-    }
-    let raw = segments.next()?.as_bytes();
-    let mut out = Vec::with_capacity(raw.len());
-    let mut i = 0;
-    while let Some(&b) = raw.get(i) {
-        let hex = |j: usize| raw.get(j).and_then(|c| (*c as char).to_digit(16));
-        match (b, hex(i + 1), hex(i + 2)) {
-            (b'%', Some(h), Some(l)) => {
-                out.push((h * 16 + l) as u8);
-                i += 3;
-            }
-            _ => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8(out).ok()
-}
-
-fn route_label(method: &Method, path: &str) -> String {
-    match path.rsplit('/').next() {
-        Some(op @ ("acquire" | "renew" | "release")) if path.contains("/lock/") => {
-            format!("lock {op}")
-        }
-        _ => format!("{method} {path}"),
-    }
-}
-
-/// Middleware for the API host's pool routes (`/pools/{pool}/…`: lock, job poll): the same
-/// checks as the proxy, once per request; the result travels to the handler as a [`PoolCaller`].
-pub async fn require(
-    State(state): State<Arc<AppState>>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    req: Request,
-    next: Next,
-) -> Response {
-    let Some(pool) = pool_segment(req.uri().path()).and_then(|name| state.pool(&name)) else {
-        return ApiError::pool_not_found().into_response();
-    };
-    let client = client_addr(peer.ip(), req.headers(), &state.trusted_proxies);
-    let route = route_label(req.method(), req.uri().path());
-    // Like the handlers: acquire attempts are access-logged; renew, release and polls are not.
-    let logged = route == "lock acquire";
-    let log = LogLine {
-        log: &state.access_log,
-        pool: &pool.name,
-        at: state.now(),
-        peer: SocketAddr::new(client, peer.port()),
-        route,
-    };
-    let (parts, mut body) = req.into_parts();
-    let mut bytes = None;
-    if pool.access.signs_requests() {
-        match axum::body::to_bytes(body, MAX_SIGNED_API_BODY).await {
-            Ok(b) => {
-                body = Body::from(b.clone());
-                bytes = Some(b);
-            }
-            Err(_) => {
-                return ApiError::payload_too_large(MAX_SIGNED_API_BODY as u64).into_response()
-            }
-        }
-    }
-    let body_state = match &bytes {
-        Some(b) => BodyState::Whole(b),
-        None => BodyState::Empty,
-    };
-    // Boxed: this middleware's state lives as long as the handler behind it (a lock acquire
-    // may wait in the queue), and the checks' state is not needed while it waits.
-    let checked = Box::pin(authorize(
-        &state,
-        &pool,
-        client,
-        &parts.method,
-        &parts.uri,
-        &parts.headers,
-        body_state,
-        log.at,
-    ))
-    .await;
-    let caller = match checked {
-        Ok(authorized) => authorized.caller,
-        Err(failure) if logged => return refuse(&pool, log, None, failure),
-        Err(failure) => {
-            count_refusal(&pool, failure);
-            return failure.error().into_response();
-        }
-    };
-    let mut req = Request::from_parts(parts, body);
-    req.extensions_mut().insert(PoolCaller { pool, caller });
-    next.run(req).await
-}
-
-/// The pool a `/pools/{pool}/…` route names and the caller [`require`] authenticated: handlers
-/// behind it take this from the request's extensions instead of authenticating again.
-#[derive(Clone)]
-pub struct PoolCaller {
-    pub pool: Arc<PoolRuntime>,
-    pub caller: Caller,
 }
 
 #[cfg(test)]
@@ -564,34 +471,5 @@ mod tests {
         assert_eq!(src.token(&h, true), Some(("d.e.f", false)));
         h.insert("x-nthpool-jwt", "g.h.i".parse().unwrap());
         assert_eq!(src.token(&h, false), Some(("g.h.i", false)));
-    }
-
-    #[test]
-    fn the_pool_segment_is_decoded_like_the_router_does() {
-        assert_eq!(pool_segment("/pools/p/lock/acquire").as_deref(), Some("p"));
-        assert_eq!(
-            pool_segment("/pools/%70/lock/acquire").as_deref(),
-            Some("p")
-        );
-        assert_eq!(pool_segment("/pools/a%2/x").as_deref(), Some("a%2"));
-        assert_eq!(pool_segment("/pools/%FF/lock/acquire"), None);
-        assert_eq!(pool_segment("/admin/pools/p"), None);
-        assert_eq!(pool_segment("/pools"), None);
-    }
-
-    #[test]
-    fn lock_routes_keep_their_log_labels() {
-        assert_eq!(
-            route_label(&Method::POST, "/pools/p/lock/acquire"),
-            "lock acquire"
-        );
-        assert_eq!(
-            route_label(&Method::POST, "/pools/p/lock/0af/release"),
-            "lock release"
-        );
-        assert_eq!(
-            route_label(&Method::GET, "/pools/p/jobs/j1"),
-            "GET /pools/p/jobs/j1"
-        );
     }
 }

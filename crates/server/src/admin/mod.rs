@@ -11,21 +11,37 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use bytes::Bytes;
 use nthbouncer_config::{keys, PoolSpec};
-use nthbouncer_store::{AccessLogEntry, AccessLogQuery, StoredKey};
+use nthbouncer_coord::Clock;
+use nthbouncer_store::{AccessLogEntry, AccessLogQuery, Store, StoredKey};
 use serde::{Deserialize, Serialize};
 use subtle::ConstantTimeEq;
 use utoipa::ToSchema;
 
-use crate::app::state::{managed_by_config, AppState};
 use crate::core::error::{ApiError, ErrorCode};
 use crate::core::extract::{self, parse_json};
 use crate::core::pagination;
-use crate::pools::registry::{ManagedBy, PoolRuntime};
+use crate::core::ManagedBy;
+use crate::pools::registry::PoolRuntime;
+use crate::pools::{managed_by_config, Pools};
 
-type AppStateRef = State<Arc<AppState>>;
+type AdminRef = State<Arc<Admin>>;
+
+/// What the admin API needs: the pools and their operations, the store (keys, access log).
+pub struct Admin {
+    pub pools: Arc<Pools>,
+    pub store: Arc<dyn Store>,
+    pub clock: Arc<dyn Clock>,
+    pub admin_token: Option<String>,
+}
+
+impl Admin {
+    fn now(&self) -> u64 {
+        self.clock.now_ms()
+    }
+}
 
 /// Rejects requests without the admin bearer token.
-pub async fn require_admin(State(state): AppStateRef, req: Request, next: Next) -> Response {
+pub async fn require_admin(State(state): AdminRef, req: Request, next: Next) -> Response {
     let presented = extract::authorization(req.headers()).and_then(extract::bearer);
     let ok = match (&state.admin_token, presented) {
         (Some(expected), Some(given)) => bool::from(expected.as_bytes().ct_eq(given.as_bytes())),
@@ -42,8 +58,8 @@ pub async fn require_admin(State(state): AppStateRef, req: Request, next: Next) 
     next.run(req).await
 }
 
-fn pool_or_404(state: &AppState, name: &str) -> Result<Arc<PoolRuntime>, ApiError> {
-    state.pool(name).ok_or_else(ApiError::pool_not_found)
+fn pool_or_404(state: &Admin, name: &str) -> Result<Arc<PoolRuntime>, ApiError> {
+    state.pools.get(name).ok_or_else(ApiError::pool_not_found)
 }
 
 /// A pool as the admin API shows it: its settings (secrets masked) and who owns them.
@@ -86,9 +102,9 @@ pub struct PageQuery {
     params(("limit" = Option<u32>, Query, description = "page size, 1..=500 (default 100)"),
            ("cursor" = Option<String>, Query, description = "the previous page's `next`")),
     responses((status = 200, body = PoolList), (status = 401, description = "unauthorized")))]
-pub async fn list_pools(State(state): AppStateRef, Query(q): Query<PageQuery>) -> Json<PoolList> {
+pub async fn list_pools(State(state): AdminRef, Query(q): Query<PageQuery>) -> Json<PoolList> {
     let limit = q.limit.unwrap_or(100).clamp(1, 500) as usize;
-    let registry = state.registry.load();
+    let registry = state.pools.snapshot();
     let mut names: Vec<&String> = registry
         .pools
         .keys()
@@ -112,18 +128,18 @@ pub async fn list_pools(State(state): AppStateRef, Query(q): Query<PageQuery>) -
 #[utoipa::path(post, path = "/admin/pools", tag = "admin", request_body = PoolSpec,
     responses((status = 201, body = PoolView), (status = 400, description = "invalid"), (status = 409, description = "conflict")))]
 pub async fn create_pool(
-    State(state): AppStateRef,
+    State(state): AdminRef,
     body: Bytes,
 ) -> Result<(StatusCode, Json<PoolView>), ApiError> {
     let spec: PoolSpec = parse_json(&body)?;
-    let pool = state.create_pool(spec).await?;
+    let pool = state.pools.create_pool(spec).await?;
     Ok((StatusCode::CREATED, Json(PoolView::of(&pool))))
 }
 
 #[utoipa::path(get, path = "/admin/pools/{pool}", tag = "admin",
     responses((status = 200, body = PoolView), (status = 404, description = "pool_not_found")))]
 pub async fn get_pool(
-    State(state): AppStateRef,
+    State(state): AdminRef,
     Path(name): Path<String>,
 ) -> Result<Json<PoolView>, ApiError> {
     Ok(Json(PoolView::of(&*pool_or_404(&state, &name)?)))
@@ -133,7 +149,7 @@ pub async fn get_pool(
     responses((status = 200, body = PoolView), (status = 400, description = "invalid"),
               (status = 404, description = "pool_not_found"), (status = 409, description = "managed_by_config")))]
 pub async fn put_pool(
-    State(state): AppStateRef,
+    State(state): AdminRef,
     Path(name): Path<String>,
     body: Bytes,
 ) -> Result<Json<PoolView>, ApiError> {
@@ -144,17 +160,19 @@ pub async fn put_pool(
             .or_insert_with(|| serde_json::Value::String(name.clone()));
     }
     let spec: PoolSpec = parse_json(&Bytes::from(value.to_string()))?;
-    Ok(Json(PoolView::of(&*state.update_pool(&name, spec).await?)))
+    Ok(Json(PoolView::of(
+        &*state.pools.update_pool(&name, spec).await?,
+    )))
 }
 
 #[utoipa::path(delete, path = "/admin/pools/{pool}", tag = "admin",
     responses((status = 204, description = "deleted"), (status = 404, description = "pool_not_found"),
               (status = 409, description = "managed_by_config")))]
 pub async fn delete_pool(
-    State(state): AppStateRef,
+    State(state): AdminRef,
     Path(name): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    state.delete_pool(&name).await?;
+    state.pools.delete_pool(&name).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -204,7 +222,7 @@ const MAX_LABEL_LEN: usize = 200;
 #[utoipa::path(post, path = "/admin/pools/{pool}/keys", tag = "admin", request_body = NewKey,
     responses((status = 201, body = CreatedKey), (status = 400, description = "invalid"), (status = 404, description = "pool_not_found")))]
 pub async fn create_key(
-    State(state): AppStateRef,
+    State(state): AdminRef,
     Path(name): Path<String>,
     body: Bytes,
 ) -> Result<(StatusCode, Json<CreatedKey>), ApiError> {
@@ -243,7 +261,7 @@ pub async fn create_key(
         revoked_at: None,
     };
     state.store.create_key(&stored).await?;
-    state.refresh_keys(&pool).await?;
+    state.pools.refresh_keys(&pool).await?;
     Ok((
         StatusCode::CREATED,
         Json(CreatedKey {
@@ -259,11 +277,11 @@ pub async fn create_key(
 #[utoipa::path(get, path = "/admin/pools/{pool}/keys", tag = "admin",
     responses((status = 200, body = KeyList), (status = 404, description = "pool_not_found")))]
 pub async fn list_keys(
-    State(state): AppStateRef,
+    State(state): AdminRef,
     Path(name): Path<String>,
 ) -> Result<Json<KeyList>, ApiError> {
     let pool = pool_or_404(&state, &name)?;
-    let index = pool.keys.load();
+    let index = pool.access.keys().load();
     let mut items: Vec<KeyView> = index
         .by_digest
         .values()
@@ -290,12 +308,13 @@ pub struct Revoked {
     responses((status = 200, body = Revoked), (status = 404, description = "key_not_found"),
               (status = 409, description = "managed_by_config")))]
 pub async fn revoke_key(
-    State(state): AppStateRef,
+    State(state): AdminRef,
     Path((name, id)): Path<(String, String)>,
 ) -> Result<Json<Revoked>, ApiError> {
     let pool = pool_or_404(&state, &name)?;
     let managed = pool
-        .keys
+        .access
+        .keys()
         .load()
         .by_digest
         .values()
@@ -310,7 +329,7 @@ pub async fn revoke_key(
             format!("no active key {id:?} in pool {name:?}"),
         ));
     }
-    state.refresh_keys(&pool).await?;
+    state.pools.refresh_keys(&pool).await?;
     Ok(Json(Revoked { id, revoked: true }))
 }
 
@@ -350,7 +369,7 @@ pub struct PoolState {
 #[utoipa::path(get, path = "/admin/pools/{pool}/state", tag = "admin",
     responses((status = 200, body = PoolState), (status = 404, description = "pool_not_found")))]
 pub async fn pool_state(
-    State(state): AppStateRef,
+    State(state): AdminRef,
     Path(name): Path<String>,
 ) -> Result<Json<PoolState>, ApiError> {
     let pool = pool_or_404(&state, &name)?;
@@ -440,7 +459,7 @@ pub struct AccessLogPage {
            ("keyId" = Option<String>, Query, description = "a key id")),
     responses((status = 200, body = AccessLogPage), (status = 404, description = "pool_not_found")))]
 pub async fn access_log(
-    State(state): AppStateRef,
+    State(state): AdminRef,
     Path(name): Path<String>,
     Query(q): Query<AccessLogParams>,
 ) -> Result<Json<AccessLogPage>, ApiError> {

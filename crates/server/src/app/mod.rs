@@ -3,4 +3,5 @@
 
 pub mod router;
 pub mod serve;
+pub mod start;
 pub mod state;

@@ -14,8 +14,9 @@ use crate::admin;
 use crate::app::state::AppState;
 use crate::core::error::{ApiError, ErrorCode};
 use crate::jobs::routes as jobs_api;
+use crate::webhooks::routes as webhooks_api;
 
-pub fn router(state: Arc<AppState>) -> Router {
+pub fn router(state: &Arc<AppState>) -> Router {
     let admin = Router::new()
         .route(
             "/admin/pools",
@@ -34,53 +35,64 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/admin/pools/{pool}/keys/{id}", delete(admin::revoke_key))
         .route("/admin/pools/{pool}/state", get(admin::pool_state))
         .route("/admin/pools/{pool}/access-log", get(admin::access_log))
+        .with_state(state.admin.clone());
+    let admin_jobs = Router::new()
         .route("/admin/pools/{pool}/jobs", get(jobs_api::list_jobs))
         .route("/admin/pools/{pool}/jobs/{job}", get(jobs_api::get_job))
+        .with_state(state.jobs.clone());
+    let admin_webhooks = Router::new()
         .route(
             "/admin/pools/{pool}/jobs/{job}/redeliver",
-            post(jobs_api::redeliver),
+            post(webhooks_api::redeliver),
         )
         .route(
             "/admin/pools/{pool}/deliveries",
-            get(jobs_api::list_deliveries),
+            get(webhooks_api::list_deliveries),
         )
         .route(
             "/admin/pools/{pool}/webhooks",
-            get(jobs_api::list_destinations).post(jobs_api::create_destination),
+            get(webhooks_api::list_destinations).post(webhooks_api::create_destination),
         )
         .route(
             "/admin/pools/{pool}/webhooks/{id}",
-            axum::routing::patch(jobs_api::patch_destination).delete(jobs_api::delete_destination),
+            axum::routing::patch(webhooks_api::patch_destination)
+                .delete(webhooks_api::delete_destination),
         )
         .route(
             "/admin/pools/{pool}/webhooks/{id}/rotate",
-            post(jobs_api::rotate_secret),
+            post(webhooks_api::rotate_secret),
         )
-        .route_layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            admin::require_admin,
-        ));
-    // A pool's routes on the API host pass its access policies like the proxy (SPEC §2, §9).
-    let pool_routes = Router::new()
-        .route(
-            "/pools/{pool}/jobs/{job}",
-            get(jobs_api::poll).head(jobs_api::poll),
-        )
+        .with_state(state.webhooks.clone());
+    let admin = admin.merge(admin_jobs).merge(admin_webhooks).route_layer(
+        axum::middleware::from_fn_with_state(state.admin.clone(), admin::require_admin),
+    );
+    // A pool's routes on the API host pass its access policies like the proxy (SPEC §2, §9),
+    // once per request: the guard hands the caller to the handlers.
+    let lock = Router::new()
         .route("/pools/{pool}/lock/acquire", post(crate::lock::acquire))
         .route("/pools/{pool}/lock/{slot}/renew", post(crate::lock::renew))
         .route(
             "/pools/{pool}/lock/{slot}/release",
             post(crate::lock::release),
         )
+        .with_state(state.lock.clone());
+    let pool_routes = Router::new()
+        .route(
+            "/pools/{pool}/jobs/{job}",
+            get(jobs_api::poll).head(jobs_api::poll),
+        )
+        .with_state(state.jobs.clone())
+        .merge(lock)
         .route_layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            crate::access::require,
+            state.guard.clone(),
+            crate::pools::guard::require,
         ));
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/openapi.json", get(openapi))
+        .with_state(state.clone())
         .merge(pool_routes)
         .merge(admin)
         .fallback(|| async { ApiError::not_found() })
@@ -90,7 +102,6 @@ pub fn router(state: Arc<AppState>) -> Router {
                 "this route does not take that method",
             )
         })
-        .with_state(state)
 }
 
 #[utoipa::path(get, path = "/healthz", tag = "ops", responses((status = 200, description = "the process is alive")))]
@@ -112,7 +123,7 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
 
 #[utoipa::path(get, path = "/metrics", tag = "ops", responses((status = 200, description = "Prometheus text format")))]
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    let pools: Vec<_> = state.registry.load().pools.values().cloned().collect();
+    let pools: Vec<_> = state.pools.snapshot().pools.values().cloned().collect();
     for pool in pools {
         let snap = pool.gate.snapshot().await;
         crate::core::metrics::set_pool_gauges(&pool.name, &snap);
@@ -151,13 +162,13 @@ async fn openapi() -> Json<utoipa::openapi::OpenApi> {
         jobs_api::poll,
         jobs_api::list_jobs,
         jobs_api::get_job,
-        jobs_api::list_destinations,
-        jobs_api::create_destination,
-        jobs_api::patch_destination,
-        jobs_api::delete_destination,
-        jobs_api::rotate_secret,
-        jobs_api::list_deliveries,
-        jobs_api::redeliver,
+        webhooks_api::list_destinations,
+        webhooks_api::create_destination,
+        webhooks_api::patch_destination,
+        webhooks_api::delete_destination,
+        webhooks_api::rotate_secret,
+        webhooks_api::list_deliveries,
+        webhooks_api::redeliver,
         admin::create_key,
         admin::list_keys,
         admin::revoke_key,
@@ -177,18 +188,20 @@ async fn openapi() -> Json<utoipa::openapi::OpenApi> {
         crate::lock::Released,
         crate::jobs::Accepted,
         crate::jobs::JobView,
+        crate::core::error::ErrorBody,
+        crate::core::error::ErrorCode,
         jobs_api::JobPage,
         jobs_api::JobDetail,
-        jobs_api::DestinationView,
-        jobs_api::DestinationList,
-        jobs_api::NewDestination,
-        jobs_api::DestinationPatch,
+        webhooks_api::DestinationView,
+        webhooks_api::DestinationList,
+        webhooks_api::NewDestination,
+        webhooks_api::DestinationPatch,
         jobs_api::DeliveryView,
-        jobs_api::RotateSecret,
-        jobs_api::RotatedSecret,
-        jobs_api::AttemptView,
-        jobs_api::AttemptPage,
-        jobs_api::Redelivery,
+        webhooks_api::RotateSecret,
+        webhooks_api::RotatedSecret,
+        webhooks_api::AttemptView,
+        webhooks_api::AttemptPage,
+        webhooks_api::Redelivery,
         admin::KeyView,
         admin::KeyList,
         admin::Revoked,

@@ -1,418 +1,36 @@
-//! Shared application state and the operations that change the pool set (start-up load,
-//! admin create/update/delete, key changes). Every change is serialised by `admin_lock` and
-//! published by swapping the registry.
+//! The application's state: one handle per feature, each holding only what that feature needs,
+//! wired here (the composition root) and nowhere else.
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use arc_swap::ArcSwap;
-use nthbouncer_config::{Config, ConfigError, PoolSpec, ServerSpec};
-use nthbouncer_coord::{Clock, Coordination};
-use nthbouncer_store::{JobStore, Store, StoredDestination, StoredKey, StoredPool};
+use nthbouncer_config::{ConfigError, ServerSpec};
+use nthbouncer_coord::Clock;
+use nthbouncer_store::Store;
 
+use crate::admin::Admin;
 use crate::core::access_log::AccessLog;
-use crate::core::error::{ApiError, ErrorCode};
-use crate::pools::registry::{KeyIndex, ManagedBy, PoolRuntime, Provenance, Registry};
-use crate::upstream::UpstreamClient;
+use crate::jobs::Jobs;
+use crate::lock::LockApi;
+use crate::pools::guard::Guard;
+use crate::pools::{LoadError, Pools};
+use crate::proxy::Proxy;
+use crate::webhooks::Webhooks;
 
 pub struct AppState {
     pub server: ServerSpec,
-    /// Lowercased `server.api_host`.
-    pub api_host: String,
-    /// `.{pool_domain}`, lowercased, for host matching.
-    pub pool_suffix: String,
-    /// Base of every `pollUrl`.
-    pub public_url: String,
-    pub admin_token: Option<String>,
     pub clock: Arc<dyn Clock>,
-    pub coordination: Arc<dyn Coordination>,
     pub store: Arc<dyn Store>,
-    pub jobs: Arc<dyn JobStore>,
-    pub job_intake: crate::jobs::JobIntake,
-    /// Lock leases on record, for the restart (see `leases`).
-    pub leases: crate::lock::leases::LeaseBook,
-    /// Cancelled when the server stops: background work (job runners) ends with it, leaving
-    /// unfinished jobs in the store for the next start.
-    pub stopping: tokio_util::sync::CancellationToken,
-    /// Wakes the webhook dispatcher when deliveries are enqueued.
-    pub deliveries_pending: tokio::sync::Notify,
-    pub registry: ArcSwap<Registry>,
-    pub admin_lock: tokio::sync::Mutex<()>,
-    pub client: UpstreamClient,
+    pub pools: Arc<Pools>,
+    pub jobs: Arc<Jobs>,
+    pub proxy: Arc<Proxy>,
+    pub lock: Arc<LockApi>,
+    pub admin: Arc<Admin>,
+    pub webhooks: Arc<Webhooks>,
+    pub guard: Arc<Guard>,
     pub access_log: AccessLog,
-    pub trusted_proxies: Vec<ipnet::IpNet>,
     /// Set on SIGTERM: `/readyz` fails so load balancers stop sending traffic.
     pub draining: AtomicBool,
-}
-
-impl AppState {
-    pub fn now(&self) -> u64 {
-        self.clock.now_ms()
-    }
-
-    pub fn notify_deliveries(&self) {
-        self.deliveries_pending.notify_one();
-    }
-
-    pub fn pool(&self, name: &str) -> Option<Arc<PoolRuntime>> {
-        self.registry.load().pools.get(name).cloned()
-    }
-
-    /// Builds a runtime pool, reusing `previous`'s gate and key index when it is an update.
-    fn build_pool(
-        &self,
-        at: &str,
-        spec: PoolSpec,
-        provenance: Provenance,
-        stored_keys: Option<&[StoredKey]>,
-        previous: Option<&Arc<PoolRuntime>>,
-    ) -> Result<Arc<PoolRuntime>, ConfigError> {
-        let settings = PoolRuntime::gate_settings(&spec.concurrency);
-        let (gate, keys, destinations) = match previous {
-            Some(p) => (p.gate.clone(), p.keys.clone(), p.destinations.clone()),
-            None => (
-                self.coordination.open(&spec.name, settings.clone()),
-                Arc::new(ArcSwap::from_pointee(KeyIndex::default())),
-                Arc::new(ArcSwap::from_pointee(Vec::new())),
-            ),
-        };
-        let mut runtime = PoolRuntime::build(at, spec, provenance, gate, keys, destinations)?;
-        if let Some(p) = previous {
-            // Seen nonces and failure counts survive a settings change (a replay window must
-            // not reopen because an admin edited the pool).
-            runtime.access.carry_state_from(&p.access);
-        }
-        let stored: Vec<StoredKey> = match stored_keys {
-            Some(k) => k.to_vec(),
-            None => previous
-                .map(|p| {
-                    p.keys
-                        .load()
-                        .by_digest
-                        .iter()
-                        .filter(|(_, e)| e.managed_by == ManagedBy::Api)
-                        .map(|(d, e)| StoredKey {
-                            id: e.id.to_string(),
-                            pool: p.name.clone(),
-                            hash: hex::encode(d),
-                            label: e.label.clone(),
-                            created_at: e.created_at,
-                            expires_at: e.expires_at,
-                            revoked_at: e.revoked_at,
-                        })
-                        .collect()
-                })
-                .unwrap_or_default(),
-        };
-        runtime.keys.store(Arc::new(KeyIndex::build(
-            &runtime.spec_key_digests,
-            &stored,
-        )));
-        Ok(Arc::new(runtime))
-    }
-
-    /// Loads the config file's pools and then the store's (a store pool whose name the file
-    /// also declares is shadowed by the file, with a warning).
-    pub async fn load_pools(&self, config: &Config) -> Result<(), StartError> {
-        let _guard = self.admin_lock.lock().await;
-        let all_keys = self
-            .store
-            .list_all_keys()
-            .await
-            .map_err(|e| StartError::Store(e.to_string()))?;
-        let keys_of = |pool: &str| -> Vec<StoredKey> {
-            all_keys
-                .iter()
-                .filter(|k| k.pool == pool)
-                .cloned()
-                .collect()
-        };
-        let mut registry = Registry::default();
-        let now = self.now();
-        for (i, spec) in config.pools.iter().enumerate() {
-            let keys = keys_of(&spec.name);
-            let pool = self
-                .build_pool(
-                    &format!("pools[{i}]"),
-                    spec.clone(),
-                    Provenance {
-                        managed_by: ManagedBy::Config,
-                        created_at: now,
-                        updated_at: now,
-                    },
-                    Some(&keys),
-                    None,
-                )
-                .map_err(StartError::Config)?;
-            registry = registry.with_pool(pool);
-        }
-        for stored in self
-            .store
-            .list_pools()
-            .await
-            .map_err(|e| StartError::Store(e.to_string()))?
-        {
-            if registry.pools.contains_key(&stored.name) {
-                tracing::warn!(pool = %stored.name, "pool is declared in the config file and in the store; the file wins");
-                continue;
-            }
-            let at = format!("stored pool {:?}", stored.name);
-            let spec: PoolSpec = match serde_json::from_value(stored.spec.clone()) {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::error!(pool = %stored.name, error = %e, "stored pool unreadable; skipped");
-                    continue;
-                }
-            };
-            let keys = keys_of(&stored.name);
-            match spec.validate(&at).and_then(|_| {
-                self.build_pool(
-                    &at,
-                    spec,
-                    Provenance {
-                        managed_by: ManagedBy::Api,
-                        created_at: stored.created_at,
-                        updated_at: stored.updated_at,
-                    },
-                    Some(&keys),
-                    None,
-                )
-            }) {
-                Ok(pool) => registry = registry.with_pool(pool),
-                Err(e) => {
-                    tracing::error!(pool = %stored.name, error = %e, "stored pool invalid; skipped")
-                }
-            }
-        }
-        self.registry.store(Arc::new(registry));
-        self.sync_config_destinations(config)
-            .await
-            .map_err(|e| StartError::Store(e.to_string()))?;
-        for pool in self.registry.load().pools.values() {
-            self.refresh_destinations(pool)
-                .await
-                .map_err(|e| StartError::Store(e.message.to_string()))?;
-        }
-        Ok(())
-    }
-
-    /// Writes the file's `[[pools.webhooks]]` into the store (keeping their runtime state:
-    /// active, failure streak) and removes config destinations the file no longer lists.
-    async fn sync_config_destinations(&self, config: &Config) -> nthbouncer_store::Result<()> {
-        let existing = self.jobs.list_destinations(None).await?;
-        let now = self.now();
-        let mut wanted = std::collections::HashSet::new();
-        for (i, pool) in config.pools.iter().enumerate() {
-            for (j, w) in pool.webhooks.iter().enumerate() {
-                let id = config_destination_id(&pool.name, &w.url);
-                let at = format!("pools[{i}].webhooks[{j}].secret");
-                let secret = nthbouncer_config::resolve_secret(&at, &w.secret)
-                    .map_err(|e| nthbouncer_store::StoreError::Backend(e.to_string()))?;
-                wanted.insert(id.clone());
-                match existing.iter().find(|d| d.id == id) {
-                    Some(d) => {
-                        let mut d = d.clone();
-                        d.url = w.url.clone();
-                        d.secret = secret;
-                        d.deactivate_after = w.deactivate_after;
-                        self.jobs.update_destination(&d).await?;
-                    }
-                    None => {
-                        self.jobs
-                            .create_destination(&StoredDestination {
-                                id,
-                                pool: pool.name.clone(),
-                                url: w.url.clone(),
-                                secret,
-                                active: true,
-                                deactivate_after: w.deactivate_after,
-                                consecutive_failures: 0,
-                                deactivated_at: None,
-                                managed_by: "config".into(),
-                                created_at: now,
-                                previous_secret: None,
-                                previous_secret_expires_at: None,
-                            })
-                            .await?;
-                    }
-                }
-            }
-        }
-        for d in existing
-            .iter()
-            .filter(|d| d.managed_by == "config" && !wanted.contains(&d.id))
-        {
-            self.jobs.delete_destination(&d.pool, &d.id).await?;
-        }
-        Ok(())
-    }
-
-    /// Re-reads a pool's destinations into its runtime view (and wakes the webhook dispatcher,
-    /// which fails deliveries to destinations that are no longer active).
-    pub async fn refresh_destinations(&self, pool: &PoolRuntime) -> Result<(), ApiError> {
-        let list = self.jobs.list_destinations(Some(&pool.name)).await?;
-        pool.destinations.store(Arc::new(list));
-        self.notify_deliveries();
-        Ok(())
-    }
-
-    fn check_domains(&self, registry: &Registry, spec: &PoolSpec) -> Result<(), ApiError> {
-        for (i, d) in spec.custom_domains.iter().enumerate() {
-            let d = d.to_ascii_lowercase();
-            if d == self.api_host {
-                return Err(ApiError::invalid(
-                    format!("custom_domains[{i}]"),
-                    format!("{d:?} is the API host"),
-                ));
-            }
-            if let Some(owner) = registry.domain_owner(&d, &spec.name) {
-                return Err(ApiError::invalid(
-                    format!("custom_domains[{i}]"),
-                    format!("{d:?} already belongs to pool {owner:?}"),
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// Admin API: creates a pool in the store and starts serving it.
-    pub async fn create_pool(&self, spec: PoolSpec) -> Result<Arc<PoolRuntime>, ApiError> {
-        spec.validate("pool").map_err(invalid_from_config)?;
-        let _guard = self.admin_lock.lock().await;
-        let registry = self.registry.load_full();
-        if registry.pools.contains_key(&spec.name) {
-            return Err(ApiError::new(
-                ErrorCode::Conflict,
-                format!("pool {:?} already exists", spec.name),
-            ));
-        }
-        self.check_domains(&registry, &spec)?;
-        let spec = spec.with_hashed_keys();
-        let now = self.now();
-        let pool = self
-            .build_pool(
-                "pool",
-                spec.clone(),
-                Provenance {
-                    managed_by: ManagedBy::Api,
-                    created_at: now,
-                    updated_at: now,
-                },
-                Some(&[]),
-                None,
-            )
-            .map_err(invalid_from_config)?;
-        let stored = StoredPool {
-            name: spec.name.clone(),
-            spec: serde_json::to_value(&spec).map_err(|e| ApiError::internal(e.to_string()))?,
-            created_at: now,
-            updated_at: now,
-        };
-        if let Err(e) = self.store.create_pool(&stored).await {
-            pool.gate.close().await;
-            return Err(e.into());
-        }
-        self.registry
-            .store(Arc::new(registry.with_pool(pool.clone())));
-        Ok(pool)
-    }
-
-    /// Admin API: replaces an API-managed pool's settings; the gate keeps its slots and queue.
-    pub async fn update_pool(
-        &self,
-        name: &str,
-        spec: PoolSpec,
-    ) -> Result<Arc<PoolRuntime>, ApiError> {
-        if spec.name != name {
-            return Err(ApiError::invalid(
-                "name",
-                "a pool cannot be renamed; the body's name must match the path",
-            ));
-        }
-        spec.validate("pool").map_err(invalid_from_config)?;
-        let _guard = self.admin_lock.lock().await;
-        let registry = self.registry.load_full();
-        let previous = registry
-            .pools
-            .get(name)
-            .cloned()
-            .ok_or_else(ApiError::pool_not_found)?;
-        if previous.managed_by == ManagedBy::Config {
-            return Err(managed_by_config(name));
-        }
-        self.check_domains(&registry, &spec)?;
-        let spec = spec.with_hashed_keys();
-        let now = self.now();
-        let pool = self
-            .build_pool(
-                "pool",
-                spec.clone(),
-                Provenance {
-                    managed_by: ManagedBy::Api,
-                    created_at: previous.created_at,
-                    updated_at: now,
-                },
-                None,
-                Some(&previous),
-            )
-            .map_err(invalid_from_config)?;
-        let value = serde_json::to_value(&spec).map_err(|e| ApiError::internal(e.to_string()))?;
-        if !self.store.update_pool(name, &value, now).await? {
-            return Err(ApiError::pool_not_found());
-        }
-        pool.gate
-            .reconfigure(PoolRuntime::gate_settings(&pool.concurrency))
-            .await;
-        self.registry
-            .store(Arc::new(registry.with_pool(pool.clone())));
-        Ok(pool)
-    }
-
-    /// Admin API: deletes an API-managed pool, its keys and its access log; waiters are refused.
-    pub async fn delete_pool(&self, name: &str) -> Result<(), ApiError> {
-        let _guard = self.admin_lock.lock().await;
-        let registry = self.registry.load_full();
-        let previous = registry
-            .pools
-            .get(name)
-            .cloned()
-            .ok_or_else(ApiError::pool_not_found)?;
-        if previous.managed_by == ManagedBy::Config {
-            return Err(managed_by_config(name));
-        }
-        self.store.delete_pool(name).await?;
-        self.registry.store(Arc::new(registry.without(name)));
-        previous.gate.close().await;
-        Ok(())
-    }
-
-    /// Re-reads a pool's stored keys into its index (after a key is added or revoked).
-    pub async fn refresh_keys(&self, pool: &PoolRuntime) -> Result<(), ApiError> {
-        let stored = self.store.list_keys(&pool.name).await?;
-        pool.keys
-            .store(Arc::new(KeyIndex::build(&pool.spec_key_digests, &stored)));
-        Ok(())
-    }
-}
-
-/// A config destination's id: stable across restarts, derived from pool and URL.
-pub fn config_destination_id(pool: &str, url: &str) -> String {
-    use sha2::{Digest, Sha256};
-    let digest = Sha256::digest(format!("{pool}\n{url}").as_bytes());
-    format!("wh_{}", hex::encode(&digest[..12]))
-}
-
-pub fn managed_by_config(name: &str) -> ApiError {
-    ApiError::new(
-        ErrorCode::ManagedByConfig,
-        format!("pool {name:?} is declared in the config file; edit the file instead"),
-    )
-}
-
-/// A validation failure of an API body: `400 invalid` naming the field.
-pub fn invalid_from_config(e: ConfigError) -> ApiError {
-    let field = e.key.strip_prefix("pool.").unwrap_or(&e.key).to_string();
-    ApiError::invalid(field, e.to_string())
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -428,4 +46,13 @@ pub enum StartError {
     },
     #[error("cannot build the upstream client: {0}")]
     Client(String),
+}
+
+impl From<LoadError> for StartError {
+    fn from(e: LoadError) -> Self {
+        match e {
+            LoadError::Config(e) => StartError::Config(e),
+            LoadError::Store(e) => StartError::Store(e),
+        }
+    }
 }

@@ -9,3 +9,21 @@ pub mod extract;
 pub mod metrics;
 pub mod netcheck;
 pub mod pagination;
+
+/// Who owns a pool's settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ManagedBy {
+    /// Declared in the config file: read-only through the admin API.
+    Config,
+    /// Created through the admin API: lives in the store.
+    Api,
+}
+
+impl ManagedBy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ManagedBy::Config => "config",
+            ManagedBy::Api => "api",
+        }
+    }
+}

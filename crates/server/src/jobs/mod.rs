@@ -28,11 +28,48 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::access::keys::Caller;
-use crate::app::state::AppState;
 use crate::core::error::ApiError;
 use crate::pools::registry::PoolRuntime;
 
 pub use intake::JobIntake;
+use nthbouncer_coord::Clock;
+use nthbouncer_store::JobStore;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::pools::Pools;
+use crate::upstream::UpstreamClient;
+
+/// What the jobs feature needs: its store and writer, the pools its jobs run in, the upstream
+/// client, and the signals it shares with the webhook dispatcher and the shutdown.
+pub struct Jobs {
+    pub store: Arc<dyn JobStore>,
+    pub intake: JobIntake,
+    pub pools: Arc<Pools>,
+    pub client: UpstreamClient,
+    pub clock: Arc<dyn Clock>,
+    /// Base of every `pollUrl`.
+    pub public_url: String,
+    /// Cancelled when the server stops: runners end with it, leaving unfinished jobs in the
+    /// store for the next start.
+    pub stopping: CancellationToken,
+    /// Wakes the webhook dispatcher when deliveries are enqueued.
+    pub deliveries_pending: Arc<Notify>,
+}
+
+impl Jobs {
+    pub fn now(&self) -> u64 {
+        self.clock.now_ms()
+    }
+
+    pub fn pool(&self, name: &str) -> Option<Arc<crate::pools::registry::PoolRuntime>> {
+        self.pools.get(name)
+    }
+
+    pub fn notify_deliveries(&self) {
+        self.deliveries_pending.notify_one();
+    }
+}
 pub use runner::spawn_runner;
 pub use sweep::{resume_and_sweep, sweep};
 pub use view::JobView;
@@ -105,7 +142,7 @@ pub struct JobHead {
 /// Accepts a request (its body already read and verified, its head prepared for the origin) as
 /// a job: writes it durably, starts its runner, and returns the `202` body.
 pub async fn accept(
-    state: &Arc<AppState>,
+    state: &Arc<Jobs>,
     pool: &Arc<PoolRuntime>,
     head: JobHead,
     body: Bytes,
@@ -139,7 +176,7 @@ pub async fn accept(
             body: body.to_vec(),
         },
     };
-    state.job_intake.submit(job.clone()).await.map_err(|e| {
+    state.intake.submit(job.clone()).await.map_err(|e| {
         tracing::error!(error = %e, "job not stored");
         ApiError::store_unavailable("the job could not be stored; retry later")
     })?;

@@ -1,36 +1,30 @@
-//! HTTP routes of async jobs and webhook destinations: the poll route (pool auth) and the admin
-//! reads, destination CRUD, secret rotation, the delivery attempt log and manual redelivery
-//! (admin auth).
+//! HTTP routes of async jobs: the poll route (pool auth, behind the pools guard) and the admin
+//! reads of jobs (admin auth).
 
 use std::sync::Arc;
 
 use axum::extract::{Extension, Path, Query, State};
 
-use crate::access::PoolCaller;
-use axum::http::{Method, StatusCode};
+use crate::pools::guard::PoolCaller;
+use axum::http::Method;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use bytes::Bytes;
-use nthbouncer_store::{
-    AttemptQuery, DeliveryAttempt, DeliveryState, JobEvent, Redeliver, StoredDestination,
-};
+use nthbouncer_store::{DeliveryState, JobEvent};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::app::state::AppState;
 use crate::core::error::{ApiError, ErrorCode};
-use crate::core::extract::parse_json;
 use crate::core::pagination;
-use crate::jobs::JobView;
+use crate::jobs::{JobView, Jobs};
 use crate::pools::registry::PoolRuntime;
 
-type AppStateRef = State<Arc<AppState>>;
+type JobsRef = State<Arc<Jobs>>;
 
-fn job_not_found() -> ApiError {
+pub fn job_not_found() -> ApiError {
     ApiError::new(ErrorCode::JobNotFound, "no such job in this pool")
 }
 
-fn pool_or_404(state: &AppState, name: &str) -> Result<Arc<PoolRuntime>, ApiError> {
+fn pool_or_404(state: &Jobs, name: &str) -> Result<Arc<PoolRuntime>, ApiError> {
     state.pool(name).ok_or_else(ApiError::pool_not_found)
 }
 
@@ -38,7 +32,7 @@ fn pool_or_404(state: &AppState, name: &str) -> Result<Arc<PoolRuntime>, ApiErro
     responses((status = 200, body = JobView, description = "the job, whatever its status (HEAD: headers only)"),
               (status = 401, description = "unauthorized"), (status = 404, description = "job_not_found")))]
 pub async fn poll(
-    State(state): AppStateRef,
+    State(state): JobsRef,
     Extension(PoolCaller { pool, .. }): Extension<PoolCaller>,
     method: Method,
     Path((_pool, job_id)): Path<(String, String)>,
@@ -47,7 +41,7 @@ pub async fn poll(
         return Err(job_not_found());
     }
     let job = state
-        .jobs
+        .store
         .get_job(&pool.name, &job_id)
         .await?
         .ok_or_else(job_not_found)?;
@@ -59,7 +53,7 @@ pub async fn poll(
     Ok(resp)
 }
 
-fn valid_job_id(id: &str) -> bool {
+pub fn valid_job_id(id: &str) -> bool {
     id.strip_prefix("job_")
         .is_some_and(|h| h.len() == 32 && h.bytes().all(|b| b.is_ascii_hexdigit()))
 }
@@ -92,7 +86,7 @@ const STATUSES: [&str; 6] = [
            ("cursor" = Option<String>, Query, description = "the previous page's next")),
     responses((status = 200, body = JobPage), (status = 404, description = "pool_not_found")))]
 pub async fn list_jobs(
-    State(state): AppStateRef,
+    State(state): JobsRef,
     Path(name): Path<String>,
     Query(q): Query<JobListQuery>,
 ) -> Result<Json<JobPage>, ApiError> {
@@ -107,7 +101,7 @@ pub async fn list_jobs(
     }
     let limit = pagination::page_size(q.limit, 500);
     let rows = state
-        .jobs
+        .store
         .list_jobs(
             &pool.name,
             q.status.as_deref(),
@@ -173,493 +167,21 @@ impl From<DeliveryState> for DeliveryView {
 #[utoipa::path(get, path = "/admin/pools/{pool}/jobs/{jobId}", tag = "admin",
     responses((status = 200, body = JobDetail), (status = 404, description = "job_not_found")))]
 pub async fn get_job(
-    State(state): AppStateRef,
+    State(state): JobsRef,
     Path((name, job_id)): Path<(String, String)>,
 ) -> Result<Json<JobDetail>, ApiError> {
     let pool = pool_or_404(&state, &name)?;
     let job = state
-        .jobs
+        .store
         .get_job(&pool.name, &job_id)
         .await?
         .ok_or_else(job_not_found)?;
-    let history = state.jobs.job_events(&job.id).await?;
-    let deliveries = state.jobs.job_deliveries(&job.id).await?;
+    let history = state.store.job_events(&job.id).await?;
+    let deliveries = state.store.job_deliveries(&job.id).await?;
     Ok(Json(JobDetail {
         job: JobView::of(&job, state.now()),
         history,
         attempt: job.attempt,
         deliveries: deliveries.into_iter().map(DeliveryView::from).collect(),
     }))
-}
-
-/// A destination as the admin API shows it (secret masked).
-#[derive(Serialize, ToSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct DestinationView {
-    pub id: String,
-    pub url: String,
-    pub secret: String,
-    pub active: bool,
-    pub deactivate_after: u32,
-    pub consecutive_failures: u32,
-    pub deactivated_at: Option<u64>,
-    pub managed_by: String,
-    pub created_at: u64,
-    /// After a rotation: until when the previous secret still signs (next to the new one).
-    pub previous_secret_expires_at: Option<u64>,
-}
-
-impl DestinationView {
-    fn of(d: &StoredDestination, show_secret: bool) -> DestinationView {
-        DestinationView {
-            id: d.id.clone(),
-            url: d.url.clone(),
-            secret: if show_secret {
-                d.secret.clone()
-            } else {
-                nthbouncer_config::mask(&d.secret)
-            },
-            active: d.active,
-            deactivate_after: d.deactivate_after,
-            consecutive_failures: d.consecutive_failures,
-            deactivated_at: d.deactivated_at,
-            managed_by: d.managed_by.clone(),
-            created_at: d.created_at,
-            previous_secret_expires_at: d.previous_secret_expires_at,
-        }
-    }
-}
-
-#[derive(Serialize, ToSchema)]
-pub struct DestinationList {
-    pub items: Vec<DestinationView>,
-    pub next: Option<String>,
-}
-
-#[utoipa::path(get, path = "/admin/pools/{pool}/webhooks", tag = "admin",
-    responses((status = 200, body = DestinationList), (status = 404, description = "pool_not_found")))]
-pub async fn list_destinations(
-    State(state): AppStateRef,
-    Path(name): Path<String>,
-) -> Result<Json<DestinationList>, ApiError> {
-    let pool = pool_or_404(&state, &name)?;
-    let items = pool
-        .destinations
-        .load()
-        .iter()
-        .map(|d| DestinationView::of(d, false))
-        .collect();
-    Ok(Json(DestinationList { items, next: None }))
-}
-
-#[derive(Deserialize, ToSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct NewDestination {
-    pub url: String,
-    /// `whsec_…`; generated when absent. Shown once in the answer.
-    pub secret: Option<String>,
-    pub deactivate_after: Option<u32>,
-}
-
-/// How long saving a destination waits for its name to resolve.
-const SAVE_RESOLVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// Refuses URLs that name or resolve to a private address, unless private webhooks are allowed.
-/// A name that cannot be resolved now is accepted: every delivery attempt resolves it again and
-/// connects only to an address that passes the same check (DNS rebinding).
-async fn check_destination_url(state: &AppState, url: &str) -> Result<(), ApiError> {
-    let uri = nthbouncer_config::parse_http_url("url", url)
-        .map_err(|e| ApiError::invalid("url", e.rule))?;
-    if state.server.allow_private_webhooks {
-        return Ok(());
-    }
-    let host = uri
-        .host()
-        .unwrap_or("")
-        .trim_start_matches('[')
-        .trim_end_matches(']')
-        .to_ascii_lowercase();
-    let mut private = host == "localhost"
-        || host.ends_with(".localhost")
-        || host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| crate::core::netcheck::is_private(&ip));
-    if !private && host.parse::<std::net::IpAddr>().is_err() {
-        let port = uri
-            .port_u16()
-            .unwrap_or(if uri.scheme_str() == Some("https") {
-                443
-            } else {
-                80
-            });
-        let lookup = tokio::net::lookup_host((host.as_str(), port));
-        if let Ok(Ok(addrs)) = tokio::time::timeout(SAVE_RESOLVE_TIMEOUT, lookup).await {
-            private = addrs
-                .into_iter()
-                .any(|a| crate::core::netcheck::is_private(&a.ip()));
-        }
-    }
-    if private {
-        return Err(ApiError::invalid(
-            "url",
-            "webhook destinations may not point at loopback, private, link-local or metadata addresses \
-             (set server.allow_private_webhooks = true for local testing)",
-        ));
-    }
-    Ok(())
-}
-
-#[utoipa::path(post, path = "/admin/pools/{pool}/webhooks", tag = "admin", request_body = NewDestination,
-    responses((status = 201, body = DestinationView, description = "created; the secret is shown this once"),
-              (status = 400, description = "invalid"), (status = 404, description = "pool_not_found"),
-              (status = 409, description = "too many destinations")))]
-pub async fn create_destination(
-    State(state): AppStateRef,
-    Path(name): Path<String>,
-    body: Bytes,
-) -> Result<(StatusCode, Json<DestinationView>), ApiError> {
-    let pool = pool_or_404(&state, &name)?;
-    let req: NewDestination = parse_json(&body)?;
-    check_destination_url(&state, &req.url).await?;
-    let secret = match req.secret {
-        Some(s) => {
-            nthbouncer_config::async_jobs::check_webhook_secret("secret", &s)
-                .map_err(|e| ApiError::invalid("secret", e.rule))?;
-            s
-        }
-        None => nthbouncer_config::keys::generate_webhook_secret(),
-    };
-    let deactivate_after = req.deactivate_after.unwrap_or(20);
-    if deactivate_after == 0 {
-        return Err(ApiError::invalid(
-            "deactivateAfter",
-            "deactivateAfter must be at least 1",
-        ));
-    }
-    let _guard = state.admin_lock.lock().await;
-    let count = pool.destinations.load().len();
-    let cap = state.server.max_destinations_per_pool as usize;
-    if count >= cap {
-        return Err(ApiError::new(ErrorCode::TooManyDestinations, format!("pool {name:?} already has {count} destinations (server.max_destinations_per_pool = {cap})"),
-        ));
-    }
-    let d = StoredDestination {
-        id: format!("wh_{:024x}", rand::random::<u128>() >> 32),
-        pool: pool.name.clone(),
-        url: req.url,
-        secret,
-        active: true,
-        deactivate_after,
-        consecutive_failures: 0,
-        deactivated_at: None,
-        managed_by: "api".into(),
-        created_at: state.now(),
-        previous_secret: None,
-        previous_secret_expires_at: None,
-    };
-    state.jobs.create_destination(&d).await?;
-    state.refresh_destinations(&pool).await?;
-    Ok((StatusCode::CREATED, Json(DestinationView::of(&d, true))))
-}
-
-#[derive(Deserialize, ToSchema, Default)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct DestinationPatch {
-    /// `true` re-enables a deactivated destination (and clears its failure streak).
-    pub active: Option<bool>,
-    pub url: Option<String>,
-    pub deactivate_after: Option<u32>,
-}
-
-#[utoipa::path(patch, path = "/admin/pools/{pool}/webhooks/{id}", tag = "admin", request_body = DestinationPatch,
-    responses((status = 200, body = DestinationView), (status = 400, description = "invalid"),
-              (status = 404, description = "destination_not_found"), (status = 409, description = "managed_by_config")))]
-pub async fn patch_destination(
-    State(state): AppStateRef,
-    Path((name, id)): Path<(String, String)>,
-    body: Bytes,
-) -> Result<Json<DestinationView>, ApiError> {
-    let pool = pool_or_404(&state, &name)?;
-    let patch: DestinationPatch = parse_json(&body)?;
-    let _guard = state.admin_lock.lock().await;
-    let mut d = pool
-        .destinations
-        .load()
-        .iter()
-        .find(|d| d.id == id)
-        .cloned()
-        .ok_or_else(destination_not_found)?;
-    if d.managed_by == "config" && (patch.url.is_some() || patch.deactivate_after.is_some()) {
-        return Err(crate::app::state::managed_by_config(&name));
-    }
-    if let Some(url) = patch.url {
-        check_destination_url(&state, &url).await?;
-        d.url = url;
-    }
-    if let Some(n) = patch.deactivate_after {
-        if n == 0 {
-            return Err(ApiError::invalid(
-                "deactivateAfter",
-                "deactivateAfter must be at least 1",
-            ));
-        }
-        d.deactivate_after = n;
-    }
-    if let Some(active) = patch.active {
-        d.active = active;
-        if active {
-            d.consecutive_failures = 0;
-            d.deactivated_at = None;
-        } else if d.deactivated_at.is_none() {
-            d.deactivated_at = Some(state.now());
-        }
-    }
-    if !state.jobs.update_destination(&d).await? {
-        return Err(destination_not_found());
-    }
-    state.refresh_destinations(&pool).await?;
-    Ok(Json(DestinationView::of(&d, false)))
-}
-
-#[utoipa::path(delete, path = "/admin/pools/{pool}/webhooks/{id}", tag = "admin",
-    responses((status = 204, description = "deleted"), (status = 404, description = "destination_not_found"),
-              (status = 409, description = "managed_by_config")))]
-pub async fn delete_destination(
-    State(state): AppStateRef,
-    Path((name, id)): Path<(String, String)>,
-) -> Result<StatusCode, ApiError> {
-    let pool = pool_or_404(&state, &name)?;
-    let _guard = state.admin_lock.lock().await;
-    let d = pool
-        .destinations
-        .load()
-        .iter()
-        .find(|d| d.id == id)
-        .cloned()
-        .ok_or_else(destination_not_found)?;
-    if d.managed_by == "config" {
-        return Err(crate::app::state::managed_by_config(&name));
-    }
-    state.jobs.delete_destination(&pool.name, &id).await?;
-    state.refresh_destinations(&pool).await?;
-    Ok(StatusCode::NO_CONTENT)
-}
-
-fn destination_not_found() -> ApiError {
-    ApiError::new(
-        ErrorCode::DestinationNotFound,
-        "no such webhook destination in this pool",
-    )
-}
-
-/// Longest grace a rotated secret may keep signing.
-const MAX_ROTATION_GRACE_S: u64 = 604_800;
-const DEFAULT_ROTATION_GRACE_S: u64 = 86_400;
-
-#[derive(Deserialize, ToSchema, Default)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct RotateSecret {
-    /// How long the previous secret keeps signing next to the new one (seconds, 0..=604800,
-    /// default 86400). During the grace every delivery carries both signatures.
-    pub grace_s: Option<u64>,
-}
-
-#[derive(Serialize, ToSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct RotatedSecret {
-    pub id: String,
-    /// The new `whsec_` secret, shown this once.
-    pub secret: String,
-    /// Until when the previous secret also signs (`null`: it was dropped at once).
-    pub previous_secret_expires_at: Option<u64>,
-}
-
-#[utoipa::path(post, path = "/admin/pools/{pool}/webhooks/{id}/rotate", tag = "admin", request_body = RotateSecret,
-    responses((status = 200, body = RotatedSecret, description = "rotated; the new secret is shown this once"),
-              (status = 400, description = "invalid"), (status = 404, description = "destination_not_found"),
-              (status = 409, description = "managed_by_config (the secret lives in the config file)")))]
-pub async fn rotate_secret(
-    State(state): AppStateRef,
-    Path((name, id)): Path<(String, String)>,
-    body: Bytes,
-) -> Result<Json<RotatedSecret>, ApiError> {
-    let pool = pool_or_404(&state, &name)?;
-    let req: RotateSecret = if body.iter().all(u8::is_ascii_whitespace) {
-        RotateSecret::default()
-    } else {
-        parse_json(&body)?
-    };
-    let grace_s = req.grace_s.unwrap_or(DEFAULT_ROTATION_GRACE_S);
-    if grace_s > MAX_ROTATION_GRACE_S {
-        return Err(ApiError::invalid(
-            "graceS",
-            format!("graceS must be between 0 and {MAX_ROTATION_GRACE_S}"),
-        ));
-    }
-    let _guard = state.admin_lock.lock().await;
-    let d = pool
-        .destinations
-        .load()
-        .iter()
-        .find(|d| d.id == id)
-        .cloned()
-        .ok_or_else(destination_not_found)?;
-    if d.managed_by == "config" {
-        return Err(crate::app::state::managed_by_config(&name));
-    }
-    let secret = nthbouncer_config::keys::generate_webhook_secret();
-    let until = (grace_s > 0).then(|| state.now().saturating_add(grace_s * 1000));
-    if !state
-        .jobs
-        .rotate_destination_secret(&pool.name, &id, &secret, until)
-        .await?
-    {
-        return Err(destination_not_found());
-    }
-    state.refresh_destinations(&pool).await?;
-    Ok(Json(RotatedSecret {
-        id,
-        secret,
-        previous_secret_expires_at: until,
-    }))
-}
-
-#[derive(Deserialize, Default)]
-#[serde(rename_all = "camelCase")]
-pub struct AttemptListQuery {
-    pub job_id: Option<String>,
-    pub destination_id: Option<String>,
-    pub limit: Option<u32>,
-    pub cursor: Option<String>,
-}
-
-/// One logged delivery attempt.
-#[derive(Serialize, ToSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct AttemptView {
-    pub id: u64,
-    pub delivery_id: u64,
-    pub job_id: String,
-    pub destination_id: String,
-    /// 1-based, across every round of the delivery.
-    pub attempt: u32,
-    /// When it was made (epoch ms).
-    pub at: u64,
-    /// The HTTP status answered; `null` when none arrived (refused, unreachable, timed out).
-    pub status_code: Option<u16>,
-    pub latency_ms: u64,
-    /// The start of the response body (at most 1 KiB).
-    pub response_body: Option<String>,
-    pub error: Option<String>,
-    /// Part of a manual redelivery (does not count towards the failure streak).
-    pub manual: bool,
-    /// What the attempt left the delivery in: `delivered`, `retrying` or `failed`.
-    pub outcome: String,
-}
-
-impl From<DeliveryAttempt> for AttemptView {
-    fn from(a: DeliveryAttempt) -> Self {
-        AttemptView {
-            id: a.id,
-            delivery_id: a.delivery_id,
-            job_id: a.job_id,
-            destination_id: a.destination_id,
-            attempt: a.attempt,
-            at: a.at,
-            status_code: a.status_code,
-            latency_ms: a.latency_ms,
-            response_body: a.response_body,
-            error: a.error,
-            manual: a.manual,
-            outcome: a.outcome,
-        }
-    }
-}
-
-#[derive(Serialize, ToSchema)]
-pub struct AttemptPage {
-    pub items: Vec<AttemptView>,
-    pub next: Option<String>,
-}
-
-#[utoipa::path(get, path = "/admin/pools/{pool}/deliveries", tag = "admin",
-    params(("jobId" = Option<String>, Query, description = "only this job's attempts"),
-           ("destinationId" = Option<String>, Query, description = "only this destination's attempts"),
-           ("limit" = Option<u32>, Query, description = "1..=1000, default 100"),
-           ("cursor" = Option<String>, Query, description = "the previous page's next")),
-    responses((status = 200, body = AttemptPage, description = "delivery attempts, newest first"),
-              (status = 400, description = "invalid"), (status = 404, description = "pool_not_found")))]
-pub async fn list_deliveries(
-    State(state): AppStateRef,
-    Path(name): Path<String>,
-    Query(q): Query<AttemptListQuery>,
-) -> Result<Json<AttemptPage>, ApiError> {
-    let pool = pool_or_404(&state, &name)?;
-    let limit = pagination::page_size(q.limit, 1000);
-    let rows = state
-        .jobs
-        .list_attempts(&AttemptQuery {
-            pool: pool.name.clone(),
-            job_id: q.job_id,
-            destination_id: q.destination_id,
-            before: pagination::numeric_cursor(q.cursor.as_deref())?,
-            limit: limit + 1,
-        })
-        .await?;
-    let (items, next) = pagination::split(rows, limit, |a| a.id.to_string());
-    Ok(Json(AttemptPage {
-        items: items.into_iter().map(AttemptView::from).collect(),
-        next,
-    }))
-}
-
-#[derive(Serialize, ToSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct Redelivery {
-    pub job_id: String,
-    /// Deliveries queued: one per active destination of the pool.
-    pub deliveries: u32,
-}
-
-#[utoipa::path(post, path = "/admin/pools/{pool}/jobs/{jobId}/redeliver", tag = "admin",
-    responses((status = 202, body = Redelivery, description = "queued: the job is sent again to every active destination \
-               (a new round of the retry schedule whose failures do not count towards the streak)"),
-              (status = 404, description = "job_not_found"),
-              (status = 409, description = "job_not_terminal, or no_active_destination")))]
-pub async fn redeliver(
-    State(state): AppStateRef,
-    Path((name, job_id)): Path<(String, String)>,
-) -> Result<(StatusCode, Json<Redelivery>), ApiError> {
-    let pool = pool_or_404(&state, &name)?;
-    if !valid_job_id(&job_id) {
-        return Err(job_not_found());
-    }
-    let destinations = pool.active_destination_ids();
-    if destinations.is_empty() {
-        return Err(ApiError::new(
-            ErrorCode::NoActiveDestination,
-            "the pool has no active webhook destination to deliver to",
-        ));
-    }
-    match state
-        .jobs
-        .redeliver_job(&pool.name, &job_id, &destinations, state.now())
-        .await?
-    {
-        Redeliver::NoSuchJob => Err(job_not_found()),
-        Redeliver::NotTerminal => Err(ApiError::new(
-            ErrorCode::JobNotTerminal,
-            "the job has not ended yet; it is delivered when it does",
-        )),
-        Redeliver::Queued(n) => {
-            state.notify_deliveries();
-            Ok((
-                StatusCode::ACCEPTED,
-                Json(Redelivery {
-                    job_id,
-                    deliveries: n,
-                }),
-            ))
-        }
-    }
 }

@@ -17,7 +17,7 @@ use nthbouncer_coord::{AcquireRequest, Outcome, Priority, Refusal, SlotKind};
 use nthbouncer_store::jobs::status;
 use nthbouncer_store::{Finish, JobResult, StoredJob};
 
-use crate::app::state::AppState;
+use crate::jobs::Jobs;
 use crate::pools::registry::PoolRuntime;
 use crate::upstream::prepare::{self, Origin};
 use crate::upstream::{self, SlotGuard, UpstreamError};
@@ -33,7 +33,7 @@ pub enum RunError {
 }
 
 /// Runs a job to a terminal state in the background.
-pub fn spawn_runner(state: Arc<AppState>, job: StoredJob) {
+pub fn spawn_runner(state: Arc<Jobs>, job: StoredJob) {
     tokio::spawn(async move {
         let id = job.id.clone();
         let stopping = state.stopping.clone();
@@ -67,9 +67,9 @@ enum Pass {
     Again(Duration),
 }
 
-async fn run(state: &Arc<AppState>, job: StoredJob) -> Result<(), RunError> {
+async fn run(state: &Arc<Jobs>, job: StoredJob) -> Result<(), RunError> {
     if job.status == status::ACCEPTED {
-        state.jobs.mark_queued(&job.id, state.now()).await?;
+        state.store.mark_queued(&job.id, state.now()).await?;
     }
     let priority = Priority::parse(&job.priority).unwrap_or_default();
     let mut connect_failures = 0u32;
@@ -83,7 +83,7 @@ async fn run(state: &Arc<AppState>, job: StoredJob) -> Result<(), RunError> {
 
 /// Waits for a slot, then makes one attempt.
 async fn pass(
-    state: &Arc<AppState>,
+    state: &Arc<Jobs>,
     job: &StoredJob,
     priority: Priority,
     connect_failures: &mut u32,
@@ -123,13 +123,13 @@ async fn pass(
 
 /// One attempt holding a slot: fetch, then record the result before the slot is freed.
 async fn attempt(
-    state: &Arc<AppState>,
+    state: &Arc<Jobs>,
     pool: &PoolRuntime,
     job: &StoredJob,
     guard: SlotGuard,
     connect_failures: &mut u32,
 ) -> Result<Pass, RunError> {
-    let store = &state.jobs;
+    let store = &state.store;
     let Some(attempt) = store.start_attempt(&job.id, state.now()).await? else {
         return Ok(Pass::Done); // already terminal (expired meanwhile)
     };
@@ -162,11 +162,11 @@ async fn attempt(
 }
 
 async fn finish_without_attempt(
-    state: &Arc<AppState>,
+    state: &Arc<Jobs>,
     job: &StoredJob,
     why: &str,
 ) -> Result<(), RunError> {
-    let store = &state.jobs;
+    let store = &state.store;
     if let Some(attempt) = store.start_attempt(&job.id, state.now()).await? {
         let failed = Finish::Failed(why.into());
         store
@@ -211,7 +211,7 @@ fn origin_request(
 /// One upstream fetch for a job, holding its slot (`guard`) until the answer is read; the slot
 /// comes back with the answer, or is freed with a failed call.
 async fn fetch(
-    state: &Arc<AppState>,
+    state: &Arc<Jobs>,
     pool: &PoolRuntime,
     job: &StoredJob,
     guard: SlotGuard,

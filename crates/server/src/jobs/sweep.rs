@@ -5,12 +5,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::app::state::AppState;
 use crate::jobs::runner::spawn_runner;
+use crate::jobs::Jobs;
 
 /// Resumes every unfinished job (start-up) and runs the sweeper until the process ends.
-pub async fn resume_and_sweep(state: Arc<AppState>) {
-    match state.jobs.unfinished_jobs().await {
+pub async fn resume_and_sweep(state: Arc<Jobs>) {
+    match state.store.unfinished_jobs().await {
         Ok(jobs) => {
             if !jobs.is_empty() {
                 tracing::info!(jobs = jobs.len(), "resuming unfinished jobs");
@@ -29,16 +29,16 @@ pub async fn resume_and_sweep(state: Arc<AppState>) {
 }
 
 /// Expires overdue jobs and deletes those past retention.
-pub async fn sweep(state: &AppState) {
+pub async fn sweep(state: &Jobs) {
     let now = state.now();
     let active: HashMap<String, Vec<String>> = state
-        .registry
-        .load()
+        .pools
+        .snapshot()
         .pools
         .values()
         .map(|p| (p.name.clone(), p.active_destination_ids()))
         .collect();
-    match state.jobs.expire_jobs(now, &active).await {
+    match state.store.expire_jobs(now, &active).await {
         Ok(expired) if !expired.is_empty() => {
             tracing::info!(jobs = expired.len(), "jobs expired");
             state.notify_deliveries();
@@ -46,7 +46,7 @@ pub async fn sweep(state: &AppState) {
         Ok(_) => {}
         Err(e) => tracing::warn!(error = %e, "expiring jobs failed"),
     }
-    if let Err(e) = state.jobs.delete_retained(now).await {
+    if let Err(e) = state.store.delete_retained(now).await {
         tracing::warn!(error = %e, "deleting retained jobs failed");
     }
 }

@@ -13,7 +13,7 @@ use nthbouncer_coord::{AcquireRequest, Clock, Priority, SlotKind};
 use nthbouncer_store::{LeaseRecord, Store};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::app::state::AppState;
+use crate::pools::Pools;
 
 const MAX_BATCH: usize = 1024;
 
@@ -79,8 +79,8 @@ impl LeaseBook {
 }
 
 /// At start, before any request is served: holds back one slot per outstanding lease.
-pub async fn reserve_outstanding(state: &AppState) {
-    let leases = match state.store.outstanding_leases(state.now()).await {
+pub async fn reserve_outstanding(store: &dyn Store, pools: &Pools, now: u64) {
+    let leases = match store.outstanding_leases(now).await {
         Ok(l) => l,
         Err(e) => {
             tracing::warn!(error = %e, "cannot read the outstanding lock leases");
@@ -89,7 +89,7 @@ pub async fn reserve_outstanding(state: &AppState) {
     };
     let mut held = 0u32;
     for lease in &leases {
-        let Some(pool) = state.pool(&lease.pool) else {
+        let Some(pool) = pools.get(&lease.pool) else {
             continue; // the pool is gone, and its slots with it
         };
         let request = AcquireRequest {

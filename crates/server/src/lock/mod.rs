@@ -7,6 +7,11 @@
 
 pub mod leases;
 
+use nthbouncer_coord::Clock;
+
+use crate::core::access_log::AccessLog;
+use crate::pools::Pools;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -24,12 +29,26 @@ use nthbouncer_store::LeaseRecord;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::access::PoolCaller;
-use crate::app::state::AppState;
 use crate::core::access_log::{LogLine, LogOutcome, UpstreamSeen};
 use crate::core::admission::{self, Caller as AdmissionCaller};
 use crate::core::error::{ApiError, ErrorCode};
 use crate::core::extract::parse_json;
+use crate::pools::guard::PoolCaller;
+
+/// What the lock API needs: the access log (acquire attempts), the clock, the lease book.
+pub struct LockApi {
+    pub pools: Arc<Pools>,
+    pub access_log: AccessLog,
+    pub clock: Arc<dyn Clock>,
+    /// Lock leases on record, for the restart (see `leases`).
+    pub leases: leases::LeaseBook,
+}
+
+impl LockApi {
+    fn now(&self) -> u64 {
+        self.clock.now_ms()
+    }
+}
 
 /// Largest acquire or release body.
 pub const MAX_LOCK_BODY_BYTES: usize = crate::core::extract::MAX_API_BODY_BYTES;
@@ -158,7 +177,7 @@ pub fn acquire_params(
               (status = 404, description = "pool_not_found"), (status = 413, description = "payload_too_large"),
               (status = 429, description = "too_many_requests, may carry Retry-After"), (status = 504, description = "queue_timeout")))]
 pub async fn acquire(
-    State(state): State<Arc<AppState>>,
+    State(state): State<Arc<LockApi>>,
     Extension(PoolCaller { pool, caller }): Extension<PoolCaller>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
@@ -339,7 +358,7 @@ fn header_pairs<'a>(
     responses((status = 200, body = Released), (status = 400, description = "invalid"),
               (status = 401, description = "unauthorized"), (status = 413, description = "payload_too_large")))]
 pub async fn release(
-    State(state): State<Arc<AppState>>,
+    State(state): State<Arc<LockApi>>,
     Extension(PoolCaller { pool, .. }): Extension<PoolCaller>,
     path: Result<Path<(String, String)>, PathRejection>,
     headers: HeaderMap,
@@ -362,6 +381,80 @@ pub async fn release(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::upstream::outcome::from_response;
+    use crate::upstream::outcome::tests::{headers, SANDBOX_429, SANDBOX_OK};
+    use nthbouncer_coord::{Coordination, PoolSettings};
+    use serde_json::json;
+
+    /// Lock-release reports act like proxy outcomes: the same answer, reported as raw headers
+    /// by a lock holder, becomes the same outcome (only `via` differs) and teaches a pool the
+    /// same limit, pace, pause and cause.
+    #[tokio::test]
+    async fn lock_release_reports_act_like_proxy_outcomes() {
+        let cases: [(u16, &[(&str, &str)]); 2] = [(200, &SANDBOX_OK), (429, &SANDBOX_429)];
+        let coord = nthbouncer_coord::in_process::InProcessCoordination::new(std::sync::Arc::new(
+            nthbouncer_coord::ManualClock::new(1_000_000),
+        ));
+        let settings = PoolSettings {
+            limit: 64,
+            ..PoolSettings::default()
+        };
+        let proxied = coord.open("proxied", settings.clone());
+        let locked = coord.open("locked", settings);
+        for (status, pairs) in cases {
+            let from_proxy = from_response(status, &headers(pairs), 1_000_000);
+            let body: ReleaseBody = serde_json::from_value(json!({
+                "status": status,
+                "headers": pairs.iter().map(|(k, v)| (k.to_string(), json!(v)))
+                    .collect::<serde_json::Map<_, _>>(),
+            }))
+            .unwrap();
+            let from_lock = outcome_of(&body, 1_000_000).unwrap();
+            assert_eq!(from_lock.via, Some("lock release"));
+            assert_eq!(
+                Outcome {
+                    via: None,
+                    ..from_lock.clone()
+                },
+                Outcome {
+                    via: None,
+                    ..from_proxy.clone()
+                }
+            );
+            for (gate, outcome) in [(&proxied, from_proxy), (&locked, from_lock)] {
+                let grant = gate
+                    .acquire(nthbouncer_coord::AcquireRequest {
+                        fairness_key: 0,
+                        priority: nthbouncer_coord::Priority::Normal,
+                        wait_ms: 0,
+                        kind: nthbouncer_coord::SlotKind::Lease,
+                    })
+                    .await
+                    .unwrap();
+                assert!(gate.release(grant.slot_id, Some(outcome)).await);
+            }
+        }
+        let (p, l) = (proxied.snapshot().await, locked.snapshot().await);
+        // Halved by the concurrency 429, paused for its hint, paced at 97 % of the tighter
+        // reading of the last answer: 280 left for 58 s (289.7/min) rather than 300 per minute.
+        assert_eq!(
+            (p.effective_limit, p.learned_rpm, p.paused_until),
+            (32, Some(281), Some(1_001_200))
+        );
+        assert_eq!(
+            (l.effective_limit, l.learned_rpm, l.paused_until),
+            (p.effective_limit, p.learned_rpm, p.paused_until)
+        );
+        let cause = |s: &nthbouncer_coord::Snapshot| s.last_throttle.clone().unwrap().cause;
+        assert_eq!(
+            cause(&p),
+            "status 429, 1 throttled, retry-after 1200ms (proxy, openai)"
+        );
+        assert_eq!(
+            cause(&l),
+            "status 429, 1 throttled, retry-after 1200ms (lock release, openai)"
+        );
+    }
 
     #[test]
     fn a_header_sent_in_two_spellings_gives_the_same_outcome_every_time() {

@@ -2,38 +2,22 @@
 //!
 //! Readers (every request) load an immutable [`Registry`] through `ArcSwap` — no lock shared
 //! across pools on the hot path. Writers (admin API, start-up) build a new registry and swap it
-//! in, serialised by the admin lock in [`crate::app::state::AppState`].
+//! in, serialised by [`super::Pools`].
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use http::{HeaderName, HeaderValue};
-use nthbouncer_config::{keys, AuthMethod, ConcurrencySpec, ConfigError, PoolSpec};
+use nthbouncer_config::{ConcurrencySpec, ConfigError, PoolSpec};
 use nthbouncer_coord::{PoolGate, PoolSettings};
-use nthbouncer_store::{StoredDestination, StoredKey};
+use nthbouncer_store::StoredDestination;
 
+use crate::access::keys::{Accept, KeyIndex};
 use crate::access::AccessPolicy;
 use crate::core::metrics::PoolMetrics;
+use crate::core::ManagedBy;
 use crate::upstream::Target;
-
-/// Who owns a pool's settings.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ManagedBy {
-    /// Declared in the config file: read-only through the admin API.
-    Config,
-    /// Created through the admin API: lives in the store.
-    Api,
-}
-
-impl ManagedBy {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ManagedBy::Config => "config",
-            ManagedBy::Api => "api",
-        }
-    }
-}
 
 /// Who owns a pool and since when.
 #[derive(Clone, Copy, Debug)]
@@ -41,70 +25,6 @@ pub struct Provenance {
     pub managed_by: ManagedBy,
     pub created_at: u64,
     pub updated_at: u64,
-}
-
-/// One accepted key, as the hot path needs it.
-#[derive(Clone, Debug)]
-pub struct KeyEntry {
-    /// Public id (`key_…`), safe to log.
-    pub id: Arc<str>,
-    pub fairness: u64,
-    pub expires_at: Option<u64>,
-    pub revoked: bool,
-    pub managed_by: ManagedBy,
-    pub label: Option<String>,
-    pub created_at: u64,
-    pub revoked_at: Option<u64>,
-}
-
-/// A pool's keys by SHA-256 digest. Lookups compare digests, never plaintext, so timing tells an
-/// attacker nothing about a key.
-#[derive(Default, Debug)]
-pub struct KeyIndex {
-    pub by_digest: HashMap<[u8; 32], KeyEntry>,
-}
-
-impl KeyIndex {
-    /// Config keys first, then the store's keys for this pool (a store key never shadows a
-    /// config key of the same digest).
-    pub fn build(config_digests: &[[u8; 32]], stored: &[StoredKey]) -> KeyIndex {
-        let mut by_digest = HashMap::with_capacity(config_digests.len() + stored.len());
-        for d in config_digests {
-            by_digest.insert(
-                *d,
-                KeyEntry {
-                    id: keys::key_id_from_digest(d).into(),
-                    fairness: keys::fairness_id(d),
-                    expires_at: None,
-                    revoked: false,
-                    managed_by: ManagedBy::Config,
-                    label: None,
-                    created_at: 0,
-                    revoked_at: None,
-                },
-            );
-        }
-        for k in stored {
-            let Some(d) = hex::decode(&k.hash)
-                .ok()
-                .and_then(|b| <[u8; 32]>::try_from(b).ok())
-            else {
-                tracing::warn!(key_id = %k.id, "stored key has an unreadable hash; ignored");
-                continue;
-            };
-            by_digest.entry(d).or_insert_with(|| KeyEntry {
-                id: k.id.as_str().into(),
-                fairness: keys::fairness_id(&d),
-                expires_at: k.expires_at,
-                revoked: k.revoked_at.is_some(),
-                managed_by: ManagedBy::Api,
-                label: k.label.clone(),
-                created_at: k.created_at,
-                revoked_at: k.revoked_at,
-            });
-        }
-        KeyIndex { by_digest }
-    }
 }
 
 /// A pool as the serving path sees it: immutable; a settings change builds a new one that
@@ -117,15 +37,11 @@ pub struct PoolRuntime {
     pub updated_at: u64,
     pub upstream: Target,
     pub upstream_headers: Vec<(HeaderName, HeaderValue)>,
-    pub accept_header: bool,
-    pub accept_bearer: bool,
-    pub accept_nthbouncer: bool,
     pub concurrency: ConcurrencySpec,
     /// Digests of the keys the spec itself lists (config file, or the API body).
     pub spec_key_digests: Vec<[u8; 32]>,
     pub gate: Arc<dyn PoolGate>,
-    pub keys: Arc<ArcSwap<KeyIndex>>,
-    /// The pool's access policies (SPEC §9), checked with the pool key.
+    /// The pool key and the pool's access policies (SPEC §2, §9); it holds the key index.
     pub access: AccessPolicy,
     /// Webhook destinations (from the store; config ones are synced there at start-up).
     pub destinations: Arc<ArcSwap<Vec<StoredDestination>>>,
@@ -155,14 +71,12 @@ impl PoolRuntime {
             upstream_headers.push((name, value));
         }
         let spec_key_digests = spec.key_digests(at)?;
-        let access = AccessPolicy::build(&format!("{at}.access"), &spec.access)?;
+        let accept = Accept::of(&spec.auth.accept);
+        let access = AccessPolicy::build(&format!("{at}.access"), &spec.access, accept, keys)?;
         Ok(PoolRuntime {
             name: spec.name.clone(),
             upstream,
             upstream_headers,
-            accept_header: spec.auth.accept.contains(&AuthMethod::Header),
-            accept_bearer: spec.auth.accept.contains(&AuthMethod::Bearer),
-            accept_nthbouncer: spec.auth.accept.contains(&AuthMethod::Nthbouncer),
             concurrency: spec.concurrency.clone(),
             spec_key_digests,
             metrics: PoolMetrics::new(&spec.name),
@@ -171,7 +85,6 @@ impl PoolRuntime {
             created_at: provenance.created_at,
             updated_at: provenance.updated_at,
             gate,
-            keys,
             access,
             destinations,
         })

@@ -20,23 +20,40 @@ use http::request::Parts;
 use http::{HeaderMap, Request, Response};
 use http_body_util::{LengthLimitError, Limited};
 use hyper::body::Incoming;
-use nthbouncer_coord::{AcquireRequest, Grant, Priority, Refusal, SlotKind};
+use nthbouncer_coord::{AcquireRequest, Clock, Grant, Priority, Refusal, SlotKind};
 
 use crate::access::{self, keys::Caller};
-use crate::app::state::AppState;
-use crate::core::access_log::{LogLine, LogOutcome, UpstreamSeen};
+use crate::core::access_log::{AccessLog, LogLine, LogOutcome, UpstreamSeen};
 use crate::core::admission::{self, Caller as AdmissionCaller};
 use crate::core::error::{ApiError, ErrorCode};
-use crate::jobs::Reason;
+use crate::jobs::{Jobs, Reason};
 use crate::pools::registry::PoolRuntime;
 use crate::upstream::prepare::{self, Consumed, Forwarded, Origin};
-use crate::upstream::{self, SlotBody, SlotGuard, UpstreamError};
+use crate::upstream::{self, SlotBody, SlotGuard, UpstreamClient, UpstreamError};
 
 pub const ASYNC_HEADER: &str = "x-nthpool-async";
 
+/// What the proxy needs: the upstream client (also for JWKS), the trusted proxies, the access
+/// log, the clock, the jobs a request may be handed to, and the body bound.
+pub struct Proxy {
+    pub client: UpstreamClient,
+    pub trusted_proxies: Arc<[ipnet::IpNet]>,
+    pub access_log: AccessLog,
+    pub clock: Arc<dyn Clock>,
+    pub jobs: Arc<Jobs>,
+    /// `server.max_body_bytes`.
+    pub max_body_bytes: u64,
+}
+
+impl Proxy {
+    fn now(&self) -> u64 {
+        self.clock.now_ms()
+    }
+}
+
 /// One proxied request on its way through the phases.
 struct Call<'a> {
-    state: &'a Arc<AppState>,
+    state: &'a Proxy,
     pool: &'a Arc<PoolRuntime>,
     log: LogLine<'a>,
     parts: Parts,
@@ -58,7 +75,7 @@ struct Plan {
 
 /// Serves one request on a proxy pool's host.
 pub async fn handle(
-    state: Arc<AppState>,
+    state: Arc<Proxy>,
     pool: Arc<PoolRuntime>,
     req: Request<Incoming>,
     peer: SocketAddr,
@@ -78,7 +95,7 @@ pub async fn handle(
     let authorized = Box::pin(authorize(&state, &pool, client, &parts, &body, log.at)).await;
     let (caller, signed) = match authorized {
         Ok(a) => (a.caller, a.pending),
-        Err(failure) => return access::refuse(&pool, log, None, failure),
+        Err(failure) => return access::refuse(&pool.metrics, log, None, failure),
     };
     let call = Call {
         state: &state,
@@ -101,7 +118,7 @@ pub async fn handle(
 /// Pool key and access policies (SPEC §2, §9). A signed request with a body comes back with a
 /// pending check that travels with the body to the upstream.
 async fn authorize(
-    state: &AppState,
+    state: &Proxy,
     pool: &PoolRuntime,
     client: IpAddr,
     parts: &Parts,
@@ -114,8 +131,8 @@ async fn authorize(
         access::BodyState::Streamed
     };
     access::authorize(
-        state,
-        pool,
+        &state.client,
+        &pool.access,
         client,
         &parts.method,
         &parts.uri,
@@ -129,7 +146,7 @@ async fn authorize(
 /// The body-size bound, the wait budget, the priority and whether a job is asked for.
 fn plan(call: &Call<'_>) -> Result<Plan, ApiError> {
     let headers = &call.parts.headers;
-    let max_body = call.state.server.max_body_bytes;
+    let max_body = call.state.max_body_bytes;
     if content_length(headers).is_some_and(|len| len > max_body) {
         return Err(ApiError::payload_too_large(max_body));
     }
@@ -208,7 +225,7 @@ async fn forward(mut call: Call<'_>, body: Incoming, grant: Grant) -> Response<B
     let guard = SlotGuard::new(pool.gate.clone(), grant.slot_id);
     let deadline =
         tokio::time::Instant::now() + Duration::from_millis(pool.concurrency.request_timeout_ms);
-    let max_body = call.state.server.max_body_bytes;
+    let max_body = call.state.max_body_bytes;
     let body = Limited::new(body, max_body as usize);
     let (body, verdict) = match call.signed.take() {
         Some(pending) => {
@@ -238,7 +255,7 @@ async fn forward(mut call: Call<'_>, body: Incoming, grant: Grant) -> Response<B
             let failure = access::Failure::Hmac(failure);
             pool.access
                 .record_failure(call.client, call.log.at, failure);
-            return access::refuse(pool, call.log, Some(&call.caller.key_id), failure);
+            return access::refuse(&pool.metrics, call.log, Some(&call.caller.key_id), failure);
         }
     }
     pool.metrics
@@ -319,9 +336,9 @@ fn upstream_failure(
         let failure = access::Failure::Hmac(failure.0);
         pool.access
             .record_failure(call.client, call.log.at, failure);
-        return access::refuse(pool, call.log, Some(&call.caller.key_id), failure);
+        return access::refuse(&pool.metrics, call.log, Some(&call.caller.key_id), failure);
     }
-    let max_body = call.state.server.max_body_bytes;
+    let max_body = call.state.max_body_bytes;
     let (e, reason) = if err.caused_by::<LengthLimitError>().is_some() {
         (ApiError::payload_too_large(max_body), None)
     } else if err.timed_out() {

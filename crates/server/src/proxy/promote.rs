@@ -45,11 +45,11 @@ pub(super) async fn accept_job(
             call.pool
                 .access
                 .record_failure(call.log.peer.ip(), call.log.at, failure);
-            return access::refuse(call.pool, call.log, Some(&key_id), failure);
+            return access::refuse(&call.pool.metrics, call.log, Some(&key_id), failure);
         }
     }
     let accepted = jobs::accept(
-        call.state,
+        &call.state.jobs,
         call.pool,
         head,
         body,

@@ -73,13 +73,11 @@ pub fn rate_info(report: &RateReport) -> Option<RateInfo> {
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use http::{HeaderName, HeaderValue};
-    use nthbouncer_coord::{Coordination, PoolSettings};
-    use serde_json::json;
 
-    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+    pub(crate) fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
         for (k, v) in pairs {
             h.append(
@@ -91,13 +89,13 @@ mod tests {
     }
 
     /// The sandbox's answers (OpenAI style).
-    const SANDBOX_OK: [(&str, &str); 3] = [
+    pub(crate) const SANDBOX_OK: [(&str, &str); 3] = [
         ("x-ratelimit-limit-requests", "300"),
         ("x-ratelimit-remaining-requests", "292"),
         ("x-ratelimit-reset-requests", "59.8s"),
     ];
     /// A refusal by its hidden concurrency limit: budget left, so concurrency is to blame.
-    const SANDBOX_429: [(&str, &str); 5] = [
+    pub(crate) const SANDBOX_429: [(&str, &str); 5] = [
         ("retry-after", "2"),
         ("retry-after-ms", "1200"),
         ("x-ratelimit-limit-requests", "300"),
@@ -142,76 +140,6 @@ mod tests {
         assert_eq!(
             (o.dialect, o.rate, o.retry_after_ms),
             (Some("retry-after"), None, Some(3_000))
-        );
-    }
-
-    /// Lock-release reports act like proxy outcomes: the same answer, reported as raw headers
-    /// by a lock holder, becomes the same outcome (only `via` differs) and teaches a pool the
-    /// same limit, pace, pause and cause.
-    #[tokio::test]
-    async fn lock_release_reports_act_like_proxy_outcomes() {
-        let cases: [(u16, &[(&str, &str)]); 2] = [(200, &SANDBOX_OK), (429, &SANDBOX_429)];
-        let coord = nthbouncer_coord::in_process::InProcessCoordination::new(std::sync::Arc::new(
-            nthbouncer_coord::ManualClock::new(1_000_000),
-        ));
-        let settings = PoolSettings {
-            limit: 64,
-            ..PoolSettings::default()
-        };
-        let proxied = coord.open("proxied", settings.clone());
-        let locked = coord.open("locked", settings);
-        for (status, pairs) in cases {
-            let from_proxy = from_response(status, &headers(pairs), 1_000_000);
-            let body: crate::lock::ReleaseBody = serde_json::from_value(json!({
-                "status": status,
-                "headers": pairs.iter().map(|(k, v)| (k.to_string(), json!(v)))
-                    .collect::<serde_json::Map<_, _>>(),
-            }))
-            .unwrap();
-            let from_lock = crate::lock::outcome_of(&body, 1_000_000).unwrap();
-            assert_eq!(from_lock.via, Some("lock release"));
-            assert_eq!(
-                Outcome {
-                    via: None,
-                    ..from_lock.clone()
-                },
-                Outcome {
-                    via: None,
-                    ..from_proxy.clone()
-                }
-            );
-            for (gate, outcome) in [(&proxied, from_proxy), (&locked, from_lock)] {
-                let grant = gate
-                    .acquire(nthbouncer_coord::AcquireRequest {
-                        fairness_key: 0,
-                        priority: nthbouncer_coord::Priority::Normal,
-                        wait_ms: 0,
-                        kind: nthbouncer_coord::SlotKind::Lease,
-                    })
-                    .await
-                    .unwrap();
-                assert!(gate.release(grant.slot_id, Some(outcome)).await);
-            }
-        }
-        let (p, l) = (proxied.snapshot().await, locked.snapshot().await);
-        // Halved by the concurrency 429, paused for its hint, paced at 97 % of the tighter
-        // reading of the last answer: 280 left for 58 s (289.7/min) rather than 300 per minute.
-        assert_eq!(
-            (p.effective_limit, p.learned_rpm, p.paused_until),
-            (32, Some(281), Some(1_001_200))
-        );
-        assert_eq!(
-            (l.effective_limit, l.learned_rpm, l.paused_until),
-            (p.effective_limit, p.learned_rpm, p.paused_until)
-        );
-        let cause = |s: &nthbouncer_coord::Snapshot| s.last_throttle.clone().unwrap().cause;
-        assert_eq!(
-            cause(&p),
-            "status 429, 1 throttled, retry-after 1200ms (proxy, openai)"
-        );
-        assert_eq!(
-            cause(&l),
-            "status 429, 1 throttled, retry-after 1200ms (lock release, openai)"
         );
     }
 }

@@ -19,6 +19,8 @@
 //!   applies to the address actually connected to, at every attempt (DNS rebinding). Redirects
 //!   are never followed (the client does not follow them; a 3xx is a failed attempt).
 
+pub mod routes;
+
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::io;
@@ -42,8 +44,10 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::{Id as TaskId, JoinSet};
 
-use crate::app::state::AppState;
 use crate::jobs::JobView;
+use crate::jobs::Jobs;
+use crate::pools::Pools;
+use nthbouncer_config::ServerSpec as Settings;
 
 /// Retry delays after the first, second, … failed attempt of a round (SPEC §7): 5 s, 5 min,
 /// 30 min, 2 h, 5 h, 10 h, 10 h. After the last one the delivery has failed.
@@ -72,6 +76,14 @@ const RECORD_BATCH: usize = 256;
 const STRANDED_SWEEP_MS: u64 = 60_000;
 
 type HmacSha256 = Hmac<Sha256>;
+
+/// What the webhooks feature needs: the jobs whose terminal states it delivers (their store,
+/// clock and signals), the pools (their destinations) and the server's webhook settings.
+pub struct Webhooks {
+    pub jobs: Arc<Jobs>,
+    pub pools: Arc<Pools>,
+    pub server: Settings,
+}
 
 /// The HMAC key of a `whsec_` secret (the base64-decoded part after the prefix).
 pub fn secret_key(secret: &str) -> Option<Vec<u8>> {
@@ -433,20 +445,20 @@ fn decide(
 /// One attempt, start to finish: send, decide, record, and refresh the pool's destinations if
 /// the destination's streak or state moved.
 async fn attempt(
-    state: Arc<AppState>,
+    state: Arc<Webhooks>,
     client: Arc<WebhookClient>,
     recorder: Recorder,
     sent: mpsc::UnboundedSender<u64>,
     due: DueDelivery,
 ) {
     let started = tokio::time::Instant::now();
-    let sent_at = state.now();
+    let sent_at = state.jobs.now();
     let answer = send(&client, &due, sent_at).await;
     let latency_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
     // The request is over: the destination's slot is free while the result is recorded.
     let _ = sent.send(due.id);
     let jitter = rand::random::<f64>() * 2.0 - 1.0;
-    let record = decide(&due, answer, sent_at, state.now(), latency_ms, jitter);
+    let record = decide(&due, answer, sent_at, state.jobs.now(), latency_ms, jitter);
     let (pool, destination) = (record.pool.clone(), record.destination_id.clone());
     tracing::debug!(%pool, %destination, job = %record.job_id, attempt = record.attempt,
         status = ?record.status_code, next = ?record.next, "webhook attempt");
@@ -456,8 +468,8 @@ async fn attempt(
                 tracing::warn!(%pool, %destination, "webhook destination deactivated");
             }
             if applied.deactivated || applied.streak_changed {
-                if let Some(p) = state.pool(&pool) {
-                    if let Err(e) = state.refresh_destinations(&p).await {
+                if let Some(p) = state.pools.get(&pool) {
+                    if let Err(e) = state.pools.refresh_destinations(&p).await {
                         tracing::warn!(%pool, error = %e.message, "refreshing destinations failed");
                     }
                 }
@@ -522,7 +534,7 @@ impl Recorder {
 // The dispatcher.
 
 struct Dispatcher {
-    state: Arc<AppState>,
+    state: Arc<Webhooks>,
     client: Arc<WebhookClient>,
     recorder: Recorder,
     tasks: JoinSet<()>,
@@ -548,9 +560,9 @@ struct Dispatcher {
 impl Dispatcher {
     /// Starts every due attempt there is room for; returns when the next pending delivery is due.
     async fn scan(&mut self) -> nthbouncer_store::Result<Option<u64>> {
-        let now = self.state.now();
+        let now = self.state.jobs.now();
         let mut active: Vec<String> = {
-            let registry = self.state.registry.load();
+            let registry = self.state.pools.snapshot();
             registry
                 .pools
                 .values()
@@ -568,7 +580,12 @@ impl Dispatcher {
         if self.last_active.as_ref() != Some(&active)
             || now >= self.last_stranded_sweep.saturating_add(STRANDED_SWEEP_MS)
         {
-            let failed = self.state.jobs.fail_undeliverable(&active, now).await?;
+            let failed = self
+                .state
+                .jobs
+                .store
+                .fail_undeliverable(&active, now)
+                .await?;
             if failed > 0 {
                 tracing::info!(
                     deliveries = failed,
@@ -607,6 +624,7 @@ impl Dispatcher {
                 let due = self
                     .state
                     .jobs
+                    .store
                     .due_deliveries(id, now, limit, &exclude)
                     .await?;
                 for d in due {
@@ -619,7 +637,7 @@ impl Dispatcher {
         }
         let mut next: Option<u64> = None;
         for id in &active {
-            if let Some(at) = self.state.jobs.next_delivery_at(id, now).await? {
+            if let Some(at) = self.state.jobs.store.next_delivery_at(id, now).await? {
                 next = Some(next.map_or(at, |n| n.min(at)));
             }
         }
@@ -671,7 +689,7 @@ fn decrement(counts: &mut HashMap<String, usize>, key: &str) {
 
 /// Sends the delivery outbox until the server stops (`AppState::stopping`). Attempts in flight
 /// at the stop are abandoned: their deliveries stay pending and go out at the next start.
-pub async fn run_dispatcher(state: Arc<AppState>) {
+pub async fn run_dispatcher(state: Arc<Webhooks>) {
     let client = match build_client(&state.server) {
         Ok(c) => Arc::new(c),
         Err(e) => {
@@ -681,7 +699,7 @@ pub async fn run_dispatcher(state: Arc<AppState>) {
     };
     let (sent_tx, mut sent_rx) = mpsc::unbounded_channel();
     let mut d = Dispatcher {
-        recorder: Recorder::start(state.jobs.clone()),
+        recorder: Recorder::start(state.jobs.store.clone()),
         state: state.clone(),
         client,
         tasks: JoinSet::new(),
@@ -695,10 +713,10 @@ pub async fn run_dispatcher(state: Arc<AppState>) {
         last_stranded_sweep: 0,
         cursor: 0,
     };
-    let stopping = state.stopping.clone();
+    let stopping = state.jobs.stopping.clone();
     loop {
         let wake: Pin<Box<dyn Future<Output = ()> + Send>> = match d.scan().await {
-            Ok(Some(at)) => state.clock.sleep_until(at),
+            Ok(Some(at)) => state.jobs.clock.sleep_until(at),
             Ok(None) => Box::pin(std::future::pending()),
             Err(e) => {
                 tracing::warn!(error = %e, "webhook dispatcher cannot read the outbox; retrying");
@@ -707,7 +725,7 @@ pub async fn run_dispatcher(state: Arc<AppState>) {
         };
         tokio::select! {
             _ = stopping.cancelled() => break,
-            _ = state.deliveries_pending.notified() => {}
+            _ = state.jobs.deliveries_pending.notified() => {}
             Some(delivery) = sent_rx.recv() => {
                 d.sent(delivery);
                 while let Ok(delivery) = sent_rx.try_recv() {
