@@ -4,57 +4,87 @@
 //! When the channel is full (storage far slower than traffic), entries are dropped and counted
 //! (`nthbouncer_access_log_dropped_total`) rather than slowing admission.
 //!
-//! Under load the writer commits at most once per `MIN_COMMIT_INTERVAL` (unless a batch is
-//! full or a flush is asked for): a commit costs about as much as a few hundred rows, so many
-//! tiny batches would cost more than the rows themselves. A lone entry after a quiet spell is
-//! committed at once.
+//! The writer is the one group-commit writer (`core::batch`), paced: under load it commits at
+//! most every 20 ms (unless a batch is full or a flush is asked for); a lone entry after a
+//! quiet spell is committed at once.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use nthbouncer_store::{AccessLogEntry, Store};
-use tokio::sync::{mpsc, oneshot};
+use nthbouncer_store::{AccessLogEntry, Store, StoreError};
 use tokio::task::JoinHandle;
-use tokio::time::{Duration, Instant};
+use tokio::time::Duration;
 
-const CHANNEL_CAPACITY: usize = 65_536;
-const MAX_BATCH: usize = 4096;
-/// The shortest time between two commits while entries keep coming.
-const MIN_COMMIT_INTERVAL: Duration = Duration::from_millis(20);
+use crate::core::batch::{BatchConfig, Batcher, Commit};
 
-enum Msg {
-    Entry(AccessLogEntry),
-    /// Answered once everything queued before it is committed.
-    Flush(oneshot::Sender<()>),
+const CONFIG: BatchConfig = BatchConfig {
+    capacity: 65_536,
+    max_batch: 4096,
+    // The shortest time between two commits while entries keep coming.
+    min_interval: Some(Duration::from_millis(20)),
+};
+
+/// Appends rows and trims each pool to its bound every so often (trimming every batch would
+/// double the write load).
+struct Append {
+    store: Arc<dyn Store>,
+    keep: u64,
+    /// Appends since the last trim, per pool.
+    since_trim: HashMap<String, u64>,
+}
+
+impl Commit for Append {
+    type Item = AccessLogEntry;
+    type Done = ();
+    async fn commit(&mut self, batch: Vec<AccessLogEntry>) -> Result<Vec<()>, StoreError> {
+        self.store.append_access_log(&batch).await?;
+        for entry in &batch {
+            match self.since_trim.get_mut(entry.pool.as_str()) {
+                Some(n) => *n += 1,
+                None => {
+                    self.since_trim.insert(entry.pool.clone(), 1);
+                }
+            }
+        }
+        let trim_every = (self.keep / 10).max(100);
+        for (pool, n) in self.since_trim.iter_mut() {
+            if *n >= trim_every {
+                *n = 0;
+                if let Err(e) = self.store.trim_access_log(pool, self.keep).await {
+                    tracing::warn!(error = %e, pool = %pool, "access log trim failed");
+                }
+            }
+        }
+        Ok(vec![(); batch.len()])
+    }
 }
 
 #[derive(Clone)]
-pub struct AccessLog {
-    tx: mpsc::Sender<Msg>,
-}
+pub struct AccessLog(Batcher<AccessLogEntry, ()>);
 
 impl AccessLog {
     /// Starts the writer. It ends once every `AccessLog` clone is dropped and the queue is drained.
     pub fn start(store: Arc<dyn Store>, keep_per_pool: u64) -> (AccessLog, JoinHandle<()>) {
-        let (tx, rx) = mpsc::channel(CHANNEL_CAPACITY);
-        let task = tokio::spawn(writer(store, rx, keep_per_pool));
-        (AccessLog { tx }, task)
+        let append = Append {
+            store,
+            keep: keep_per_pool,
+            since_trim: HashMap::new(),
+        };
+        let (batcher, task) = Batcher::start(append, CONFIG);
+        (AccessLog(batcher), task)
     }
 
     /// Queues an entry without waiting.
     pub fn record(&self, entry: AccessLogEntry) {
-        if self.tx.try_send(Msg::Entry(entry)).is_err() {
+        if !self.0.enqueue(entry) {
             metrics::counter!("nthbouncer_access_log_dropped_total").increment(1);
         }
     }
 
     /// Waits until every entry recorded so far is committed (tests, shutdown).
     pub async fn flush(&self) {
-        let (tx, rx) = oneshot::channel();
-        if self.tx.send(Msg::Flush(tx)).await.is_ok() {
-            let _ = rx.await;
-        }
+        self.0.flush().await;
     }
 }
 
@@ -140,67 +170,6 @@ impl LogLine<'_> {
             queued_ms,
             upstream_status: upstream.status,
             upstream_latency_ms: upstream.latency_ms,
-        });
-    }
-}
-
-async fn writer(store: Arc<dyn Store>, mut rx: mpsc::Receiver<Msg>, keep: u64) {
-    let mut msgs = Vec::with_capacity(MAX_BATCH);
-    let mut batch = Vec::with_capacity(MAX_BATCH);
-    let mut flushes = Vec::new();
-    // Appends since the last trim, per pool: trimming every batch would double the write load.
-    let mut since_trim: HashMap<String, u64> = HashMap::new();
-    let trim_every = (keep / 10).max(100);
-    let mut last_commit: Option<Instant> = None;
-    while rx.recv_many(&mut msgs, MAX_BATCH).await > 0 {
-        // Let the batch fill until the commit interval has passed since the last commit, unless
-        // it is full, someone waits for a flush, or the log is closing.
-        if let Some(last) = last_commit {
-            let until = last + MIN_COMMIT_INTERVAL;
-            while msgs.len() < MAX_BATCH && !msgs.iter().any(|m| matches!(m, Msg::Flush(_))) {
-                let room = MAX_BATCH - msgs.len();
-                tokio::select! {
-                    biased;
-                    n = rx.recv_many(&mut msgs, room) => if n == 0 { break },
-                    () = tokio::time::sleep_until(until) => break,
-                }
-            }
-        }
-        for msg in msgs.drain(..) {
-            match msg {
-                Msg::Entry(e) => batch.push(e),
-                Msg::Flush(done) => flushes.push(done),
-            }
-        }
-        if batch.is_empty() {
-            flushes.drain(..).for_each(|f| {
-                let _ = f.send(());
-            });
-            continue;
-        }
-        last_commit = Some(Instant::now());
-        if let Err(e) = store.append_access_log(&batch).await {
-            tracing::warn!(error = %e, entries = batch.len(), "access log batch lost");
-        }
-        for entry in &batch {
-            match since_trim.get_mut(entry.pool.as_str()) {
-                Some(n) => *n += 1,
-                None => {
-                    since_trim.insert(entry.pool.clone(), 1);
-                }
-            }
-        }
-        for (pool, n) in since_trim.iter_mut() {
-            if *n >= trim_every {
-                *n = 0;
-                if let Err(e) = store.trim_access_log(pool, keep).await {
-                    tracing::warn!(error = %e, pool = %pool, "access log trim failed");
-                }
-            }
-        }
-        batch.clear();
-        flushes.drain(..).for_each(|f| {
-            let _ = f.send(());
         });
     }
 }

@@ -4,11 +4,13 @@
 
 pub mod access_log;
 pub mod admission;
+pub mod batch;
 pub mod error;
 pub mod extract;
 pub mod metrics;
 pub mod netcheck;
 pub mod pagination;
+pub mod time;
 
 /// Who owns a pool's settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

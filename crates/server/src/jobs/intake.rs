@@ -3,40 +3,38 @@
 
 use std::sync::Arc;
 
-use nthbouncer_store::{JobStore, NewJob};
-use tokio::sync::{mpsc, oneshot};
+use nthbouncer_store::{JobStore, NewJob, StoreError};
 
-const INTAKE_BATCH: usize = 512;
+use crate::core::batch::{BatchConfig, Batcher, Commit, CommitError};
+
+const CONFIG: BatchConfig = BatchConfig {
+    capacity: 4096,
+    max_batch: 512,
+    min_interval: None,
+};
+
+struct Insert(Arc<dyn JobStore>);
+
+impl Commit for Insert {
+    type Item = NewJob;
+    type Done = ();
+    async fn commit(&mut self, jobs: Vec<NewJob>) -> Result<Vec<()>, StoreError> {
+        self.0.insert_jobs(&jobs).await?;
+        Ok(vec![(); jobs.len()])
+    }
+}
 
 /// The group-commit writer of new jobs.
 #[derive(Clone)]
-pub struct JobIntake {
-    tx: mpsc::Sender<(NewJob, oneshot::Sender<Result<(), String>>)>,
-}
+pub struct JobIntake(Batcher<NewJob, ()>);
 
 impl JobIntake {
     pub fn start(store: Arc<dyn JobStore>) -> JobIntake {
-        let (tx, mut rx) = mpsc::channel::<(NewJob, oneshot::Sender<Result<(), String>>)>(4096);
-        tokio::spawn(async move {
-            let mut batch = Vec::with_capacity(INTAKE_BATCH);
-            while rx.recv_many(&mut batch, INTAKE_BATCH).await > 0 {
-                let jobs: Vec<NewJob> = batch.iter().map(|(j, _)| j.clone()).collect();
-                let outcome = store.insert_jobs(&jobs).await.map_err(|e| e.to_string());
-                for (_, done) in batch.drain(..) {
-                    let _ = done.send(outcome.clone());
-                }
-            }
-        });
-        JobIntake { tx }
+        JobIntake(Batcher::start(Insert(store), CONFIG).0)
     }
 
     /// Returns once the job is committed.
-    pub async fn submit(&self, job: NewJob) -> Result<(), String> {
-        let (done, wait) = oneshot::channel();
-        self.tx
-            .send((job, done))
-            .await
-            .map_err(|_| "job intake stopped".to_string())?;
-        wait.await.map_err(|_| "job intake stopped".to_string())?
+    pub async fn submit(&self, job: NewJob) -> Result<(), CommitError> {
+        self.0.submit(job).await
     }
 }

@@ -10,71 +10,64 @@
 use std::sync::Arc;
 
 use nthbouncer_coord::{AcquireRequest, Clock, Priority, SlotKind};
-use nthbouncer_store::{LeaseRecord, Store};
-use tokio::sync::{mpsc, oneshot};
+use nthbouncer_store::{LeaseRecord, Store, StoreError};
 
+use crate::core::batch::{BatchConfig, Batcher, Commit, CommitError};
 use crate::pools::Pools;
 
-const MAX_BATCH: usize = 1024;
+const CONFIG: BatchConfig = BatchConfig {
+    capacity: 16_384,
+    max_batch: 1024,
+    min_interval: None,
+};
 
 enum Op {
-    Granted(LeaseRecord, oneshot::Sender<Result<(), String>>),
+    Granted(LeaseRecord),
     Released(String),
+}
+
+struct Apply {
+    store: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+}
+
+impl Commit for Apply {
+    type Item = Op;
+    type Done = ();
+    async fn commit(&mut self, ops: Vec<Op>) -> Result<Vec<()>, StoreError> {
+        let n = ops.len();
+        let mut granted = Vec::new();
+        let mut released = Vec::new();
+        for op in ops {
+            match op {
+                Op::Granted(lease) => granted.push(lease),
+                Op::Released(id) => released.push(id),
+            }
+        }
+        let now = self.clock.now_ms();
+        self.store.apply_leases(&granted, &released, now).await?;
+        Ok(vec![(); n])
+    }
 }
 
 /// Writes lease grants and releases in batches, one transaction per batch.
 #[derive(Clone)]
-pub struct LeaseBook {
-    tx: mpsc::Sender<Op>,
-}
+pub struct LeaseBook(Batcher<Op, ()>);
 
 impl LeaseBook {
     pub fn start(store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> LeaseBook {
-        let (tx, mut rx) = mpsc::channel::<Op>(16_384);
-        tokio::spawn(async move {
-            let mut ops = Vec::with_capacity(MAX_BATCH);
-            while rx.recv_many(&mut ops, MAX_BATCH).await > 0 {
-                let mut granted = Vec::new();
-                let mut waiting = Vec::new();
-                let mut released = Vec::new();
-                for op in ops.drain(..) {
-                    match op {
-                        Op::Granted(lease, done) => {
-                            granted.push(lease);
-                            waiting.push(done);
-                        }
-                        Op::Released(id) => released.push(id),
-                    }
-                }
-                let outcome = store
-                    .apply_leases(&granted, &released, clock.now_ms())
-                    .await
-                    .map_err(|e| e.to_string());
-                if let Err(e) = &outcome {
-                    tracing::warn!(error = %e, "lease book write failed");
-                }
-                for done in waiting {
-                    let _ = done.send(outcome.clone());
-                }
-            }
-        });
-        LeaseBook { tx }
+        LeaseBook(Batcher::start(Apply { store, clock }, CONFIG).0)
     }
 
     /// Returns once the grant is committed, so a lease its holder knows of is always on record.
-    pub async fn granted(&self, lease: LeaseRecord) -> Result<(), String> {
-        let (done, wait) = oneshot::channel();
-        self.tx
-            .send(Op::Granted(lease, done))
-            .await
-            .map_err(|_| "lease book stopped".to_string())?;
-        wait.await.map_err(|_| "lease book stopped".to_string())?
+    pub async fn granted(&self, lease: LeaseRecord) -> Result<(), CommitError> {
+        self.0.submit(Op::Granted(lease)).await
     }
 
     /// Forgets a released lease (not waited for: a record left behind only holds a slot back
     /// for one lease term after a restart).
     pub fn released(&self, slot_id: String) {
-        let _ = self.tx.try_send(Op::Released(slot_id));
+        self.0.enqueue(Op::Released(slot_id));
     }
 }
 

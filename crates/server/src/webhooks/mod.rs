@@ -41,9 +41,10 @@ use nthbouncer_config::ServerSpec;
 use nthbouncer_store::{AttemptApplied, AttemptRecord, DeliveryNext, DueDelivery, JobStore};
 use sha2::Sha256;
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio::task::{Id as TaskId, JoinSet};
 
+use crate::core::batch::{BatchConfig, Batcher, Commit};
 use crate::jobs::JobView;
 use crate::jobs::Jobs;
 use crate::pools::Pools;
@@ -328,7 +329,7 @@ async fn send(client: &WebhookClient, due: &DueDelivery, now: u64) -> Result<Ans
         .header("webhook-signature", signature)
         .body(Full::new(Bytes::from(body)))
         .map_err(|e| e.to_string())?;
-    let deadline = tokio::time::Instant::now() + ATTEMPT_TIMEOUT;
+    let deadline = crate::core::time::now() + ATTEMPT_TIMEOUT;
     let resp = match tokio::time::timeout_at(deadline, client.request(req)).await {
         Ok(Ok(resp)) => resp,
         Ok(Err(e)) => return Err(error_chain(&e)),
@@ -451,7 +452,7 @@ async fn attempt(
     sent: mpsc::UnboundedSender<u64>,
     due: DueDelivery,
 ) {
-    let started = tokio::time::Instant::now();
+    let started = crate::core::time::now();
     let sent_at = state.jobs.now();
     let answer = send(&client, &due, sent_at).await;
     let latency_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
@@ -462,7 +463,7 @@ async fn attempt(
     let (pool, destination) = (record.pool.clone(), record.destination_id.clone());
     tracing::debug!(%pool, %destination, job = %record.job_id, attempt = record.attempt,
         status = ?record.status_code, next = ?record.next, "webhook attempt");
-    match recorder.record(record).await {
+    match recorder.submit(record).await {
         Ok(applied) => {
             if applied.deactivated {
                 tracing::warn!(%pool, %destination, "webhook destination deactivated");
@@ -486,49 +487,26 @@ async fn attempt(
 // ---------------------------------------------------------------------------------------------
 // The recorder: group commit of attempt records.
 
-type RecordReply = oneshot::Sender<Result<AttemptApplied, String>>;
+struct RecordAttempts(Arc<dyn JobStore>);
 
-#[derive(Clone)]
-struct Recorder {
-    tx: mpsc::Sender<(AttemptRecord, RecordReply)>,
-}
-
-impl Recorder {
-    fn start(store: Arc<dyn JobStore>) -> Recorder {
-        let (tx, mut rx) = mpsc::channel::<(AttemptRecord, RecordReply)>(1024);
-        tokio::spawn(async move {
-            let mut batch = Vec::with_capacity(RECORD_BATCH);
-            while rx.recv_many(&mut batch, RECORD_BATCH).await > 0 {
-                let records: Vec<AttemptRecord> = batch.iter().map(|(r, _)| r.clone()).collect();
-                match store.record_attempts(&records).await {
-                    Ok(applied) => {
-                        for ((_, reply), a) in batch.drain(..).zip(applied) {
-                            let _ = reply.send(Ok(a));
-                        }
-                    }
-                    Err(e) => {
-                        let e = e.to_string();
-                        for (_, reply) in batch.drain(..) {
-                            let _ = reply.send(Err(e.clone()));
-                        }
-                    }
-                }
-                batch.clear();
-            }
-        });
-        Recorder { tx }
-    }
-
-    async fn record(&self, record: AttemptRecord) -> Result<AttemptApplied, String> {
-        let (reply, wait) = oneshot::channel();
-        self.tx
-            .send((record, reply))
-            .await
-            .map_err(|_| "the attempt recorder stopped".to_string())?;
-        wait.await
-            .map_err(|_| "the attempt recorder stopped".to_string())?
+impl Commit for RecordAttempts {
+    type Item = AttemptRecord;
+    type Done = AttemptApplied;
+    async fn commit(
+        &mut self,
+        records: Vec<AttemptRecord>,
+    ) -> Result<Vec<AttemptApplied>, nthbouncer_store::StoreError> {
+        self.0.record_attempts(&records).await
     }
 }
+
+type Recorder = Batcher<AttemptRecord, AttemptApplied>;
+
+const RECORDER: BatchConfig = BatchConfig {
+    capacity: 1024,
+    max_batch: RECORD_BATCH,
+    min_interval: None,
+};
 
 // ---------------------------------------------------------------------------------------------
 // The dispatcher.
@@ -699,7 +677,7 @@ pub async fn run_dispatcher(state: Arc<Webhooks>) {
     };
     let (sent_tx, mut sent_rx) = mpsc::unbounded_channel();
     let mut d = Dispatcher {
-        recorder: Recorder::start(state.jobs.store.clone()),
+        recorder: Batcher::start(RecordAttempts(state.jobs.store.clone()), RECORDER).0,
         state: state.clone(),
         client,
         tasks: JoinSet::new(),
