@@ -18,7 +18,7 @@ use subtle::ConstantTimeEq;
 use utoipa::ToSchema;
 
 use crate::core::error::{ApiError, ErrorCode};
-use crate::core::extract::{self, parse_json};
+use crate::core::extract::{self, parse_json, BodyBytes, MAX_ADMIN_BODY_BYTES};
 use crate::core::pagination;
 use crate::core::ManagedBy;
 use crate::pools::registry::PoolRuntime;
@@ -56,10 +56,6 @@ pub async fn require_admin(State(state): AdminRef, req: Request, next: Next) -> 
         return ApiError::unauthorized(msg).into_response();
     }
     next.run(req).await
-}
-
-fn pool_or_404(state: &Admin, name: &str) -> Result<Arc<PoolRuntime>, ApiError> {
-    state.pools.get(name).ok_or_else(ApiError::pool_not_found)
 }
 
 /// A pool as the admin API shows it: its settings (secrets masked) and who owns them.
@@ -129,7 +125,7 @@ pub async fn list_pools(State(state): AdminRef, Query(q): Query<PageQuery>) -> J
     responses((status = 201, body = PoolView), (status = 400, description = "invalid"), (status = 409, description = "conflict")))]
 pub async fn create_pool(
     State(state): AdminRef,
-    body: Bytes,
+    BodyBytes(body): BodyBytes<MAX_ADMIN_BODY_BYTES>,
 ) -> Result<(StatusCode, Json<PoolView>), ApiError> {
     let spec: PoolSpec = parse_json(&body)?;
     let pool = state.pools.create_pool(spec).await?;
@@ -142,7 +138,7 @@ pub async fn get_pool(
     State(state): AdminRef,
     Path(name): Path<String>,
 ) -> Result<Json<PoolView>, ApiError> {
-    Ok(Json(PoolView::of(&*pool_or_404(&state, &name)?)))
+    Ok(Json(PoolView::of(&*state.pools.get_or_404(&name)?)))
 }
 
 #[utoipa::path(put, path = "/admin/pools/{pool}", tag = "admin", request_body = PoolSpec,
@@ -151,7 +147,7 @@ pub async fn get_pool(
 pub async fn put_pool(
     State(state): AdminRef,
     Path(name): Path<String>,
-    body: Bytes,
+    BodyBytes(body): BodyBytes<MAX_ADMIN_BODY_BYTES>,
 ) -> Result<Json<PoolView>, ApiError> {
     // The name may be omitted from the body: the path names the pool.
     let mut value: serde_json::Value = parse_json(&body)?;
@@ -224,10 +220,10 @@ const MAX_LABEL_LEN: usize = 200;
 pub async fn create_key(
     State(state): AdminRef,
     Path(name): Path<String>,
-    body: Bytes,
+    BodyBytes(body): BodyBytes<MAX_ADMIN_BODY_BYTES>,
 ) -> Result<(StatusCode, Json<CreatedKey>), ApiError> {
-    let pool = pool_or_404(&state, &name)?;
-    let req: NewKey = if body.iter().all(u8::is_ascii_whitespace) {
+    let pool = state.pools.get_or_404(&name)?;
+    let req: NewKey = if crate::core::extract::is_blank(&body) {
         NewKey::default()
     } else {
         parse_json(&body)?
@@ -280,7 +276,7 @@ pub async fn list_keys(
     State(state): AdminRef,
     Path(name): Path<String>,
 ) -> Result<Json<KeyList>, ApiError> {
-    let pool = pool_or_404(&state, &name)?;
+    let pool = state.pools.get_or_404(&name)?;
     let index = pool.access.keys().load();
     let mut items: Vec<KeyView> = index
         .by_digest
@@ -311,7 +307,7 @@ pub async fn revoke_key(
     State(state): AdminRef,
     Path((name, id)): Path<(String, String)>,
 ) -> Result<Json<Revoked>, ApiError> {
-    let pool = pool_or_404(&state, &name)?;
+    let pool = state.pools.get_or_404(&name)?;
     let managed = pool
         .access
         .keys()
@@ -372,7 +368,7 @@ pub async fn pool_state(
     State(state): AdminRef,
     Path(name): Path<String>,
 ) -> Result<Json<PoolState>, ApiError> {
-    let pool = pool_or_404(&state, &name)?;
+    let pool = state.pools.get_or_404(&name)?;
     let s = pool.gate.snapshot().await;
     Ok(Json(PoolState {
         in_flight: s.in_flight,
@@ -463,7 +459,7 @@ pub async fn access_log(
     Path(name): Path<String>,
     Query(q): Query<AccessLogParams>,
 ) -> Result<Json<AccessLogPage>, ApiError> {
-    let pool = pool_or_404(&state, &name)?;
+    let pool = state.pools.get_or_404(&name)?;
     let limit = pagination::page_size(q.limit, 1000);
     let query = AccessLogQuery {
         before: pagination::numeric_cursor(q.cursor.as_deref())?,

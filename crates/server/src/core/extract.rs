@@ -1,6 +1,7 @@
 //! Reading request bodies on the API host: one size bound for the small JSON bodies of the
 //! lock and pool routes, and JSON parsing whose errors name the offending field.
 
+use axum::extract::{FromRequest, Request};
 use bytes::Bytes;
 use http::HeaderMap;
 
@@ -8,6 +9,53 @@ use crate::core::error::ApiError;
 
 /// Largest body of a lock route (acquire, release) or of a signed API-host pool route.
 pub const MAX_API_BODY_BYTES: usize = 64 * 1024;
+/// Largest body of an admin route (a pool's settings with its keys, a destination).
+pub const MAX_ADMIN_BODY_BYTES: usize = 1024 * 1024;
+
+/// A request body read whole up to `LIMIT` bytes: the one body extractor of the API host's
+/// routes. Past the limit (declared or read) the answer is `413 payload_too_large` in JSON,
+/// never axum's plain-text rejection.
+pub struct BodyBytes<const LIMIT: usize>(pub Bytes);
+
+impl<S: Send + Sync, const LIMIT: usize> FromRequest<S> for BodyBytes<LIMIT> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, _state: &S) -> Result<Self, ApiError> {
+        let too_large = || ApiError::payload_too_large(LIMIT as u64);
+        let declared = req
+            .headers()
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        if declared.is_some_and(|n| n > LIMIT as u64) {
+            return Err(too_large());
+        }
+        match axum::body::to_bytes(req.into_body(), LIMIT).await {
+            Ok(bytes) => Ok(BodyBytes(bytes)),
+            Err(e) if is_length_limit(&e) => Err(too_large()),
+            Err(_) => Err(ApiError::invalid(
+                "body",
+                "the request body could not be read",
+            )),
+        }
+    }
+}
+
+fn is_length_limit(e: &axum::Error) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if err.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}
+
+/// Whether a body is empty or only white space (an optional JSON body left out).
+pub fn is_blank(body: &[u8]) -> bool {
+    body.iter().all(u8::is_ascii_whitespace)
+}
 
 /// Parses a JSON body, naming the offending field on failure.
 pub fn parse_json<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {

@@ -16,16 +16,11 @@ use utoipa::ToSchema;
 use crate::core::error::{ApiError, ErrorCode};
 use crate::core::pagination;
 use crate::jobs::{JobView, Jobs};
-use crate::pools::registry::PoolRuntime;
 
 type JobsRef = State<Arc<Jobs>>;
 
 pub fn job_not_found() -> ApiError {
     ApiError::new(ErrorCode::JobNotFound, "no such job in this pool")
-}
-
-fn pool_or_404(state: &Jobs, name: &str) -> Result<Arc<PoolRuntime>, ApiError> {
-    state.pool(name).ok_or_else(ApiError::pool_not_found)
 }
 
 #[utoipa::path(get, path = "/pools/{pool}/jobs/{jobId}", tag = "jobs",
@@ -90,7 +85,7 @@ pub async fn list_jobs(
     Path(name): Path<String>,
     Query(q): Query<JobListQuery>,
 ) -> Result<Json<JobPage>, ApiError> {
-    let pool = pool_or_404(&state, &name)?;
+    let pool = state.pools.get_or_404(&name)?;
     if let Some(s) = &q.status {
         if !STATUSES.contains(&s.as_str()) {
             return Err(ApiError::invalid(
@@ -170,7 +165,7 @@ pub async fn get_job(
     State(state): JobsRef,
     Path((name, job_id)): Path<(String, String)>,
 ) -> Result<Json<JobDetail>, ApiError> {
-    let pool = pool_or_404(&state, &name)?;
+    let pool = state.pools.get_or_404(&name)?;
     let job = state
         .store
         .get_job(&pool.name, &job_id)

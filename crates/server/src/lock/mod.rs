@@ -16,7 +16,6 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use axum::body::Body;
 use axum::extract::rejection::PathRejection;
 use axum::extract::{ConnectInfo, Extension, Path, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -32,7 +31,7 @@ use utoipa::ToSchema;
 use crate::core::access_log::{LogLine, LogOutcome, UpstreamSeen};
 use crate::core::admission::{self, Caller as AdmissionCaller};
 use crate::core::error::{ApiError, ErrorCode};
-use crate::core::extract::parse_json;
+use crate::core::extract::{is_blank, parse_json, BodyBytes};
 use crate::pools::guard::PoolCaller;
 
 /// What the lock API needs: the access log (acquire attempts), the clock, the lease book.
@@ -126,24 +125,6 @@ pub struct Released {
     pub released: bool,
 }
 
-async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
-    let too_large = || ApiError::payload_too_large(MAX_LOCK_BODY_BYTES as u64);
-    let declared = headers
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > MAX_LOCK_BODY_BYTES as u64) {
-        return Err(too_large());
-    }
-    axum::body::to_bytes(body, MAX_LOCK_BODY_BYTES)
-        .await
-        .map_err(|_| too_large())
-}
-
-fn is_empty(body: &Bytes) -> bool {
-    body.iter().all(u8::is_ascii_whitespace)
-}
-
 /// `{slotId}` of a slot route. A segment that does not decode to UTF-8 names no slot: the
 /// answer is the JSON 404 of any other unknown id, not axum's plain-text 400.
 fn slot_param(path: Result<Path<(String, String)>, PathRejection>) -> String {
@@ -157,7 +138,7 @@ pub fn acquire_params(
     headers: &HeaderMap,
     spec: &ConcurrencySpec,
 ) -> Result<(u64, Priority), ApiError> {
-    let req: AcquireBody = if is_empty(bytes) {
+    let req: AcquireBody = if is_blank(bytes) {
         AcquireBody::default()
     } else {
         parse_json(bytes)?
@@ -181,7 +162,7 @@ pub async fn acquire(
     Extension(PoolCaller { pool, caller }): Extension<PoolCaller>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
-    body: Body,
+    BodyBytes(bytes): BodyBytes<MAX_LOCK_BODY_BYTES>,
 ) -> Response {
     let log = LogLine {
         log: &state.access_log,
@@ -190,11 +171,7 @@ pub async fn acquire(
         peer,
         route: "lock acquire".into(),
     };
-    let parsed = async {
-        let bytes = read_body(&headers, body).await?;
-        acquire_params(&bytes, &headers, &pool.concurrency)
-    }
-    .await;
+    let parsed = acquire_params(&bytes, &headers, &pool.concurrency);
     let (wait_ms, priority) = match parsed {
         Ok(v) => v,
         Err(e) => {
@@ -278,7 +255,7 @@ pub async fn renew(
 /// The outcome a release body reports (an empty body: none), as the handler reads it. Public for
 /// the `lock_bodies` fuzz target.
 pub fn release_outcome(bytes: &Bytes, now_ms: u64) -> Result<Option<Outcome>, ApiError> {
-    if is_empty(bytes) {
+    if is_blank(bytes) {
         return Ok(None);
     }
     let report: ReleaseBody = parse_json(bytes)?;
@@ -361,11 +338,9 @@ pub async fn release(
     State(state): State<Arc<LockApi>>,
     Extension(PoolCaller { pool, .. }): Extension<PoolCaller>,
     path: Result<Path<(String, String)>, PathRejection>,
-    headers: HeaderMap,
-    body: Body,
+    BodyBytes(bytes): BodyBytes<MAX_LOCK_BODY_BYTES>,
 ) -> Result<Json<Released>, ApiError> {
     let slot = slot_param(path);
-    let bytes = read_body(&headers, body).await?;
     let outcome = release_outcome(&bytes, state.now())?;
     let released = match SlotId::parse(&slot) {
         Some(slot) => pool.gate.release(slot, outcome).await,

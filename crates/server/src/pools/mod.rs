@@ -15,6 +15,7 @@ use nthbouncer_coord::{Clock, Coordination};
 use nthbouncer_store::{JobStore, Store};
 use tokio::sync::{Mutex, Notify};
 
+use crate::core::error::ApiError;
 pub use ops::{config_destination_id, invalid_from_config, managed_by_config, LoadError};
 use registry::{PoolRuntime, Registry};
 
@@ -70,6 +71,11 @@ impl Pools {
     /// The pool named `name`.
     pub fn get(&self, name: &str) -> Option<Arc<PoolRuntime>> {
         self.registry.load().pools.get(name).cloned()
+    }
+
+    /// The pool named `name`, or the `404 pool_not_found` answer.
+    pub fn get_or_404(&self, name: &str) -> Result<Arc<PoolRuntime>, ApiError> {
+        self.get(name).ok_or_else(ApiError::pool_not_found)
     }
 
     /// The pool a (lowercased, port-less) host names, if any.

@@ -6,23 +6,17 @@ use std::sync::Arc;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::Json;
-use bytes::Bytes;
 use nthbouncer_store::{AttemptQuery, DeliveryAttempt, Redeliver, StoredDestination};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::Webhooks;
 use crate::core::error::{ApiError, ErrorCode};
-use crate::core::extract::parse_json;
+use crate::core::extract::{parse_json, BodyBytes, MAX_ADMIN_BODY_BYTES};
 use crate::core::pagination;
 use crate::jobs::routes::{job_not_found, valid_job_id};
-use crate::pools::registry::PoolRuntime;
 
 type WebhooksRef = State<Arc<Webhooks>>;
-
-fn pool_or_404(state: &Webhooks, name: &str) -> Result<Arc<PoolRuntime>, ApiError> {
-    state.pools.get(name).ok_or_else(ApiError::pool_not_found)
-}
 
 /// A destination as the admin API shows it (secret masked).
 #[derive(Serialize, ToSchema)]
@@ -74,7 +68,7 @@ pub async fn list_destinations(
     State(state): WebhooksRef,
     Path(name): Path<String>,
 ) -> Result<Json<DestinationList>, ApiError> {
-    let pool = pool_or_404(&state, &name)?;
+    let pool = state.pools.get_or_404(&name)?;
     let items = pool
         .destinations
         .load()
@@ -148,9 +142,9 @@ async fn check_destination_url(state: &Webhooks, url: &str) -> Result<(), ApiErr
 pub async fn create_destination(
     State(state): WebhooksRef,
     Path(name): Path<String>,
-    body: Bytes,
+    BodyBytes(body): BodyBytes<MAX_ADMIN_BODY_BYTES>,
 ) -> Result<(StatusCode, Json<DestinationView>), ApiError> {
-    let pool = pool_or_404(&state, &name)?;
+    let pool = state.pools.get_or_404(&name)?;
     let req: NewDestination = parse_json(&body)?;
     check_destination_url(&state, &req.url).await?;
     let secret = match req.secret {
@@ -209,9 +203,9 @@ pub struct DestinationPatch {
 pub async fn patch_destination(
     State(state): WebhooksRef,
     Path((name, id)): Path<(String, String)>,
-    body: Bytes,
+    BodyBytes(body): BodyBytes<MAX_ADMIN_BODY_BYTES>,
 ) -> Result<Json<DestinationView>, ApiError> {
-    let pool = pool_or_404(&state, &name)?;
+    let pool = state.pools.get_or_404(&name)?;
     let patch: DestinationPatch = parse_json(&body)?;
     let _guard = state.pools.lock_changes().await;
     let mut d = pool
@@ -260,7 +254,7 @@ pub async fn delete_destination(
     State(state): WebhooksRef,
     Path((name, id)): Path<(String, String)>,
 ) -> Result<StatusCode, ApiError> {
-    let pool = pool_or_404(&state, &name)?;
+    let pool = state.pools.get_or_404(&name)?;
     let _guard = state.pools.lock_changes().await;
     let d = pool
         .destinations
@@ -313,10 +307,10 @@ pub struct RotatedSecret {
 pub async fn rotate_secret(
     State(state): WebhooksRef,
     Path((name, id)): Path<(String, String)>,
-    body: Bytes,
+    BodyBytes(body): BodyBytes<MAX_ADMIN_BODY_BYTES>,
 ) -> Result<Json<RotatedSecret>, ApiError> {
-    let pool = pool_or_404(&state, &name)?;
-    let req: RotateSecret = if body.iter().all(u8::is_ascii_whitespace) {
+    let pool = state.pools.get_or_404(&name)?;
+    let req: RotateSecret = if crate::core::extract::is_blank(&body) {
         RotateSecret::default()
     } else {
         parse_json(&body)?
@@ -427,7 +421,7 @@ pub async fn list_deliveries(
     Path(name): Path<String>,
     Query(q): Query<AttemptListQuery>,
 ) -> Result<Json<AttemptPage>, ApiError> {
-    let pool = pool_or_404(&state, &name)?;
+    let pool = state.pools.get_or_404(&name)?;
     let limit = pagination::page_size(q.limit, 1000);
     let rows = state
         .jobs
@@ -464,7 +458,7 @@ pub async fn redeliver(
     State(state): WebhooksRef,
     Path((name, job_id)): Path<(String, String)>,
 ) -> Result<(StatusCode, Json<Redelivery>), ApiError> {
-    let pool = pool_or_404(&state, &name)?;
+    let pool = state.pools.get_or_404(&name)?;
     if !valid_job_id(&job_id) {
         return Err(job_not_found());
     }
