@@ -217,8 +217,7 @@ async fn fetch(
     guard: SlotGuard,
 ) -> Result<(JobResult, Outcome, SlotGuard), UpstreamError> {
     let req = origin_request(pool, job)?;
-    let deadline =
-        tokio::time::Instant::now() + Duration::from_millis(pool.concurrency.request_timeout_ms);
+    let deadline = crate::core::time::deadline_in(pool.concurrency.request_timeout_ms);
     let (resp, guard) = upstream::exchange(&state.client, req, guard, deadline).await?;
     let (parts, body) = resp.into_parts();
     let max = pool.spec.async_jobs.max_body_bytes as usize;

@@ -11,7 +11,6 @@ mod promote;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::response::IntoResponse;
@@ -223,8 +222,7 @@ async fn admit(call: Call<'_>, body: Incoming, plan: Plan) -> Response<Body> {
 async fn forward(mut call: Call<'_>, body: Incoming, grant: Grant) -> Response<Body> {
     let pool = call.pool;
     let guard = SlotGuard::new(pool.gate.clone(), grant.slot_id);
-    let deadline =
-        tokio::time::Instant::now() + Duration::from_millis(pool.concurrency.request_timeout_ms);
+    let deadline = crate::core::time::deadline_in(pool.concurrency.request_timeout_ms);
     let max_body = call.state.max_body_bytes;
     let body = Limited::new(body, max_body as usize);
     let (body, verdict) = match call.signed.take() {
@@ -242,7 +240,7 @@ async fn forward(mut call: Call<'_>, body: Incoming, grant: Grant) -> Response<B
             return call.log.refuse(Some(&call.caller.key_id), e);
         }
     };
-    let started = Instant::now();
+    let started = crate::core::time::now();
     let sent = upstream::exchange(&call.state.client, request, guard, deadline).await;
     let latency_ms = started.elapsed().as_millis() as u64;
     let (resp, mut guard) = match sent {

@@ -104,7 +104,7 @@ impl Drop for Exchange {
         let (Some(call), Some(guard)) = (self.call.take(), self.guard.take()) else {
             return;
         };
-        if tokio::time::Instant::now() >= self.deadline {
+        if crate::core::time::now() >= self.deadline {
             return; // the request timed out: the slot is freed now (SPEC §4)
         }
         if let Ok(rt) = tokio::runtime::Handle::try_current() {

@@ -257,11 +257,7 @@ async fn a_revoked_or_expired_key_is_refused() {
     assert_eq!(gw.admin(Method::DELETE, &revoke, None).await.0, 404);
 
     // A key that expires: valid now, and the index refuses it once past expiresAt.
-    let soon = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
-        + 300;
+    let soon = wall_ms() + 300;
     let created = create_key(serde_json::json!({"expiresAt": soon})).await;
     let key = created["key"].as_str().unwrap().to_string();
     tokio::time::sleep(Duration::from_millis(400)).await;
