@@ -19,7 +19,7 @@
 //!   deadlines, a renewed lease, the snapshot), converted at the moment they are handed out.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
 use nthbouncer_governor::{Adjustment, Admitted, Governor, Ticket, TryAcquire};
@@ -119,7 +119,14 @@ struct Inner {
     state: Mutex<State>,
     signal: Arc<TickerSignal>,
     ticker_started: AtomicBool,
+    /// Epoch minus monotonic ms, as this gate shows times: fixed, so a deadline shown at the
+    /// grant and the same deadline shown at a renew are the same number; moved only when the
+    /// wall clock steps by more than [`OFFSET_SLACK_MS`] (`i64::MIN` until first read).
+    epoch_offset: AtomicI64,
 }
+
+/// How far the wall clock may drift from the shown times before they follow it.
+const OFFSET_SLACK_MS: i64 = 1_000;
 
 /// One pool's gate. Dropping it (or [`PoolGate::close`]) stops its ticker.
 pub struct InProcessGate {
@@ -133,6 +140,7 @@ impl InProcessGate {
         let inner = Arc::new(Inner {
             pool: pool.to_owned(),
             clock,
+            epoch_offset: AtomicI64::new(i64::MIN),
             state: Mutex::new(State {
                 gov: Governor::new(settings),
                 waiters: HashMap::new(),
@@ -280,7 +288,17 @@ impl Inner {
     }
 
     fn now(&self) -> Now {
-        Now::read(&*self.clock)
+        let read = Now::read(&*self.clock);
+        let observed = (read.epoch as i64).wrapping_sub(read.mono as i64);
+        let mut offset = self.epoch_offset.load(Ordering::Relaxed);
+        if offset == i64::MIN || (observed - offset).abs() > OFFSET_SLACK_MS {
+            offset = observed;
+            self.epoch_offset.store(offset, Ordering::Relaxed);
+        }
+        Now {
+            mono: read.mono,
+            epoch: (read.mono as i64).wrapping_add(offset).max(0) as u64,
+        }
     }
 
     fn stop_ticker(&self) {
@@ -331,68 +349,83 @@ impl Drop for QueueGuard<'_> {
     }
 }
 
+/// What an acquire found on arrival: a slot at once, or a place in the queue (id, the
+/// monotonic time it queued at, and where its grant will come).
+enum Entered {
+    Admitted(Grant),
+    Queued(u128, u64, oneshot::Receiver<Dispatched>),
+}
+
+impl Inner {
+    /// The arrival of an acquire, under the pool's lock: admitted, refused or queued.
+    fn enter(&self, req: &AcquireRequest) -> Result<Entered, Refusal> {
+        let mut st = self.state.lock();
+        if st.closed {
+            return Err(Refusal::PoolClosed);
+        }
+        let now = self.now();
+        // 128 random bits collide practically never; the check keeps the governor's "ids are
+        // unique" precondition true regardless.
+        let id = loop {
+            let candidate = SlotId::random().0;
+            if !st.gov.holds(candidate) && !st.gov.is_queued(candidate) {
+                break candidate;
+            }
+        };
+        let settings = st.gov.settings();
+        let lease_ms = match req.kind {
+            SlotKind::Exchange => settings.request_timeout_ms,
+            SlotKind::Lease => settings.lease_term_ms,
+        };
+        let dispatched_terms = (settings.lease_term_ms, settings.renew_interval_ms);
+        let ticket = Ticket {
+            id,
+            fairness_key: req.fairness_key,
+            priority: req.priority,
+            lease_ms,
+        };
+        match st.gov.try_acquire(now.mono, ticket, req.wait_ms > 0) {
+            TryAcquire::Admitted(admitted) => {
+                self.settle(&mut st, now);
+                let (term_ms, renew_interval_ms) = dispatched_terms;
+                Ok(Entered::Admitted(grant(
+                    Dispatched {
+                        admitted: now.shown(admitted),
+                        term_ms,
+                        renew_interval_ms,
+                    },
+                    0,
+                )))
+            }
+            TryAcquire::Refused {
+                reason,
+                retry_after_ms,
+            } => {
+                let headers = Inner::headers(&st, now, 0);
+                Err(Refusal::TooManyRequests {
+                    reason,
+                    retry_after_ms,
+                    headers,
+                })
+            }
+            TryAcquire::Queued => {
+                let (tx, rx) = oneshot::channel();
+                st.waiters.insert(id, tx);
+                self.settle(&mut st, now);
+                Ok(Entered::Queued(id, now.mono, rx))
+            }
+        }
+    }
+}
+
 #[async_trait::async_trait]
 impl PoolGate for InProcessGate {
     async fn acquire(&self, req: AcquireRequest) -> Result<Grant, Refusal> {
         self.ensure_ticker();
         let inner = &*self.inner;
-        let (id, start, mut rx) = {
-            let mut st = inner.state.lock();
-            if st.closed {
-                return Err(Refusal::PoolClosed);
-            }
-            let now = inner.now();
-            // 128 random bits collide practically never; the check keeps the governor's "ids are
-            // unique" precondition true regardless.
-            let id = loop {
-                let candidate = SlotId::random().0;
-                if !st.gov.holds(candidate) && !st.gov.is_queued(candidate) {
-                    break candidate;
-                }
-            };
-            let settings = st.gov.settings();
-            let lease_ms = match req.kind {
-                SlotKind::Exchange => settings.request_timeout_ms,
-                SlotKind::Lease => settings.lease_term_ms,
-            };
-            let dispatched_terms = (settings.lease_term_ms, settings.renew_interval_ms);
-            let ticket = Ticket {
-                id,
-                fairness_key: req.fairness_key,
-                priority: req.priority,
-                lease_ms,
-            };
-            match st.gov.try_acquire(now.mono, ticket, req.wait_ms > 0) {
-                TryAcquire::Admitted(admitted) => {
-                    inner.settle(&mut st, now);
-                    let (term_ms, renew_interval_ms) = dispatched_terms;
-                    return Ok(grant(
-                        Dispatched {
-                            admitted: now.shown(admitted),
-                            term_ms,
-                            renew_interval_ms,
-                        },
-                        0,
-                    ));
-                }
-                TryAcquire::Refused {
-                    reason,
-                    retry_after_ms,
-                } => {
-                    let headers = Inner::headers(&st, now, 0);
-                    return Err(Refusal::TooManyRequests {
-                        reason,
-                        retry_after_ms,
-                        headers,
-                    });
-                }
-                TryAcquire::Queued => {
-                    let (tx, rx) = oneshot::channel();
-                    st.waiters.insert(id, tx);
-                    inner.settle(&mut st, now);
-                    (id, now.mono, rx)
-                }
-            }
+        let (id, start, mut rx) = match inner.enter(&req)? {
+            Entered::Admitted(grant) => return Ok(grant),
+            Entered::Queued(id, start, rx) => (id, start, rx),
         };
 
         let mut guard = QueueGuard {

@@ -279,6 +279,33 @@ async fn a_wall_clock_step_reclaims_nothing_but_monotonic_time_does() {
     assert_eq!(gate.renew(held.slot_id).await, Err(RenewError::NotFound));
 }
 
+/// Deadlines shown at a grant and at a later renew come from one offset between the clocks: a
+/// wall clock that drifts by a millisecond between them (as the system clocks do) must not show
+/// a lease renewed to its cap as ending after the request deadline. Before, each answer
+/// converted on its own reading and the client saw `leaseDeadline = requestDeadline + 1`.
+#[tokio::test]
+async fn shown_deadlines_stay_consistent_when_the_wall_clock_jitters() {
+    let (clock, coord) = manual();
+    let settings = PoolSettings {
+        limit: 1,
+        lease_term_ms: 300,
+        request_timeout_ms: 600,
+        ..PoolSettings::default()
+    };
+    let gate = coord.open("p", settings);
+    let held = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
+    clock.advance(250);
+    clock.step_wall(1);
+    assert_eq!(gate.renew(held.slot_id).await.unwrap(), T0 + 550);
+    clock.advance(250);
+    clock.step_wall(1);
+    assert_eq!(
+        gate.renew(held.slot_id).await.unwrap(),
+        held.request_deadline,
+        "renewed to the cap: exactly the request deadline shown at the grant"
+    );
+}
+
 /// A pause and a wait budget are monotonic too: a wall step neither ends them nor stretches them,
 /// and the pause is shown in epoch ms of the moment it is read.
 #[tokio::test]

@@ -248,19 +248,49 @@ impl Adaptive {
         b: Bounds,
         ctx: Context,
     ) -> Option<String> {
-        let mut notes: Vec<String> = Vec::new();
         let paused_before = self.paused_until(now);
         // The limit as last written, before decay: a decay step is a change worth telling.
         let limit_before = b.clamp(self.learned_limit.unwrap_or(b.limit));
         let decayed = self.settle(now, b);
-
-        let spent = spent_budgets(outcome.rate.as_ref());
         let throttled = outcome.status == Some(429)
             || outcome.throttled > 0
             || (outcome.status == Some(503) && outcome.retry_after_ms.is_some());
-        let mut causes: Vec<String> = Vec::new();
-        let mut limit_reason: Option<String> = decayed;
+        let mut limit_reason = self
+            .record_throttle(now, outcome, b, ctx, throttled)
+            .or(decayed);
+        if let Some((announced_us, basis)) = outcome.rate.as_ref().and_then(announced_pace) {
+            self.pace = Some(Pace {
+                announced_us,
+                at: now,
+                basis,
+            });
+        }
+        let success =
+            !throttled && outcome.throttled == 0 && outcome.status.is_none_or(|s| s < 400);
+        if success {
+            if let Some(reason) = self.grow(now, b, ctx.limited) {
+                limit_reason = Some(reason);
+            }
+        }
+        // Other outcomes (a 404, a 500 without a hint) say nothing about the upstream's capacity:
+        // they neither grow the limit nor reset the success streak.
+        let before = (limit_before, paused_before);
+        self.describe_change(now, b, outcome, before, limit_reason)
+    }
 
+    /// A throttle or a spent budget: the pauses it imposes (each capped at `max_pause_ms`), the
+    /// cause shown, and a decrease of the limit when concurrency is to blame (its reason).
+    fn record_throttle(
+        &mut self,
+        now: u64,
+        outcome: &Outcome,
+        b: Bounds,
+        ctx: Context,
+        throttled: bool,
+    ) -> Option<String> {
+        let spent = spent_budgets(outcome.rate.as_ref());
+        let mut causes: Vec<String> = Vec::new();
+        let mut limit_reason = None;
         if throttled {
             let pause_ms = outcome
                 .retry_after_ms
@@ -284,7 +314,6 @@ impl Adaptive {
                 self.no_decrease_before = until.max(now.saturating_add(DEFAULT_PAUSE_MS));
             }
         }
-
         for (what, reset_ms) in &spent {
             if let Some(reset_ms) = reset_ms.filter(|&ms| ms > 0) {
                 let pause_ms = reset_ms.min(b.max_pause_ms);
@@ -292,31 +321,24 @@ impl Adaptive {
                 causes.push(format!("{what} budget spent, resets in {pause_ms}ms"));
             }
         }
-
         if !causes.is_empty() {
             let mut cause = causes.join("; ");
             cause.push_str(&source_suffix(outcome));
             self.last_throttle = Some(Throttle { at: now, cause });
         }
+        limit_reason
+    }
 
-        if let Some((announced_us, basis)) = outcome.rate.as_ref().and_then(announced_pace) {
-            self.pace = Some(Pace {
-                announced_us,
-                at: now,
-                basis,
-            });
-        }
-
-        let success =
-            !throttled && outcome.throttled == 0 && outcome.status.is_none_or(|s| s < 400);
-        if success {
-            if let Some(reason) = self.grow(now, b, ctx.limited) {
-                limit_reason = Some(reason);
-            }
-        }
-        // Other outcomes (a 404, a 500 without a hint) say nothing about the upstream's capacity:
-        // they neither grow the limit nor reset the success streak.
-
+    /// What an observation changed, worth a log line: the limit, a new pause, the pace.
+    fn describe_change(
+        &mut self,
+        now: u64,
+        b: Bounds,
+        outcome: &Outcome,
+        (limit_before, paused_before): (u32, Option<u64>),
+        limit_reason: Option<String>,
+    ) -> Option<String> {
+        let mut notes: Vec<String> = Vec::new();
         let limit_after = self.effective_limit(b, now);
         if limit_after != limit_before {
             let why = limit_reason.unwrap_or_else(|| "re-fitted".to_owned());
@@ -341,13 +363,12 @@ impl Adaptive {
             self.noted_rpm = rpm;
         }
         if notes.is_empty() {
-            None
-        } else {
-            if let Some(t) = self.last_throttle.as_ref().filter(|t| t.at == now) {
-                notes.push(format!("cause: {}", t.cause));
-            }
-            Some(notes.join("; "))
+            return None;
         }
+        if let Some(t) = self.last_throttle.as_ref().filter(|t| t.at == now) {
+            notes.push(format!("cause: {}", t.cause));
+        }
+        Some(notes.join("; "))
     }
 
     /// Re-fits learned state into new bounds after a reconfigure.

@@ -194,6 +194,27 @@ fn attempts_sql(q: &AttemptQuery) -> (String, Vec<rusqlite::types::Value>) {
 
 /// Applies one attempt inside the caller's transaction (see [`JobStore::record_attempts`]).
 fn apply_attempt(tx: &Transaction<'_>, r: &AttemptRecord) -> Result<AttemptApplied> {
+    let mut applied = apply_streak(tx, r)?;
+    // A deactivated destination gets no retries.
+    let next = match r.next {
+        DeliveryNext::Retry { .. } if applied.deactivated => DeliveryNext::Failed,
+        other => other,
+    };
+    applied.recorded = apply_delivery(tx, r, next)?;
+    if applied.deactivated {
+        tx.prepare_cached(
+            "UPDATE deliveries SET status = 'failed', last_error = 'destination deactivated', updated_at = ?2 \
+             WHERE destination_id = ?1 AND status = 'pending'",
+        )
+        .ctx("record_attempts")?
+        .execute(params![r.destination_id, r.at])
+        .ctx("record_attempts")?;
+    }
+    Ok(applied)
+}
+
+/// The destination's failure streak and deactivation after one attempt.
+fn apply_streak(tx: &Transaction<'_>, r: &AttemptRecord) -> Result<AttemptApplied> {
     let mut applied = AttemptApplied::default();
     let success = r.next == DeliveryNext::Delivered;
     if success {
@@ -238,11 +259,11 @@ fn apply_attempt(tx: &Transaction<'_>, r: &AttemptRecord) -> Result<AttemptAppli
         };
         applied.deactivated = n > 0;
     }
-    // A deactivated destination gets no retries.
-    let next = match r.next {
-        DeliveryNext::Retry { .. } if applied.deactivated => DeliveryNext::Failed,
-        other => other,
-    };
+    Ok(applied)
+}
+
+/// The delivery's new state and the attempt's log row; `false` if the delivery is gone.
+fn apply_delivery(tx: &Transaction<'_>, r: &AttemptRecord, next: DeliveryNext) -> Result<bool> {
     let exists = tx
         .prepare_cached("UPDATE deliveries SET attempts = attempts + 1 WHERE id = ?1")
         .ctx("record_attempts")?
@@ -306,18 +327,8 @@ fn apply_attempt(tx: &Transaction<'_>, r: &AttemptRecord) -> Result<AttemptAppli
             outcome
         ])
         .ctx("record_attempts")?;
-        applied.recorded = true;
     }
-    if applied.deactivated {
-        tx.prepare_cached(
-            "UPDATE deliveries SET status = 'failed', last_error = 'destination deactivated', updated_at = ?2 \
-             WHERE destination_id = ?1 AND status = 'pending'",
-        )
-        .ctx("record_attempts")?
-        .execute(params![r.destination_id, r.at])
-        .ctx("record_attempts")?;
-    }
-    Ok(applied)
+    Ok(exists)
 }
 
 fn event(
