@@ -40,7 +40,7 @@ const IDLE: u8 = b'I';
 #[derive(Debug)]
 pub(crate) enum QueryError {
     /// PostgreSQL's `ErrorResponse`. The session is still usable unless it was FATAL.
-    Db(DbError),
+    Db(Box<DbError>),
     /// The answer grew past the cap; the statement still runs and must be cancelled.
     TooLarge,
     /// The socket failed mid-exchange.
@@ -142,7 +142,7 @@ impl Connection {
         };
         conn.startup(&target).await.map_err(|e| match e {
             StartupError::Server(db) if db.code == TOO_MANY_CONNECTIONS => {
-                SqlHttpError::TooManyConnections(Box::new(db))
+                SqlHttpError::TooManyConnections(db)
             }
             StartupError::Server(db) => unreachable(&format!("the server refused: {db}")),
             StartupError::Other(message) => unreachable(&message),
@@ -233,7 +233,7 @@ impl Connection {
                 }
                 Message::ParameterStatus(_) | Message::NoticeResponse(_) => {}
                 Message::ErrorResponse(body) => {
-                    return Err(StartupError::Server(db_error(&body)));
+                    return Err(StartupError::Server(Box::new(db_error(&body))));
                 }
                 Message::ReadyForQuery(body) => {
                     self.status = body.status();
@@ -307,29 +307,18 @@ impl Connection {
         let mut error: Option<DbError> = None;
         loop {
             match self.recv_in_query().await? {
-                Message::RowDescription(body) => {
-                    if error.is_none() {
-                        writer
-                            .describe(Some(&body))
-                            .map_err(|e| self.protocol(e.to_string()))?;
-                    }
-                }
-                Message::NoData => {
-                    if error.is_none() {
-                        writer
-                            .describe(None)
-                            .map_err(|e| self.protocol(e.to_string()))?;
-                    }
-                }
-                Message::DataRow(row) => {
-                    if error.is_none() {
-                        match writer.row(&row) {
-                            Ok(()) => {}
-                            Err(RowError::TooLarge(_)) => return Err(QueryError::TooLarge),
-                            Err(RowError::Decode(e)) => return Err(self.protocol(e.to_string())),
-                        }
-                    }
-                }
+                // After an ErrorResponse the server skips to Sync: no rows follow an error.
+                Message::RowDescription(body) => writer
+                    .describe(Some(&body))
+                    .map_err(|e| self.protocol(e.to_string()))?,
+                Message::NoData => writer
+                    .describe(None)
+                    .map_err(|e| self.protocol(e.to_string()))?,
+                Message::DataRow(row) => match writer.row(&row) {
+                    Ok(()) => {}
+                    Err(RowError::TooLarge(_)) => return Err(QueryError::TooLarge),
+                    Err(RowError::Decode(e)) => return Err(self.protocol(e.to_string())),
+                },
                 Message::CommandComplete(body) => {
                     let t = body.tag().map_err(|e| self.protocol(e.to_string()))?;
                     tag = Some(t.to_owned());
@@ -339,7 +328,7 @@ impl Connection {
                     let db = db_error(&body);
                     if db.is_fatal() {
                         self.broken = true;
-                        return Err(QueryError::Db(db));
+                        return Err(QueryError::Db(Box::new(db)));
                     }
                     error = Some(db);
                 }
@@ -362,7 +351,7 @@ impl Connection {
             }
         }
         match error {
-            Some(db) => Err(QueryError::Db(db)),
+            Some(db) => Err(QueryError::Db(Box::new(db))),
             None => Ok(tag),
         }
     }
@@ -378,7 +367,7 @@ impl Connection {
                     let db = db_error(&body);
                     if db.is_fatal() {
                         self.broken = true;
-                        return Err(QueryError::Db(db));
+                        return Err(QueryError::Db(Box::new(db)));
                     }
                     error = Some(db);
                 }
@@ -391,7 +380,7 @@ impl Connection {
             }
         }
         match error {
-            Some(db) => Err(QueryError::Db(db)),
+            Some(db) => Err(QueryError::Db(Box::new(db))),
             None => Ok(()),
         }
     }
@@ -510,7 +499,7 @@ impl From<io::Error> for RecvError {
 }
 
 enum StartupError {
-    Server(DbError),
+    Server(Box<DbError>),
     Other(String),
 }
 

@@ -156,7 +156,7 @@ impl Database {
 
     fn query_error(&self, e: QueryError) -> SqlHttpError {
         match e {
-            QueryError::Db(db) => SqlHttpError::Sql(Box::new(db)),
+            QueryError::Db(db) => SqlHttpError::Sql(db),
             QueryError::TooLarge => SqlHttpError::ResponseTooLarge {
                 max_bytes: self.max_response_bytes,
             },
@@ -283,9 +283,11 @@ impl Lease {
             .ok_or_else(|| QueryError::Protocol("the connection was already released".into()))
     }
 
-    /// Cancels the running statement and waits until the server has taken the request.
+    /// Cancels the running statement and waits until the server has taken the request. Only
+    /// while one runs: a cancel sent to an idle session could land on the next caller's query
+    /// once the session is back in the pool.
     async fn cancel_now(&mut self) {
-        if let Some(object) = self.object.as_ref() {
+        if let Some(object) = self.object.as_ref().filter(|o| o.is_busy()) {
             let key = object.cancel_key();
             if let Err(e) = key.cancel().await {
                 tracing::warn!(error = %e, "could not cancel a statement whose answer was too large");
