@@ -10,9 +10,9 @@
 //! Every refusal has the same body, `{"error":"unauthorized","message":CREDENTIALS_MESSAGE}`;
 //! only the status tells `401` from `403`. The precise reason goes to the access log.
 //!
-//! The proxy streams bodies, so a signed request's body is verified as it streams
-//! ([`SignedBody`]); the lock and poll routes go through [`require`], which reads their small
-//! bodies whole when the pool signs requests.
+//! A signed request's body is read whole (bounded) and verified before anything of it is
+//! admitted or forwarded: by the proxy (`access.hmac.max_body_bytes`) and by the guard of the
+//! API host's pool routes (`pools::guard`).
 
 mod client_ip;
 mod jwt;
@@ -32,9 +32,7 @@ use nthbouncer_coord::{InProcessNonces, NonceStore};
 
 pub use client_ip::client_addr;
 pub use jwt::{JwtFailure, JwtPolicy};
-pub use signing::{
-    rejection_in, BodyRejected, HmacFailure, HmacPolicy, Pending, SignedBody, Verdict,
-};
+pub use signing::{HmacFailure, HmacPolicy, Pending};
 pub use throttle::{FailureThrottle, BLOCK_MS, FAILURE_WINDOW_MS, MAX_FAILURES};
 
 use crate::core::access_log::{LogLine, LogOutcome, UpstreamSeen};
@@ -279,7 +277,7 @@ pub enum BodyState<'a> {
     Empty,
     /// Read whole already.
     Whole(&'a [u8]),
-    /// Still to stream: a signed request comes back with a [`Pending`] check for [`SignedBody`].
+    /// Still to read: a signed request comes back with a [`Pending`] check for the body.
     Streamed,
 }
 
@@ -369,18 +367,6 @@ async fn credentials(
         (Some(p), BodyState::Streamed) => Some(p),
     };
     Ok(Authorized { caller, pending })
-}
-
-/// Waits for a streamed body's verdict (the upstream may answer before the body ended); a body
-/// that never finished by `deadline` counts as unverified.
-pub async fn body_verdict(
-    verdict: Verdict,
-    deadline: tokio::time::Instant,
-) -> Result<(), HmacFailure> {
-    match tokio::time::timeout_at(deadline, verdict).await {
-        Ok(Ok(result)) => result,
-        Ok(Err(_)) | Err(_) => Err(HmacFailure::BodyIncomplete),
-    }
 }
 
 /// Answers a refusal: the metric, the access-log line with the precise reason, the uniform body.

@@ -7,26 +7,18 @@
 //! time, any configured secret), the nonce is unseen — so only correctly signed requests can
 //! occupy the nonce store.
 //!
-//! Bodies are not buffered: the head is checked up front and a [`Pending`] check travels with
-//! the body ([`SignedBody`]), which hashes it as it streams to the upstream and holds back the
-//! last frame until the signature and nonce pass. A failure ends the body with an error, so the
-//! upstream sees an aborted request, never a complete forged one.
+//! The head is checked up front ([`HmacPolicy::begin`]); the caller then reads the body whole
+//! (bounded) and hands it to [`Pending::finish_with_body`]: nothing of a signed request leaves
+//! the gateway before its signature and nonce passed.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
-use bytes::Bytes;
 use hmac::{Hmac, Mac};
 use http::{HeaderMap, Method, Uri};
-use http_body::{Body as HttpBody, Frame, SizeHint};
 use nthbouncer_coord::{NonceKey, NonceStore, NonceVerdict};
 use sha2::{Digest, Sha256};
-use tokio::sync::oneshot;
 
 type HmacSha256 = Hmac<Sha256>;
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 pub const TIMESTAMP_HEADER: &str = "x-nthpool-timestamp";
 pub const NONCE_HEADER: &str = "x-nthpool-nonce";
@@ -237,157 +229,11 @@ impl Pending {
     }
 }
 
-/// The error a [`SignedBody`] ends with when the request is not authentic.
-#[derive(Debug, thiserror::Error)]
-#[error("request body failed verification")]
-pub struct BodyRejected(pub HmacFailure);
-
-/// The verdict on a streamed body, sent once it is known.
-pub type Verdict = oneshot::Receiver<Result<(), HmacFailure>>;
-
-type Finishing = Pin<Box<dyn Future<Output = Result<(), HmacFailure>> + Send>>;
-
-enum Phase {
-    Streaming(Option<Pending>),
-    Finishing(Finishing),
-    Verified,
-    Ended,
-}
-
-pin_project_lite::pin_project! {
-    /// A request body hashed as it streams, whose last frame is held back until the signature
-    /// and nonce pass.
-    pub struct SignedBody<B> {
-        #[pin]
-        inner: B,
-        hasher: Sha256,
-        held: Option<Frame<Bytes>>,
-        trailers: Option<Frame<Bytes>>,
-        phase: Phase,
-        verdict: Option<oneshot::Sender<Result<(), HmacFailure>>>,
-    }
-}
-
-impl<B> SignedBody<B> {
-    pub fn new(inner: B, pending: Pending) -> (Self, Verdict) {
-        let (tx, rx) = oneshot::channel();
-        let body = SignedBody {
-            inner,
-            hasher: Sha256::new(),
-            held: None,
-            trailers: None,
-            phase: Phase::Streaming(Some(pending)),
-            verdict: Some(tx),
-        };
-        (body, rx)
-    }
-}
-
-impl<B> HttpBody for SignedBody<B>
-where
-    B: HttpBody<Data = Bytes>,
-    B::Error: Into<BoxError>,
-{
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let mut this = self.project();
-        loop {
-            match this.phase {
-                Phase::Ended => return Poll::Ready(None),
-                Phase::Verified => {
-                    if let Some(frame) = this.held.take().or_else(|| this.trailers.take()) {
-                        return Poll::Ready(Some(Ok(frame)));
-                    }
-                    *this.phase = Phase::Ended;
-                    return Poll::Ready(None);
-                }
-                Phase::Finishing(fut) => {
-                    let result = match fut.as_mut().poll(cx) {
-                        Poll::Pending => return Poll::Pending,
-                        Poll::Ready(r) => r,
-                    };
-                    if let Some(tx) = this.verdict.take() {
-                        let _ = tx.send(result);
-                    }
-                    match result {
-                        Ok(()) => *this.phase = Phase::Verified,
-                        Err(failure) => {
-                            *this.phase = Phase::Ended;
-                            this.held.take();
-                            this.trailers.take();
-                            return Poll::Ready(Some(Err(Box::new(BodyRejected(failure)))));
-                        }
-                    }
-                }
-                Phase::Streaming(pending) => match this.inner.as_mut().poll_frame(cx) {
-                    Poll::Pending => return Poll::Pending,
-                    Poll::Ready(Some(Ok(frame))) => {
-                        if let Some(data) = frame.data_ref() {
-                            if data.is_empty() {
-                                continue;
-                            }
-                            this.hasher.update(data);
-                            if let Some(previous) = this.held.replace(frame) {
-                                return Poll::Ready(Some(Ok(previous)));
-                            }
-                        } else {
-                            *this.trailers = Some(frame);
-                        }
-                    }
-                    Poll::Ready(Some(Err(e))) => {
-                        if let Some(tx) = this.verdict.take() {
-                            let _ = tx.send(Err(HmacFailure::BodyIncomplete));
-                        }
-                        *this.phase = Phase::Ended;
-                        return Poll::Ready(Some(Err(e.into())));
-                    }
-                    Poll::Ready(None) => {
-                        let digest: [u8; 32] = std::mem::take(this.hasher).finalize().into();
-                        let Some(p) = pending.take() else {
-                            *this.phase = Phase::Ended;
-                            return Poll::Ready(None);
-                        };
-                        *this.phase = Phase::Finishing(Box::pin(p.finish(digest)));
-                    }
-                },
-            }
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        matches!(self.phase, Phase::Ended)
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match self.phase {
-            Phase::Streaming(_) => self.inner.size_hint(),
-            _ => SizeHint::default(),
-        }
-    }
-}
-
-/// Our rejection somewhere in an error's chain of sources.
-pub fn rejection_in(err: &(dyn std::error::Error + 'static)) -> Option<HmacFailure> {
-    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
-    while let Some(e) = cur {
-        if let Some(r) = e.downcast_ref::<BodyRejected>() {
-            return Some(r.0);
-        }
-        cur = e.source();
-    }
-    None
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use http_body_util::{BodyExt, StreamBody};
+
     use nthbouncer_coord::InProcessNonces;
 
     const SECRET: &[u8] = b"0123456789abcdef-secret";
@@ -520,42 +366,5 @@ mod tests {
             p.begin(&m, &u, &h, NOW, store()).err(),
             Some(HmacFailure::Malformed)
         );
-    }
-
-    fn chunks(parts: &[&'static [u8]]) -> impl HttpBody<Data = Bytes, Error = BoxError> {
-        let frames: Vec<Result<Frame<Bytes>, BoxError>> = parts
-            .iter()
-            .map(|p| Ok(Frame::data(Bytes::from_static(p))))
-            .collect();
-        StreamBody::new(futures_util::stream::iter(frames))
-    }
-
-    #[tokio::test]
-    async fn a_streamed_body_is_verified_at_its_end_and_a_forgery_never_completes() {
-        let ts = (NOW / 1000).to_string();
-        let nonce = "nonce-0123456789abcdef";
-        let body = b"part1part2part3";
-        let sig = format!("v1={}", sign(SECRET, &canonical(&ts, nonce, body)));
-        let (m, u, h) = head(&ts, nonce, &sig);
-
-        let p = policy().begin(&m, &u, &h, NOW, store()).unwrap();
-        let (signed, verdict) = SignedBody::new(chunks(&[b"part1", b"part2", b"part3"]), p);
-        let got = signed.collect().await.unwrap().to_bytes();
-        assert_eq!(&got[..], body);
-        assert_eq!(verdict.await.unwrap(), Ok(()));
-
-        let p = policy().begin(&m, &u, &h, NOW, store()).unwrap();
-        let (mut signed, verdict) = SignedBody::new(chunks(&[b"part1", b"part2", b"partX"]), p);
-        let mut passed = Vec::new();
-        let err = loop {
-            match signed.frame().await {
-                Some(Ok(f)) => passed.extend_from_slice(f.data_ref().unwrap()),
-                Some(Err(e)) => break e,
-                None => panic!("a forged body must not end cleanly"),
-            }
-        };
-        assert_eq!(rejection_in(err.as_ref()), Some(HmacFailure::Signature));
-        assert_eq!(&passed[..], b"part1part2", "the last frame is held back");
-        assert_eq!(verdict.await.unwrap(), Err(HmacFailure::Signature));
     }
 }

@@ -160,6 +160,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
             clock: clock.clone(),
             jobs: jobs.clone(),
             max_body_bytes: server.max_body_bytes,
+            header_read_timeout: std::time::Duration::from_millis(server.header_read_timeout_ms),
         }),
         lock: Arc::new(LockApi {
             pools: pools.clone(),

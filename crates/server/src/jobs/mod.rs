@@ -115,6 +115,15 @@ pub struct WebhookCount {
     pub destinations: u32,
 }
 
+/// A body already read whole, held to the pool's `async.max_body_bytes` (`413` beyond).
+pub fn bounded_body(pool: &PoolRuntime, body: Bytes) -> Result<Bytes, ApiError> {
+    let max = pool.spec.async_jobs.max_body_bytes;
+    if body.len() as u64 > max {
+        return Err(ApiError::payload_too_large(max));
+    }
+    Ok(body)
+}
+
 /// Reads a request body for a job, up to the pool's `async.max_body_bytes` (`413` beyond).
 pub async fn read_body(pool: &PoolRuntime, body: hyper::body::Incoming) -> Result<Bytes, ApiError> {
     let max = pool.spec.async_jobs.max_body_bytes;

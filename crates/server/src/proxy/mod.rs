@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::response::IntoResponse;
+use bytes::Bytes;
 use http::header::HeaderValue;
 use http::request::Parts;
 use http::{HeaderMap, Request, Response};
@@ -42,6 +43,8 @@ pub struct Proxy {
     pub jobs: Arc<Jobs>,
     /// `server.max_body_bytes`.
     pub max_body_bytes: u64,
+    /// `server.header_read_timeout_ms`: also the budget for reading a signed body whole.
+    pub header_read_timeout: std::time::Duration,
 }
 
 impl Proxy {
@@ -56,13 +59,16 @@ struct Call<'a> {
     pool: &'a Arc<PoolRuntime>,
     log: LogLine<'a>,
     parts: Parts,
-    /// The client's address (the peer, or the right-most untrusted `X-Forwarded-For` hop).
-    client: IpAddr,
     peer: SocketAddr,
     original_host: Option<HeaderValue>,
     caller: Caller,
-    /// A signed request's check, waiting for the body's hash.
-    signed: Option<access::Pending>,
+}
+
+/// A request's body as the phases carry it: still streaming, or read whole (a signed request's:
+/// nothing of it leaves the gateway before its signature verified).
+enum CallBody {
+    Streamed(Incoming),
+    Whole(Bytes),
 }
 
 /// What a caller asked of admission.
@@ -96,16 +102,25 @@ pub async fn handle(
         Ok(a) => (a.caller, a.pending),
         Err(failure) => return access::refuse(&pool.metrics, log, None, failure),
     };
+    let body = match signed {
+        None => CallBody::Streamed(body),
+        Some(pending) => match Box::pin(verify_body(&state, &pool, pending, body)).await {
+            Ok(bytes) => CallBody::Whole(bytes),
+            Err(Refused::TooLarge(e)) => return log.refuse(Some(&caller.key_id), e),
+            Err(Refused::Unverified(failure)) => {
+                pool.access.record_failure(client, log.at, failure);
+                return access::refuse(&pool.metrics, log, Some(&caller.key_id), failure);
+            }
+        },
+    };
     let call = Call {
         state: &state,
         pool: &pool,
         log,
         parts,
-        client,
         peer,
         original_host,
         caller,
-        signed,
     };
     let plan = match plan(&call) {
         Ok(p) => p,
@@ -142,6 +157,46 @@ async fn authorize(
     .await
 }
 
+/// Why a signed body was refused.
+enum Refused {
+    /// Past `access.hmac.max_body_bytes`: `413`.
+    TooLarge(ApiError),
+    /// Not whole within the header timeout's budget, or its signature or nonce failed: `401`.
+    Unverified(access::Failure),
+}
+
+/// Reads a signed request's body whole (up to `access.hmac.max_body_bytes`, within the header
+/// timeout's budget) and finishes its signature check, before anything of it goes upstream.
+async fn verify_body(
+    state: &Proxy,
+    pool: &PoolRuntime,
+    pending: access::Pending,
+    body: Incoming,
+) -> Result<Bytes, Refused> {
+    let max = pool
+        .spec
+        .access
+        .hmac
+        .as_ref()
+        .map_or(state.max_body_bytes, |h| h.max_body_bytes);
+    let read = http_body_util::BodyExt::collect(Limited::new(body, max as usize));
+    let bytes = match tokio::time::timeout(state.header_read_timeout, read).await {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(e)) if e.is::<LengthLimitError>() => {
+            return Err(Refused::TooLarge(ApiError::payload_too_large(max)))
+        }
+        Ok(Err(_)) | Err(_) => {
+            let failure = access::Failure::Hmac(access::HmacFailure::BodyIncomplete);
+            return Err(Refused::Unverified(failure));
+        }
+    };
+    pending
+        .finish_with_body(&bytes)
+        .await
+        .map_err(|f| Refused::Unverified(access::Failure::Hmac(f)))?;
+    Ok(bytes)
+}
+
 /// The body-size bound, the wait budget, the priority and whether a job is asked for.
 fn plan(call: &Call<'_>) -> Result<Plan, ApiError> {
     let headers = &call.parts.headers;
@@ -171,7 +226,7 @@ fn plan(call: &Call<'_>) -> Result<Plan, ApiError> {
 }
 
 /// Admission (SPEC §3, §6): a job when asked for or promoted from a wait, else the gate.
-async fn admit(call: Call<'_>, body: Incoming, plan: Plan) -> Response<Body> {
+async fn admit(call: Call<'_>, body: CallBody, plan: Plan) -> Response<Body> {
     // With no active webhook destination the pool behaves exactly as with async off.
     let live = call.pool.async_live();
     if plan.asked_async && live {
@@ -219,18 +274,14 @@ async fn admit(call: Call<'_>, body: Incoming, plan: Plan) -> Response<Body> {
 }
 
 /// Sends an admitted request upstream and streams the answer back, holding the slot.
-async fn forward(mut call: Call<'_>, body: Incoming, grant: Grant) -> Response<Body> {
+async fn forward(mut call: Call<'_>, body: CallBody, grant: Grant) -> Response<Body> {
     let pool = call.pool;
     let guard = SlotGuard::new(pool.gate.clone(), grant.slot_id);
     let deadline = crate::core::time::deadline_in(pool.concurrency.request_timeout_ms);
     let max_body = call.state.max_body_bytes;
-    let body = Limited::new(body, max_body as usize);
-    let (body, verdict) = match call.signed.take() {
-        Some(pending) => {
-            let (body, verdict) = access::SignedBody::new(body, pending);
-            (Body::new(body), Some(verdict))
-        }
-        None => (Body::new(body), None),
+    let body = match body {
+        CallBody::Streamed(body) => Body::new(Limited::new(body, max_body as usize)),
+        CallBody::Whole(bytes) => Body::from(bytes),
     };
     let headers = std::mem::take(&mut call.parts.headers);
     let request = match upstream_request(&call, headers, body) {
@@ -247,15 +298,6 @@ async fn forward(mut call: Call<'_>, body: Incoming, grant: Grant) -> Response<B
         Ok(r) => r,
         Err(e) => return upstream_failure(call, e, &grant, latency_ms),
     };
-    // The upstream may answer before a signed body ended: its answer waits for the verdict.
-    if let Some(verdict) = verdict {
-        if let Err(failure) = access::body_verdict(verdict, deadline).await {
-            let failure = access::Failure::Hmac(failure);
-            pool.access
-                .record_failure(call.client, call.log.at, failure);
-            return access::refuse(&pool.metrics, call.log, Some(&call.caller.key_id), failure);
-        }
-    }
     pool.metrics
         .upstream_latency
         .record(latency_ms as f64 / 1000.0);
@@ -330,12 +372,6 @@ fn upstream_failure(
     latency_ms: u64,
 ) -> Response<Body> {
     let pool = call.pool;
-    if let Some(failure) = err.caused_by::<access::BodyRejected>() {
-        let failure = access::Failure::Hmac(failure.0);
-        pool.access
-            .record_failure(call.client, call.log.at, failure);
-        return access::refuse(&pool.metrics, call.log, Some(&call.caller.key_id), failure);
-    }
     let max_body = call.state.max_body_bytes;
     let (e, reason) = if err.caused_by::<LengthLimitError>().is_some() {
         (ApiError::payload_too_large(max_body), None)

@@ -1,24 +1,22 @@
 //! A proxied request taken as an async job (SPEC §6): asked for with `X-Nthpool-Async`, or
 //! promoted from a wait. The proxy's one hand-off to another feature: the body is read whole
-//! (and its signature checked), the request is prepared as the origin will see it, and the job
-//! layer stores it durably before the `202`.
+//! (a signed one was, and verified, before admission), the request is prepared as the origin
+//! will see it, and the job layer stores it durably before the `202`.
 
 use axum::body::Body;
 use axum::response::IntoResponse;
 use http::{Response, StatusCode};
-use hyper::body::Incoming;
 use nthbouncer_coord::Priority;
 
-use super::{consumed, forwarded, Call};
-use crate::access;
+use super::{consumed, forwarded, Call, CallBody};
 use crate::core::access_log::{LogOutcome, UpstreamSeen};
 use crate::jobs::{self, JobHead, Reason};
 use crate::upstream::prepare;
 
 /// Takes the request as a job and answers `202` with its handle.
 pub(super) async fn accept_job(
-    mut call: Call<'_>,
-    body: Incoming,
+    call: Call<'_>,
+    body: CallBody,
     priority: Priority,
     reason: Reason,
 ) -> Response<Body> {
@@ -34,20 +32,15 @@ pub(super) async fn accept_job(
             .map_or_else(|| "/".to_string(), |p| p.as_str().to_string()),
         headers,
     };
-    let body = match jobs::read_body(call.pool, body).await {
+    let body = match body {
+        CallBody::Streamed(body) => jobs::read_body(call.pool, body).await,
+        // A signed body, read whole and verified already.
+        CallBody::Whole(bytes) => jobs::bounded_body(call.pool, bytes),
+    };
+    let body = match body {
         Ok(b) => b,
         Err(e) => return call.log.refuse(Some(&key_id), e),
     };
-    // A signed request is only accepted once its body matches the signature.
-    if let Some(pending) = call.signed.take() {
-        if let Err(f) = pending.finish_with_body(&body).await {
-            let failure = access::Failure::Hmac(f);
-            call.pool
-                .access
-                .record_failure(call.log.peer.ip(), call.log.at, failure);
-            return access::refuse(&call.pool.metrics, call.log, Some(&key_id), failure);
-        }
-    }
     let accepted = jobs::accept(
         &call.state.jobs,
         call.pool,

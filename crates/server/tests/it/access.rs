@@ -266,7 +266,7 @@ async fn hmac_signed_requests_pass_and_forgeries_are_refused() {
 }
 
 #[tokio::test]
-async fn hmac_streamed_bodies_are_verified_as_they_stream() {
+async fn hmac_signed_bodies_are_verified_before_anything_is_forwarded() {
     let up = Recorder::start().await;
     let clock = clock();
     let gw = start(&hmac_pool(&up.url()), &clock).await;
@@ -309,9 +309,9 @@ async fn hmac_streamed_bodies_are_verified_as_they_stream() {
     assert_eq!(status, 401);
     assert_eq!(body, uniform());
     assert_eq!(
-        up.completed(),
+        up.seen().len(),
         1,
-        "the forged body must arrive aborted, if at all"
+        "nothing of the forged request reached the upstream"
     );
     gw.wait_state("p", "the slot freed", |s| s["inFlight"] == 0)
         .await;
@@ -320,6 +320,63 @@ async fn hmac_streamed_bodies_are_verified_as_they_stream() {
         reasons.first().map(String::as_str),
         Some("hmac: signature mismatch")
     );
+}
+
+/// Before: the head of a signed request (and all but its last chunk) was forwarded, with the
+/// managed credentials, while its body was still arriving; a handler acting on the head ran for
+/// someone without the secret. Now nothing leaves the gateway before the signature verifies.
+#[tokio::test]
+async fn a_signed_request_still_arriving_reaches_nothing_upstream() {
+    let up = Recorder::start().await;
+    let clock = clock();
+    let gw = start(&hmac_pool(&up.url()), &clock).await;
+    let now = clock.now_s();
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(4);
+    let body = reqwest::Body::wrap_stream(futures_util::stream::unfold(rx, |mut rx| async {
+        rx.recv().await.map(|b| (Ok::<_, std::io::Error>(b), rx))
+    }));
+    let forged = Signed::new(Method::DELETE, "/records/7", b"the real body", now);
+    let request = forged
+        .request(&gw, "p.localhost")
+        .header("x-nthpool-key", KEY)
+        .body(body)
+        .send();
+    let call = tokio::spawn(request);
+    tx.send(Bytes::from_static(b"a forged ")).await.unwrap();
+    // The gateway has the head and a first chunk; give it every chance to forward them.
+    for _ in 0..50 {
+        tokio::task::yield_now().await;
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+    assert_eq!(up.seen().len(), 0, "the head went upstream before the body");
+    tx.send(Bytes::from_static(b"body")).await.unwrap();
+    drop(tx);
+    let r = call.await.unwrap().unwrap();
+    assert_eq!(status_and_body(r).await, (401, uniform()));
+    assert_eq!(up.seen().len(), 0, "a forged request reached the upstream");
+}
+
+/// A signed body past `access.hmac.max_body_bytes` is refused with 413 before anything is sent.
+#[tokio::test]
+async fn a_signed_body_over_its_bound_is_413() {
+    let up = Recorder::start().await;
+    let clock = clock();
+    let toml = hmac_pool(&up.url()).replace(
+        "[pools.access.hmac]\n",
+        "[pools.access.hmac]\nmax_body_bytes = 16\n",
+    );
+    let gw = start(&toml, &clock).await;
+    let big = vec![b'x'; 64];
+    let signed = Signed::new(Method::POST, "/upload", &big, clock.now_s());
+    let r = signed
+        .request(&gw, "p.localhost")
+        .header("x-nthpool-key", KEY)
+        .body(big.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    assert_eq!(up.seen().len(), 0);
 }
 
 #[tokio::test]
