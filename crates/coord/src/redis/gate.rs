@@ -257,9 +257,12 @@ impl RedisGate {
             local_slots: Mutex::new(HashSet::new()),
             node: Arc::clone(&node),
         });
-        node.gates
-            .lock()
-            .insert(pool.to_owned(), Arc::downgrade(&shared));
+        {
+            let mut gates = node.gates.lock();
+            let list = gates.entry(pool.to_owned()).or_default();
+            list.retain(|g| g.strong_count() > 0);
+            list.push(Arc::downgrade(&shared));
+        }
         shared.ensure_ticker();
         RedisGate { shared }
     }
@@ -968,7 +971,15 @@ impl PoolGate for RedisGate {
         if let Some(gate) = fallback {
             gate.close().await;
         }
-        s.node.gates.lock().remove(&s.pool);
+        {
+            let mut gates = s.node.gates.lock();
+            if let Some(list) = gates.get_mut(&s.pool) {
+                list.retain(|g| g.strong_count() > 0 && !std::ptr::eq(g.as_ptr(), Arc::as_ptr(s)));
+                if list.is_empty() {
+                    gates.remove(&s.pool);
+                }
+            }
+        }
         s.wake();
         tracing::debug!(pool = %s.pool, "redis pool gate closed");
     }

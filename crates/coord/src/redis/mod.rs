@@ -112,8 +112,9 @@ pub(crate) struct Node {
     pub clock: Arc<dyn Clock>,
     /// `{prefix}:wake:` — a node's channel is this plus its id.
     pub wake_prefix: String,
-    /// Open gates by pool, for wake-ups.
-    pub gates: Mutex<HashMap<String, Weak<gate::Shared>>>,
+    /// Open gates by pool, for wake-ups (a pool may be opened more than once, e.g. reopened
+    /// while the old gate still drains).
+    pub gates: Mutex<HashMap<String, Vec<Weak<gate::Shared>>>>,
 }
 
 /// Redis [`Coordination`]: one per node. Gates of the same pool opened by different nodes (or
@@ -209,11 +210,12 @@ impl Coordination for RedisCoordination {
 /// message. A broken subscription is re-made after a pause; meanwhile the gates poll.
 async fn listen(client: ::redis::Client, node: Weak<Node>) {
     loop {
-        let Some((channel, timeout, retry)) = node.upgrade().map(|n| {
+        let Some((channel, timeout, retry, clock)) = node.upgrade().map(|n| {
             (
                 format!("{}{}", n.wake_prefix, n.id),
                 n.options.connect_timeout,
                 n.options.retry_redis_after,
+                Arc::clone(&n.clock),
             )
         }) else {
             return;
@@ -232,8 +234,13 @@ async fn listen(client: ::redis::Client, node: Weak<Node>) {
                         return;
                     };
                     let pool: String = msg.get_payload().unwrap_or_default();
-                    let gate = node.gates.lock().get(&pool).and_then(Weak::upgrade);
-                    if let Some(gate) = gate {
+                    let gates: Vec<_> = node
+                        .gates
+                        .lock()
+                        .get(&pool)
+                        .map(|gates| gates.iter().filter_map(Weak::upgrade).collect())
+                        .unwrap_or_default();
+                    for gate in gates {
                         gate.wake();
                     }
                 }
@@ -242,6 +249,9 @@ async fn listen(client: ::redis::Client, node: Weak<Node>) {
             Ok(Err(e)) => tracing::debug!(error = %e, "redis wake-up subscription failed"),
             Err(_) => tracing::debug!("redis wake-up subscription timed out"),
         }
-        tokio::time::sleep(retry).await;
+        let retry = u64::try_from(retry.as_millis()).unwrap_or(u64::MAX);
+        clock
+            .sleep_until_monotonic(clock.monotonic_ms().saturating_add(retry))
+            .await;
     }
 }

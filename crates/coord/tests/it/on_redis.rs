@@ -678,3 +678,25 @@ async fn every_key_of_a_pool_carries_its_hash_tag() {
     }
     assert!(gate.release(held.slot_id, None).await);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closing_a_gate_refuses_its_waiters_and_leaves_the_shared_queue() {
+    let space = Space::new();
+    let (a, b) = (space.node(), space.node());
+    let ga = a.open("close", limit(1));
+    let gb = b.open("close", limit(1));
+    let held = ga.acquire(req(0, SlotKind::Exchange)).await.unwrap();
+    let waiter = {
+        let gb = Arc::clone(&gb);
+        tokio::spawn(async move { gb.acquire(req(20_000, SlotKind::Exchange)).await })
+    };
+    queued(&ga, 1).await;
+    gb.close().await;
+    assert_eq!(waiter.await.unwrap().unwrap_err(), Refusal::PoolClosed);
+    queued(&ga, 0).await;
+    assert_eq!(
+        gb.acquire(req(0, SlotKind::Exchange)).await.unwrap_err(),
+        Refusal::PoolClosed
+    );
+    assert!(ga.release(held.slot_id, None).await);
+}
