@@ -1,10 +1,11 @@
 //! The coordination seam: the async admission interface every caller of a pool goes through.
 //!
 //! This crate owns *where coordination state lives* (slots, leases, wait queues, RPM windows,
-//! learned limits): [`PoolGate`] is the trait the HTTP layer talks to, and [`in_process`] is the
-//! single-node implementation, a thin async shell around the pure `nthbouncer-governor` core.
-//! A Redis-backed implementation for several nodes will implement the same traits unchanged.
-//! [`nonces`] holds the seen HMAC nonces behind [`NonceStore`], for the same reason.
+//! learned limits): [`PoolGate`] is the trait the HTTP layer talks to, [`in_process`] is the
+//! single-node implementation, a thin async shell around the pure `nthbouncer-governor` core,
+//! and [`redis`] implements the same traits for several nodes sharing one limit through Redis.
+//! [`nonces`] holds the seen HMAC nonces behind [`NonceStore`], for the same reason (on Redis:
+//! [`redis::RedisNonces`]).
 //!
 //! It must not know about HTTP, keys, or the durable store: callers hand it a fairness key id,
 //! a priority and a wait budget, and get back a grant or a refusal.
@@ -14,8 +15,11 @@
 pub mod clock;
 pub mod in_process;
 pub mod nonces;
+pub mod redis;
 
 use std::sync::Arc;
+
+use tokio::sync::watch;
 
 pub use clock::{monotonic_to_epoch, Clock, ManualClock, SystemClock};
 pub use nonces::{InProcessNonces, NonceKey, NonceStore, NonceVerdict};
@@ -110,6 +114,9 @@ pub enum Refusal {
     QueueTimeout { headers: GateHeaders },
     /// The pool was removed while the caller waited.
     PoolClosed,
+    /// The shared coordination store (Redis) could not be reached and the gate fails closed:
+    /// `503 coordination_unavailable`, with `Retry-After`. Nothing was admitted.
+    CoordinationUnavailable { retry_after_ms: u64 },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -118,6 +125,30 @@ pub enum RenewError {
     NotFound,
     /// Lease already at `requestDeadline`: `409 capped`.
     Capped,
+}
+
+/// Tells a holder that its slot could no longer be confirmed (see [`PoolGate::lease_watch`]).
+#[derive(Clone, Debug)]
+pub struct LeaseWatch {
+    lost: watch::Receiver<bool>,
+}
+
+impl LeaseWatch {
+    /// A watch fed by the gate: `true` once the lease is lost.
+    pub fn new(lost: watch::Receiver<bool>) -> Self {
+        LeaseWatch { lost }
+    }
+
+    /// Whether the lease is already known lost.
+    pub fn is_lost(&self) -> bool {
+        *self.lost.borrow()
+    }
+
+    /// Resolves once the lease is lost; never while it is confirmed. If the gate goes away
+    /// first, nothing confirms the lease any more either, so that counts as lost.
+    pub async fn lost(&mut self) {
+        let _ = self.lost.wait_for(|lost| *lost).await;
+    }
 }
 
 /// One pool's admission gate. All proxy, lock and job callers of a pool share one gate.
@@ -141,6 +172,14 @@ pub trait PoolGate: Send + Sync + 'static {
     async fn snapshot(&self) -> Snapshot;
     /// Refuses every waiter with [`Refusal::PoolClosed`] and stops background work.
     async fn close(&self);
+    /// Self-fencing: for a held [`SlotKind::Exchange`] slot whose lease this gate keeps alive
+    /// behind the holder's back, a watch that fires if the lease could not be confirmed (it was
+    /// reclaimed, or the coordination store stayed unreachable past its deadline). The slot
+    /// may then be someone else's, so the holder should cut its call off. `None` when the gate
+    /// never loses a held slot that way (the in-process gate) or does not know the slot.
+    fn lease_watch(&self, _slot: SlotId) -> Option<LeaseWatch> {
+        None
+    }
 }
 
 /// Where pool gates come from.

@@ -206,6 +206,12 @@ impl Adaptive {
         self.pace_us(b, now).map(rpm_of)
     }
 
+    /// When the pace in force at `now` lapses unless announced again, if one is in force.
+    pub(crate) fn pace_lapses_at(&self, b: Bounds, now: u64) -> Option<u64> {
+        self.pace_us(b, now)?;
+        self.pace.map(|p| p.at.saturating_add(RATE_STALE_MS))
+    }
+
     /// The minimum spacing between admissions in microseconds, if a pace is in force at `now`.
     /// The spacing is capped at `max_pause_ms`: a pace is a pause between admissions.
     pub(crate) fn pace_us(&self, b: Bounds, now: u64) -> Option<u64> {

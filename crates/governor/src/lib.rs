@@ -213,6 +213,21 @@ pub struct Adjustment {
     pub what: String,
 }
 
+/// The learned state of a pool at one moment (see [`Governor::learned`]): everything admission
+/// reads from adaptive learning, for an implementation that enforces it outside the governor.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Learned {
+    pub effective_limit: u32,
+    pub learned_limit: Option<u32>,
+    /// Minimum spacing between admissions in microseconds (the learned pace), if one is in force.
+    pub pace_us: Option<u64>,
+    /// When that pace lapses unless announced again.
+    pub pace_until: Option<u64>,
+    pub learned_rpm: Option<u32>,
+    pub paused_until: Option<u64>,
+    pub last_throttle: Option<Throttle>,
+}
+
 /// One admission request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Ticket {
@@ -452,20 +467,21 @@ impl Governor {
         (self.release(now, id), adjustment)
     }
 
-    fn learn(
+    /// [`Governor::observe`] for a learner whose slots are counted elsewhere (the Redis gate
+    /// keeps the slots of several nodes in a shared store and runs only the learning here): the
+    /// caller says whether the concurrency limit bound while the observed request ran and, for
+    /// the outcome of a held slot, when that slot was granted (on this governor's clock).
+    pub fn observe_external(
         &mut self,
         now: u64,
         outcome: &Outcome,
+        limited: bool,
         admitted_at: Option<u64>,
     ) -> Option<Adjustment> {
         let now = self.tick(now);
         if !self.settings.adaptive {
             return None;
         }
-        let limited = self.in_flight() >= self.effective_limit(now)
-            || self
-                .last_full_at
-                .is_some_and(|full| admitted_at.is_some_and(|at| full >= at));
         let ctx = Context {
             limited,
             admitted_at,
@@ -475,10 +491,39 @@ impl Governor {
         Some(Adjustment {
             effective_limit: self.effective_limit(now),
             learned_limit: self.adaptive.learned_limit(bounds, now),
-            learned_rpm: self.adaptive.learned_rpm(self.bounds(), now),
+            learned_rpm: self.adaptive.learned_rpm(bounds, now),
             paused_until: self.adaptive.paused_until(now),
             what,
         })
+    }
+
+    /// What this governor has learned, as of `now`, for a caller that enforces it elsewhere.
+    pub fn learned(&self, now: u64) -> Learned {
+        let now = self.at(now);
+        let bounds = self.bounds();
+        Learned {
+            effective_limit: self.effective_limit(now),
+            learned_limit: self.adaptive.learned_limit(bounds, now),
+            pace_us: self.adaptive.pace_us(bounds, now),
+            pace_until: self.adaptive.pace_lapses_at(bounds, now),
+            learned_rpm: self.adaptive.learned_rpm(bounds, now),
+            paused_until: self.adaptive.paused_until(now),
+            last_throttle: self.adaptive.last_throttle().cloned(),
+        }
+    }
+
+    fn learn(
+        &mut self,
+        now: u64,
+        outcome: &Outcome,
+        admitted_at: Option<u64>,
+    ) -> Option<Adjustment> {
+        let now = self.tick(now);
+        let limited = self.in_flight() >= self.effective_limit(now)
+            || self
+                .last_full_at
+                .is_some_and(|full| admitted_at.is_some_and(|at| full >= at));
+        self.observe_external(now, outcome, limited, admitted_at)
     }
 
     /// The earliest time at which state can change without a call: a lease expiry, or — while

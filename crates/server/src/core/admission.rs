@@ -133,6 +133,14 @@ pub fn refusal_error(refusal: &Refusal) -> ApiError {
         )
         .with_gate(*headers),
         Refusal::PoolClosed => ApiError::pool_not_found(),
+        Refusal::CoordinationUnavailable { retry_after_ms } => {
+            let mut e = ApiError::new(
+                ErrorCode::CoordinationUnavailable,
+                "the coordination store is unreachable; nothing was admitted",
+            );
+            e.retry_after_s = Some(retry_after_ms.div_ceil(1000).max(1));
+            e
+        }
     }
 }
 

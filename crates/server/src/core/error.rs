@@ -45,6 +45,8 @@ pub enum ErrorCode {
     NoActiveDestination,
     TooManyDestinations,
     StoreUnavailable,
+    /// The coordination store (Redis) is unreachable and admission fails closed.
+    CoordinationUnavailable,
     /// The server is shutting down (`/readyz`).
     Draining,
     Internal,
@@ -75,6 +77,7 @@ impl ErrorCode {
             ErrorCode::NoActiveDestination => "no_active_destination",
             ErrorCode::TooManyDestinations => "too_many_destinations",
             ErrorCode::StoreUnavailable => "store_unavailable",
+            ErrorCode::CoordinationUnavailable => "coordination_unavailable",
             ErrorCode::Draining => "draining",
             ErrorCode::Internal => "internal",
         }
@@ -101,7 +104,9 @@ impl ErrorCode {
             | ErrorCode::JobNotTerminal
             | ErrorCode::NoActiveDestination
             | ErrorCode::TooManyDestinations => StatusCode::CONFLICT,
-            ErrorCode::StoreUnavailable | ErrorCode::Draining => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::StoreUnavailable
+            | ErrorCode::CoordinationUnavailable
+            | ErrorCode::Draining => StatusCode::SERVICE_UNAVAILABLE,
             ErrorCode::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }

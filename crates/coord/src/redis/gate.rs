@@ -1,0 +1,1010 @@
+//! One pool's gate on Redis, as one node sees it.
+//!
+//! Owns the node-local half of a shared pool: the callers of this node parked in the shared
+//! queue (each on a oneshot channel, by ticket), the ticker that collects their grants (woken
+//! by pub/sub, polling as a fallback and a heartbeat), the keep-alive and self-fencing of the
+//! exchange slots this node holds, the adaptive learner (the governor's pure code, fed outcomes
+//! seen here, its conclusions written to Redis), and the fail-open fallback gate. The admission
+//! rules are the scripts'; this module must not re-decide them, and must not know about HTTP.
+//!
+//! Invariants (as in process): a caller that gives up (timeout or dropped future) either leaves
+//! the queue or frees the grant that raced in; a grant is handed to its waiter under the
+//! waiters' lock, so a waiter that finds its entry gone knows the grant is in its channel.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+
+use nthbouncer_governor::{Governor, Learned};
+use parking_lot::Mutex;
+use tokio::sync::{oneshot, watch, Notify};
+
+use super::script::{self, CallError, Caller, Reply};
+use super::Node;
+use crate::in_process::InProcessGate;
+use crate::{
+    AcquireRequest, GateHeaders, Grant, LeaseWatch, Outcome, PoolGate, PoolSettings, Priority,
+    Refusal, RefusalReason, RenewError, SlotId, SlotKind, Snapshot, Throttle,
+};
+
+/// How long past its wait budget a queue entry stays in Redis: its own node cancels it at the
+/// budget's end, and only an entry whose node never did (it died) is forgotten by the others.
+const GRACE_MS: u64 = 2_000;
+
+/// Shortest sleep of the ticker, so a schedule that is already due cannot make it spin.
+const MIN_TICK_MS: u64 = 5;
+
+/// A grant as the scripts record it, with the moment it was read on both clocks.
+#[derive(Clone, Debug)]
+struct Granted {
+    slot: SlotId,
+    lease_deadline: u64,
+    request_deadline: u64,
+    remaining: u32,
+    effective: u32,
+    rpm_remaining: Option<u32>,
+    /// Server time of the call that read it, and this node's monotonic time when it was made.
+    server_now: u64,
+    mono: u64,
+}
+
+impl Granted {
+    /// Parses `slot:leaseDeadline:requestDeadline:remaining:effective:rpmRemaining`.
+    fn parse(s: &str, server_now: u64, mono: u64) -> Option<Granted> {
+        let mut parts = s.split(':');
+        let slot = SlotId::parse(parts.next()?)?;
+        let mut num = || parts.next().and_then(|p| p.parse::<i64>().ok());
+        let lease_deadline = u64::try_from(num()?).ok()?;
+        let request_deadline = u64::try_from(num()?).ok()?;
+        let remaining = u32::try_from(num()?.max(0)).ok()?;
+        let effective = u32::try_from(num()?.max(0)).ok()?;
+        let rpm_remaining = u32::try_from(num()?).ok();
+        Some(Granted {
+            slot,
+            lease_deadline,
+            request_deadline,
+            remaining,
+            effective,
+            rpm_remaining,
+            server_now,
+            mono,
+        })
+    }
+
+    /// The grant of an `admitted` acquire reply.
+    fn admitted(
+        reply: &Reply,
+        slot: SlotId,
+        server_now: u64,
+        mono: u64,
+    ) -> Result<Granted, CallError> {
+        Ok(Granted {
+            slot,
+            lease_deadline: reply.u64(2)?,
+            request_deadline: reply.u64(3)?,
+            remaining: reply.u32(4)?,
+            effective: reply.u32(5)?,
+            rpm_remaining: u32::try_from(reply.int(6)?).ok(),
+            server_now,
+            mono,
+        })
+    }
+
+    /// This node's monotonic time until which the lease is confirmed.
+    fn confirmed_until(&self) -> u64 {
+        self.mono
+            .saturating_add(self.lease_deadline.saturating_sub(self.server_now))
+    }
+}
+
+/// An exchange slot this node holds and keeps alive.
+struct Hold {
+    /// Monotonic ms until which the lease is confirmed in Redis.
+    confirmed_until: u64,
+    lost: watch::Sender<bool>,
+}
+
+/// What a learner concluded, as the scripts store it (`-1` for none).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Wire {
+    limit: i64,
+    pace_us: i64,
+    pace_until: i64,
+    rpm: i64,
+    paused_until: i64,
+    throttle_at: i64,
+    cause: String,
+}
+
+fn wire_num(v: Option<u64>) -> i64 {
+    v.and_then(|v| i64::try_from(v).ok()).unwrap_or(-1)
+}
+
+impl Wire {
+    fn of(l: &Learned) -> Wire {
+        Wire {
+            limit: wire_num(l.learned_limit.map(u64::from)),
+            pace_us: wire_num(l.pace_us),
+            pace_until: wire_num(l.pace_until),
+            rpm: wire_num(l.learned_rpm.map(u64::from)),
+            paused_until: wire_num(l.paused_until),
+            throttle_at: wire_num(l.last_throttle.as_ref().map(|t| t.at)),
+            cause: l
+                .last_throttle
+                .as_ref()
+                .map(|t| t.cause.clone())
+                .unwrap_or_default(),
+        }
+    }
+
+    fn args(&self) -> [String; 7] {
+        [
+            self.limit.to_string(),
+            self.pace_us.to_string(),
+            self.pace_until.to_string(),
+            self.rpm.to_string(),
+            self.paused_until.to_string(),
+            self.throttle_at.to_string(),
+            self.cause.clone(),
+        ]
+    }
+}
+
+/// The node's adaptive learner for one pool: a governor that admits nothing and only learns,
+/// on the server's clock. `written` is what it last stored in Redis; it writes again only when
+/// its conclusion changes, and only once it has learned something (a node that never saw an
+/// outcome must not overwrite what others learned).
+struct Learner {
+    gov: Governor,
+    written: Option<Wire>,
+}
+
+impl Learner {
+    /// What to store after learning at `now`, if it differs from what was stored.
+    fn conclusion_to_store(&mut self, now: u64, changed: bool) -> Option<Wire> {
+        let wire = Wire::of(&self.gov.learned(now));
+        let fresh = self.written.as_ref() != Some(&wire);
+        if (changed || self.written.is_some()) && fresh {
+            self.written = Some(wire.clone());
+            return Some(wire);
+        }
+        None
+    }
+}
+
+pub(crate) struct Shared {
+    node: Arc<Node>,
+    pool: String,
+    keys: Vec<String>,
+    settings: Mutex<PoolSettings>,
+    /// Callers of this node parked in the shared queue, by ticket.
+    waiters: Mutex<HashMap<String, oneshot::Sender<Granted>>>,
+    /// Exchange slots this node holds, by slot id.
+    holds: Mutex<HashMap<u128, Hold>>,
+    /// Monotonic ms at which the holds are next renewed.
+    renew_at: AtomicU64,
+    learner: Mutex<Learner>,
+    /// Server ms minus this node's monotonic ms, as of the last answer (for the learner's clock
+    /// between calls).
+    offset: AtomicI64,
+    signal: Arc<Notify>,
+    closed: AtomicBool,
+    ticker_started: AtomicBool,
+    /// Fail open: until this monotonic ms, admission skips Redis (it just failed).
+    down_until: AtomicU64,
+    fallback: Mutex<Option<Arc<InProcessGate>>>,
+    /// Slots granted by the fallback gate (they are released there, not in Redis).
+    local_slots: Mutex<HashSet<u128>>,
+}
+
+/// One pool's gate on Redis. Dropping it (or [`PoolGate::close`]) stops its ticker.
+pub struct RedisGate {
+    shared: Arc<Shared>,
+}
+
+fn class(p: Priority) -> u8 {
+    match p {
+        Priority::High => 1,
+        Priority::Normal => 2,
+        Priority::Low => 3,
+    }
+}
+
+fn reason(s: &str) -> RefusalReason {
+    match s {
+        "queue_full" => RefusalReason::QueueFull,
+        "rpm" => RefusalReason::Rpm,
+        "paused" => RefusalReason::Paused,
+        _ => RefusalReason::NoSlot,
+    }
+}
+
+/// The fail-open share of one node: `limit / expected_nodes`, at least one slot.
+fn share(settings: &PoolSettings, expected_nodes: u32) -> PoolSettings {
+    let limit = (settings.limit / expected_nodes.max(1)).max(1);
+    PoolSettings {
+        limit,
+        min_limit: settings.min_limit.min(limit),
+        rpm: if settings.rpm == 0 {
+            0
+        } else {
+            (settings.rpm / expected_nodes.max(1)).max(1)
+        },
+        ..settings.clone()
+    }
+}
+
+impl RedisGate {
+    pub(crate) fn new(node: Arc<Node>, pool: &str, settings: PoolSettings) -> Self {
+        let keys = script::pool_keys(&node.options.key_prefix, pool);
+        let shared = Arc::new(Shared {
+            pool: pool.to_owned(),
+            keys,
+            learner: Mutex::new(Learner {
+                gov: Governor::new(settings.clone()),
+                written: None,
+            }),
+            settings: Mutex::new(settings),
+            waiters: Mutex::new(HashMap::new()),
+            holds: Mutex::new(HashMap::new()),
+            renew_at: AtomicU64::new(0),
+            offset: AtomicI64::new(0),
+            signal: Arc::new(Notify::new()),
+            closed: AtomicBool::new(false),
+            ticker_started: AtomicBool::new(false),
+            down_until: AtomicU64::new(0),
+            fallback: Mutex::new(None),
+            local_slots: Mutex::new(HashSet::new()),
+            node: Arc::clone(&node),
+        });
+        {
+            let mut gates = node.gates.lock();
+            let list = gates.entry(pool.to_owned()).or_default();
+            list.retain(|g| g.strong_count() > 0);
+            list.push(Arc::downgrade(&shared));
+        }
+        shared.ensure_ticker();
+        RedisGate { shared }
+    }
+}
+
+impl Drop for RedisGate {
+    fn drop(&mut self) {
+        self.shared.closed.store(true, Ordering::Release);
+        self.shared.signal.notify_one();
+    }
+}
+
+impl Shared {
+    pub(crate) fn wake(&self) {
+        self.signal.notify_one();
+    }
+
+    fn settings(&self) -> PoolSettings {
+        self.settings.lock().clone()
+    }
+
+    fn mono(&self) -> u64 {
+        self.node.clock.monotonic_ms()
+    }
+
+    /// The server's time as this node last saw it, moved on by this node's monotonic clock.
+    fn server_now_estimate(&self) -> u64 {
+        let offset = self.offset.load(Ordering::Acquire);
+        u64::try_from(i128::from(self.mono()) + i128::from(offset)).unwrap_or(0)
+    }
+
+    fn note_server_now(&self, server_now: u64, mono: u64) {
+        let offset = i128::from(server_now) - i128::from(mono);
+        self.offset
+            .store(i64::try_from(offset).unwrap_or_default(), Ordering::Release);
+    }
+
+    fn ensure_ticker(self: &Arc<Self>) {
+        if self.ticker_started.load(Ordering::Acquire) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.ticker_started.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        runtime.spawn(run_ticker(
+            Arc::downgrade(self),
+            Arc::clone(&self.signal),
+            Arc::clone(&self.node.clock),
+        ));
+    }
+
+    async fn call(&self, which: &::redis::Script, extra: &[String]) -> Result<Reply, CallError> {
+        let settings = self.settings();
+        let caller = Caller {
+            node: &self.node.id,
+            node_ttl_ms: u64::try_from(self.node.options.node_ttl.as_millis()).unwrap_or(u64::MAX),
+            wake_prefix: &self.node.wake_prefix,
+            pool: &self.pool,
+        };
+        let reply = script::call(
+            &self.node.conn,
+            which,
+            &self.keys,
+            &settings,
+            &caller,
+            extra,
+            self.node.options.command_timeout,
+        )
+        .await;
+        if let Err(e) = &reply {
+            tracing::debug!(pool = %self.pool, error = %e, "redis gate call failed");
+        }
+        reply
+    }
+
+    /// How often this node renews its exchange slots: the advised renew interval, and at least
+    /// three times a term so one lost call does not lose a lease.
+    fn renew_every(&self) -> u64 {
+        let settings = self.settings();
+        settings
+            .renew_interval_ms
+            .min(settings.lease_term_ms / 3)
+            .max(MIN_TICK_MS)
+    }
+
+    fn fail_open(&self) -> Option<u32> {
+        self.node.options.fail_open
+    }
+
+    fn retry_redis_ms(&self) -> u64 {
+        u64::try_from(self.node.options.retry_redis_after.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Whether admission skips Redis for now (fail open, and Redis failed a moment ago).
+    fn on_own(&self) -> bool {
+        self.fail_open().is_some() && self.mono() < self.down_until.load(Ordering::Acquire)
+    }
+
+    fn fallback_gate(&self) -> Option<Arc<InProcessGate>> {
+        let expected = self.fail_open()?;
+        let mut fallback = self.fallback.lock();
+        let gate = fallback.get_or_insert_with(|| {
+            Arc::new(InProcessGate::new(
+                &self.pool,
+                share(&self.settings(), expected),
+                Arc::clone(&self.node.clock),
+            ))
+        });
+        Some(Arc::clone(gate))
+    }
+
+    /// Redis could not answer an acquire: admit on this node's share (fail open) or refuse.
+    async fn unavailable(&self, e: &CallError, req: AcquireRequest) -> Result<Grant, Refusal> {
+        let retry_after_ms = self.retry_redis_ms();
+        self.down_until.store(
+            self.mono().saturating_add(retry_after_ms),
+            Ordering::Release,
+        );
+        match self.fallback_gate() {
+            Some(gate) => {
+                tracing::warn!(pool = %self.pool, error = %e, "redis unreachable; admitting on this node's share (fail open)");
+                self.acquire_on_own(&gate, req).await
+            }
+            None => {
+                tracing::warn!(pool = %self.pool, error = %e, "redis unreachable; refusing admission (fail closed)");
+                Err(Refusal::CoordinationUnavailable { retry_after_ms })
+            }
+        }
+    }
+
+    async fn acquire_on_own(
+        &self,
+        gate: &Arc<InProcessGate>,
+        req: AcquireRequest,
+    ) -> Result<Grant, Refusal> {
+        let grant = gate.acquire(req).await?;
+        self.local_slots.lock().insert(grant.slot_id.0);
+        Ok(grant)
+    }
+
+    fn grant(&self, g: &Granted, kind: SlotKind, queued_ms: u64) -> Grant {
+        let settings = self.settings();
+        if kind == SlotKind::Exchange {
+            // The first renewal is due one interval from now, not at once.
+            let now = self.mono();
+            if self.renew_at.load(Ordering::Acquire) < now {
+                self.renew_at
+                    .store(now.saturating_add(self.renew_every()), Ordering::Release);
+            }
+            let (tx, _) = watch::channel(false);
+            self.holds.lock().insert(
+                g.slot.0,
+                Hold {
+                    confirmed_until: g.confirmed_until(),
+                    lost: tx,
+                },
+            );
+            self.wake();
+        }
+        Grant {
+            slot_id: g.slot,
+            lease_deadline: g.lease_deadline,
+            request_deadline: g.request_deadline,
+            term_ms: settings.lease_term_ms,
+            renew_interval_ms: settings.renew_interval_ms,
+            headers: GateHeaders {
+                remaining_slots: g.remaining,
+                effective_limit: g.effective,
+                rpm_remaining: g.rpm_remaining,
+                queued_ms,
+            },
+        }
+    }
+
+    fn headers(reply: &Reply, from: usize, queued_ms: u64) -> Result<GateHeaders, CallError> {
+        Ok(GateHeaders {
+            remaining_slots: reply.u32(from)?,
+            effective_limit: reply.u32(from + 1)?,
+            rpm_remaining: u32::try_from(reply.int(from + 2)?).ok(),
+            queued_ms,
+        })
+    }
+
+    /// Frees `slot` in Redis (no learning), e.g. for a grant nobody is left to take.
+    async fn free(&self, slot: SlotId) {
+        let extra = [slot.to_string(), "0".to_owned()];
+        if let Err(e) = self.call(&self.node.scripts.release, &extra).await {
+            tracing::warn!(pool = %self.pool, slot = %slot, error = %e, "could not free an unclaimed slot; its lease will expire");
+        }
+    }
+
+    /// Hands collected grants to their waiters; a grant whose waiter is gone is freed.
+    async fn deliver(&self, reply: &Reply, from: usize, mono: u64) -> Result<(), CallError> {
+        let server_now = reply.u64(0)?;
+        let mut orphans = Vec::new();
+        let mut i = from;
+        while i + 1 < reply.len() {
+            let ticket = reply.str(i)?;
+            let g = Granted::parse(&reply.str(i + 1)?, server_now, mono)
+                .ok_or(CallError::Reply("malformed grant"))?;
+            let tx = self.waiters.lock().remove(&ticket);
+            let undelivered = match tx {
+                Some(tx) => tx.send(g).err(),
+                None => Some(g),
+            };
+            if let Some(g) = undelivered {
+                orphans.push(g.slot);
+            }
+            i += 2;
+        }
+        for slot in orphans {
+            self.free(slot).await;
+        }
+        Ok(())
+    }
+
+    /// One ticker round: collect this node's grants, renew its exchange slots, write decayed
+    /// learning. Returns how long to sleep (`None`: until woken).
+    async fn tick(&self) -> Option<u64> {
+        let poll = u64::try_from(self.node.options.poll_interval.as_millis()).unwrap_or(500);
+        let mut sleep: Option<u64> = None;
+        let mut at_most = |ms: u64| sleep = Some(sleep.map_or(ms, |s: u64| s.min(ms)));
+
+        let tickets: Vec<String> = self.waiters.lock().keys().cloned().collect();
+        if !tickets.is_empty() {
+            let mono = self.mono();
+            if let Ok(reply) = self.call(&self.node.scripts.tick, &tickets).await {
+                if let Ok(now) = reply.u64(0) {
+                    self.note_server_now(now, mono);
+                }
+                if let Err(e) = self.deliver(&reply, 2, mono).await {
+                    tracing::warn!(pool = %self.pool, error = %e, "bad tick reply");
+                }
+                if let Ok(Some(next)) = reply.opt(1) {
+                    at_most(next);
+                }
+            }
+            // The polling fallback (pub/sub is at most once), and the node's heartbeat.
+            at_most(poll);
+        }
+
+        if !self.holds.lock().is_empty() {
+            let now = self.mono();
+            let renew_at = self.renew_at.load(Ordering::Acquire);
+            if now >= renew_at {
+                self.renew_holds().await;
+                self.renew_at.store(
+                    self.mono().saturating_add(self.renew_every()),
+                    Ordering::Release,
+                );
+            }
+            self.fence_expired();
+            let now = self.mono();
+            let next_renew = self.renew_at.load(Ordering::Acquire).saturating_sub(now);
+            at_most(next_renew);
+            if let Some(until) = self.holds.lock().values().map(|h| h.confirmed_until).min() {
+                at_most(until.saturating_sub(now));
+            }
+        }
+
+        if sleep.is_some() {
+            self.write_decay().await;
+        }
+        sleep.map(|s| s.max(MIN_TICK_MS))
+    }
+
+    /// Renews every exchange slot this node holds in one call; a slot Redis no longer has is
+    /// lost (self-fencing).
+    async fn renew_holds(&self) {
+        let slots: Vec<u128> = self.holds.lock().keys().copied().collect();
+        if slots.is_empty() {
+            return;
+        }
+        let extra: Vec<String> = slots.iter().map(|s| SlotId(*s).to_string()).collect();
+        let mono = self.mono();
+        let Ok(reply) = self.call(&self.node.scripts.renew, &extra).await else {
+            return;
+        };
+        let Ok(server_now) = reply.u64(0) else {
+            return;
+        };
+        self.note_server_now(server_now, mono);
+        let mut holds = self.holds.lock();
+        for (i, slot) in slots.iter().enumerate() {
+            let status = reply.int(1 + 2 * i).unwrap_or(0);
+            let deadline = reply.u64(2 + 2 * i).unwrap_or(0);
+            if status == 0 {
+                if let Some(h) = holds.remove(slot) {
+                    tracing::warn!(pool = %self.pool, slot = %SlotId(*slot), "lease lost in redis; the holder is told to stop");
+                    h.lost.send_replace(true);
+                }
+            } else if let Some(h) = holds.get_mut(slot) {
+                h.confirmed_until = mono.saturating_add(deadline.saturating_sub(server_now));
+            }
+        }
+    }
+
+    /// Holds whose lease could not be confirmed in time are lost: Redis may have reclaimed them.
+    fn fence_expired(&self) {
+        let now = self.mono();
+        self.holds.lock().retain(|slot, h| {
+            if h.confirmed_until > now {
+                return true;
+            }
+            tracing::warn!(pool = %self.pool, slot = %SlotId(*slot), "lease could not be confirmed before its deadline; the holder is told to stop");
+            h.lost.send_replace(true);
+            false
+        });
+    }
+
+    /// Stores what the learner concluded, if it changed (decay moves it without any outcome).
+    async fn write_decay(&self) {
+        let wire = {
+            let mut learner = self.learner.lock();
+            if learner.written.is_none() {
+                return;
+            }
+            learner.conclusion_to_store(self.server_now_estimate(), false)
+        };
+        if let Some(wire) = wire {
+            let mut extra = vec!["1".to_owned()];
+            extra.extend(wire.args());
+            let _ = self.call(&self.node.scripts.learn, &extra).await;
+        }
+    }
+}
+
+/// Sleeps until the next round is due or the gate is woken; holds the gate only while it works.
+async fn run_ticker(gate: Weak<Shared>, signal: Arc<Notify>, clock: Arc<dyn crate::Clock>) {
+    loop {
+        let next = match gate.upgrade() {
+            Some(shared) if !shared.closed.load(Ordering::Acquire) => shared.tick().await,
+            _ => return,
+        };
+        let woken = signal.notified();
+        match next {
+            Some(ms) => {
+                let at = clock.monotonic_ms().saturating_add(ms);
+                tokio::select! {
+                    () = woken => {}
+                    () = clock.sleep_until_monotonic(at) => {}
+                }
+            }
+            None => woken.await,
+        }
+    }
+}
+
+/// Leaves the shared queue if the acquire future is dropped while parked; frees the grant if
+/// one raced in. Disarmed once the outcome has been handed to the caller.
+struct QueueGuard {
+    shared: Arc<Shared>,
+    ticket: String,
+    rx: oneshot::Receiver<Granted>,
+    armed: bool,
+}
+
+impl Drop for QueueGuard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let sender = self.shared.waiters.lock().remove(&self.ticket);
+        // No sender left: the ticker delivered the grant into our channel (or the pool closed).
+        let delivered = if sender.is_none() {
+            self.rx.try_recv().ok()
+        } else {
+            None
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return; // No runtime to clean up on: the lease or queue entry expires in Redis.
+        };
+        let shared = Arc::clone(&self.shared);
+        let ticket = std::mem::take(&mut self.ticket);
+        runtime.spawn(async move {
+            match delivered {
+                Some(g) => shared.free(g.slot).await,
+                None => {
+                    let extra = [ticket, "1".to_owned()];
+                    let _ = shared.call(&shared.node.scripts.cancel, &extra).await;
+                }
+            }
+        });
+    }
+}
+
+#[async_trait::async_trait]
+impl PoolGate for RedisGate {
+    async fn acquire(&self, req: AcquireRequest) -> Result<Grant, Refusal> {
+        let s = &self.shared;
+        if s.closed.load(Ordering::Acquire) {
+            return Err(Refusal::PoolClosed);
+        }
+        s.ensure_ticker();
+        if s.on_own() {
+            if let Some(gate) = s.fallback_gate() {
+                return s.acquire_on_own(&gate, req).await;
+            }
+        }
+        let settings = s.settings();
+        let slot = SlotId::random();
+        let start = s.mono();
+        let extra = [
+            slot.to_string(),
+            req.fairness_key.to_string(),
+            class(req.priority).to_string(),
+            // Both kinds are leased for one term: a lock holder renews its own lease, and this
+            // node renews its exchanges' (so a dead node's slots come back within one term).
+            settings.lease_term_ms.to_string(),
+            u8::from(req.wait_ms > 0).to_string(),
+            req.wait_ms.to_string(),
+            GRACE_MS.to_string(),
+        ];
+        let reply = match s.call(&s.node.scripts.acquire, &extra).await {
+            Ok(reply) => reply,
+            Err(e) => return s.unavailable(&e, req).await,
+        };
+        let head = reply.str(0).and_then(|answer| Ok((answer, reply.u64(1)?)));
+        let (answer, server_now) = match head {
+            Ok(head) => head,
+            Err(e) => return s.unavailable(&e, req).await,
+        };
+        s.note_server_now(server_now, start);
+        let kind = req.kind;
+        let ticket = match answer.as_str() {
+            "admitted" => {
+                return match Granted::admitted(&reply, slot, server_now, start) {
+                    Ok(g) => Ok(s.grant(&g, kind, 0)),
+                    Err(e) => s.unavailable(&e, req).await,
+                }
+            }
+            "refused" => {
+                let refusal = (|| {
+                    Ok::<_, CallError>(Refusal::TooManyRequests {
+                        reason: reason(&reply.str(2)?),
+                        retry_after_ms: reply.opt(3)?,
+                        headers: Shared::headers(&reply, 4, 0)?,
+                    })
+                })();
+                return match refusal {
+                    Ok(refusal) => Err(refusal),
+                    Err(e) => s.unavailable(&e, req).await,
+                };
+            }
+            "queued" => match reply.str(2) {
+                Ok(ticket) => ticket,
+                Err(e) => return s.unavailable(&e, req).await,
+            },
+            _ => {
+                let e = CallError::Reply("unknown acquire answer");
+                return s.unavailable(&e, req).await;
+            }
+        };
+
+        let (tx, rx) = oneshot::channel();
+        s.waiters.lock().insert(ticket.clone(), tx);
+        // The ticker collects this node's grants; it polls while anyone waits.
+        s.wake();
+        let mut guard = QueueGuard {
+            shared: Arc::clone(s),
+            ticket: ticket.clone(),
+            rx,
+            armed: true,
+        };
+        let deadline = start.saturating_add(req.wait_ms);
+        let received = tokio::select! {
+            biased;
+            received = &mut guard.rx => Some(received),
+            () = s.node.clock.sleep_until_monotonic(deadline) => None,
+        };
+        let granted = match received {
+            Some(Ok(g)) => g,
+            // The sender was dropped without a grant: only `close` does that. The armed guard
+            // leaves the queue in Redis on the way out.
+            Some(Err(_)) => return Err(Refusal::PoolClosed),
+            None => {
+                let queued_ms = s.mono().saturating_sub(start);
+                let sender = s.waiters.lock().remove(&ticket);
+                if sender.is_none() {
+                    // Delivered just now (grants are handed over under that lock): take it.
+                    match guard.rx.try_recv() {
+                        Ok(g) => g,
+                        Err(_) => return Err(Refusal::PoolClosed),
+                    }
+                } else {
+                    let extra = [ticket.clone(), "0".to_owned()];
+                    let reply = match s.call(&s.node.scripts.cancel, &extra).await {
+                        Ok(reply) => reply,
+                        Err(_) => {
+                            // The entry is forgotten in Redis after its grace; a grant that
+                            // reaches it meanwhile expires with its lease.
+                            guard.armed = false;
+                            return Err(Refusal::CoordinationUnavailable {
+                                retry_after_ms: s.retry_redis_ms(),
+                            });
+                        }
+                    };
+                    let answer = reply.str(0).unwrap_or_default();
+                    if answer == "granted" {
+                        let mono = s.mono();
+                        let server_now = s.server_now_estimate();
+                        match reply
+                            .str(1)
+                            .ok()
+                            .and_then(|g| Granted::parse(&g, server_now, mono))
+                        {
+                            Some(g) => g,
+                            None => {
+                                guard.armed = false;
+                                return Err(Refusal::CoordinationUnavailable {
+                                    retry_after_ms: s.retry_redis_ms(),
+                                });
+                            }
+                        }
+                    } else {
+                        guard.armed = false;
+                        let headers =
+                            Shared::headers(&reply, 1, queued_ms).unwrap_or(GateHeaders {
+                                remaining_slots: 0,
+                                effective_limit: settings.limit,
+                                rpm_remaining: None,
+                                queued_ms,
+                            });
+                        return Err(Refusal::QueueTimeout { headers });
+                    }
+                }
+            }
+        };
+        guard.armed = false;
+        let queued_ms = s.mono().saturating_sub(start);
+        Ok(s.grant(&granted, kind, queued_ms))
+    }
+
+    async fn renew(&self, slot: SlotId) -> Result<u64, RenewError> {
+        let s = &self.shared;
+        if s.local_slots.lock().contains(&slot.0) {
+            if let Some(gate) = s.fallback_gate() {
+                return gate.renew(slot).await;
+            }
+        }
+        let mono = s.mono();
+        // A lease Redis cannot confirm is reported lost: the holder must stop rather than
+        // assume it still holds a slot someone else may have been granted.
+        let reply = s
+            .call(&s.node.scripts.renew, &[slot.to_string()])
+            .await
+            .map_err(|_| RenewError::NotFound)?;
+        let server_now = reply.u64(0).map_err(|_| RenewError::NotFound)?;
+        s.note_server_now(server_now, mono);
+        let deadline = reply.u64(2).map_err(|_| RenewError::NotFound)?;
+        match reply.int(1) {
+            Ok(1) => {
+                if let Some(h) = s.holds.lock().get_mut(&slot.0) {
+                    h.confirmed_until = mono.saturating_add(deadline.saturating_sub(server_now));
+                }
+                Ok(deadline)
+            }
+            Ok(2) => Err(RenewError::Capped),
+            _ => Err(RenewError::NotFound),
+        }
+    }
+
+    async fn release(&self, slot: SlotId, outcome: Option<Outcome>) -> bool {
+        let s = &self.shared;
+        if s.local_slots.lock().remove(&slot.0) {
+            if let Some(gate) = s.fallback_gate() {
+                return gate.release(slot, outcome).await;
+            }
+        }
+        s.holds.lock().remove(&slot.0);
+        let adaptive = s.settings().adaptive;
+        let mut extra = vec![slot.to_string(), "0".to_owned()];
+        if let (Some(outcome), true) = (outcome, adaptive) {
+            // Learn before the slot is handed on, and only if the slot is held: an unknown,
+            // reclaimed or already released slot teaches nothing.
+            let mono = s.mono();
+            if let Ok(peek) = s.call(&s.node.scripts.peek, &[slot.to_string()]).await {
+                let held = peek.int(1).unwrap_or(0) == 1;
+                if let (true, Ok(now), Ok(granted_at)) = (held, peek.u64(0), peek.u64(2)) {
+                    s.note_server_now(now, mono);
+                    let bound = peek.int(3).unwrap_or(0) == 1;
+                    let wire = {
+                        let mut learner = s.learner.lock();
+                        let adjustment =
+                            learner
+                                .gov
+                                .observe_external(now, &outcome, bound, Some(granted_at));
+                        log_adjustment(&s.pool, adjustment.as_ref(), now);
+                        learner.conclusion_to_store(now, adjustment.is_some())
+                    };
+                    if let Some(wire) = wire {
+                        extra[1] = "1".to_owned();
+                        extra.extend(wire.args());
+                    }
+                }
+            }
+        }
+        match s.call(&s.node.scripts.release, &extra).await {
+            Ok(reply) => reply.int(0).unwrap_or(0) == 1,
+            Err(e) => {
+                tracing::warn!(pool = %s.pool, slot = %slot, error = %e, "release not confirmed in redis; the lease will expire");
+                false
+            }
+        }
+    }
+
+    async fn report(&self, outcome: Outcome) {
+        let s = &self.shared;
+        if !s.settings().adaptive {
+            return;
+        }
+        let mono = s.mono();
+        let Ok(ctx) = s.call(&s.node.scripts.learn, &["0".to_owned()]).await else {
+            return;
+        };
+        let (Ok(now), bound) = (ctx.u64(0), ctx.int(1).unwrap_or(0) == 1) else {
+            return;
+        };
+        s.note_server_now(now, mono);
+        let wire = {
+            let mut learner = s.learner.lock();
+            let adjustment = learner.gov.observe_external(now, &outcome, bound, None);
+            log_adjustment(&s.pool, adjustment.as_ref(), now);
+            learner.conclusion_to_store(now, adjustment.is_some())
+        };
+        if let Some(wire) = wire {
+            let mut extra = vec!["1".to_owned()];
+            extra.extend(wire.args());
+            let _ = s.call(&s.node.scripts.learn, &extra).await;
+        }
+    }
+
+    async fn reconfigure(&self, settings: PoolSettings) {
+        let s = &self.shared;
+        *s.settings.lock() = settings.clone();
+        s.learner
+            .lock()
+            .gov
+            .reconfigure(settings.clone(), s.server_now_estimate());
+        let fallback = s.fallback.lock().clone();
+        if let (Some(gate), Some(expected)) = (fallback, s.fail_open()) {
+            gate.reconfigure(share(&settings, expected)).await;
+        }
+        // Any call settles the pool: a higher limit admits waiters at once.
+        let _ = s.call(&s.node.scripts.tick, &[]).await;
+        s.wake();
+    }
+
+    async fn snapshot(&self) -> Snapshot {
+        let s = &self.shared;
+        let settings = s.settings();
+        let reply = match s.call(&s.node.scripts.snapshot, &[]).await {
+            Ok(reply) => reply,
+            Err(_) => {
+                let fallback = s.fallback.lock().clone();
+                return match fallback {
+                    Some(gate) => gate.snapshot().await,
+                    None => Snapshot {
+                        configured_limit: settings.limit,
+                        effective_limit: settings.limit,
+                        ..Snapshot::default()
+                    },
+                };
+            }
+        };
+        let read = || -> Result<Snapshot, CallError> {
+            let (high, normal, low) = (reply.u32(2)?, reply.u32(3)?, reply.u32(4)?);
+            let cause = reply.str(12)?;
+            Ok(Snapshot {
+                in_flight: reply.u32(1)?,
+                queued: high.saturating_add(normal).saturating_add(low),
+                queued_high: high,
+                queued_normal: normal,
+                queued_low: low,
+                effective_limit: reply.u32(5)?,
+                configured_limit: settings.limit,
+                learned_limit: reply.opt(6)?.and_then(|v| u32::try_from(v).ok()),
+                learned_rpm: reply.opt(7)?.and_then(|v| u32::try_from(v).ok()),
+                rpm_remaining: reply.opt(8)?.and_then(|v| u32::try_from(v).ok()),
+                paused_until: reply.opt(9)?,
+                paced_until: reply.opt(10)?,
+                last_throttle: reply.opt(11)?.map(|at| Throttle { at, cause }),
+                admitted_total: reply.u64(13)?,
+                refused_total: reply.u64(14)?,
+            })
+        };
+        read().unwrap_or_else(|e| {
+            tracing::warn!(pool = %s.pool, error = %e, "bad snapshot reply");
+            Snapshot {
+                configured_limit: settings.limit,
+                ..Snapshot::default()
+            }
+        })
+    }
+
+    async fn close(&self) {
+        let s = &self.shared;
+        s.closed.store(true, Ordering::Release);
+        // Dropping the senders wakes each waiter with `PoolClosed`; their guards leave the
+        // queue in Redis.
+        s.waiters.lock().clear();
+        let fallback = s.fallback.lock().clone();
+        if let Some(gate) = fallback {
+            gate.close().await;
+        }
+        {
+            let mut gates = s.node.gates.lock();
+            if let Some(list) = gates.get_mut(&s.pool) {
+                list.retain(|g| g.strong_count() > 0 && !std::ptr::eq(g.as_ptr(), Arc::as_ptr(s)));
+                if list.is_empty() {
+                    gates.remove(&s.pool);
+                }
+            }
+        }
+        s.wake();
+        tracing::debug!(pool = %s.pool, "redis pool gate closed");
+    }
+
+    fn lease_watch(&self, slot: SlotId) -> Option<LeaseWatch> {
+        self.shared
+            .holds
+            .lock()
+            .get(&slot.0)
+            .map(|h| LeaseWatch::new(h.lost.subscribe()))
+    }
+}
+
+/// One line per change of what this node learned (the governor filters repeats and jitter).
+fn log_adjustment(pool: &str, adjustment: Option<&nthbouncer_governor::Adjustment>, now: u64) {
+    let Some(a) = adjustment else {
+        return;
+    };
+    tracing::info!(
+        pool = %pool,
+        effective_limit = a.effective_limit,
+        learned_limit = ?a.learned_limit,
+        learned_rpm = ?a.learned_rpm,
+        pause_ms = a.paused_until.map_or(0, |until| until.saturating_sub(now)),
+        "adaptive (shared through redis): {}",
+        a.what
+    );
+}

@@ -1,0 +1,24 @@
+-- cancel: ARGV 12 ticket, 13 release (0/1). Leaves the queue; a grant that raced in is handed
+-- over (release = 0: the caller takes it) or freed (release = 1: the caller is gone).
+-- Returns {'cancelled', remaining, effective, rpmRemaining} | {'granted', grant} | {'released'}
+-- | {'gone', remaining, effective, rpmRemaining}.
+local m, release = ARGV[12], ARGV[13] == '1'
+local meta = redis.call('HGET', K_WAITERS, m)
+if meta then
+  forget(m)
+  local h = headers()
+  return { 'cancelled', h[1], h[2], h[3] }
+end
+local g = redis.call('HGET', K_GRANTS, m)
+if not g then
+  local h = headers()
+  return { 'gone', h[1], h[2], h[3] }
+end
+redis.call('HDEL', K_GRANTS, m)
+redis.call('ZREM', K_DEADLINES, m)
+if not release then return { 'granted', g } end
+local slot = string.match(g, '^(%x+):')
+if slot then free(slot) end
+settle()
+publish()
+return { 'released' }

@@ -1,0 +1,304 @@
+-- The shared part of every gate script: one pool's admission rules over its keys in Redis.
+-- Every script is this prelude followed by one operation; all of it runs atomically, so a
+-- script sees and changes the pool as one step, whichever node calls it. Time is the server's
+-- (`TIME`): no node clock decides a deadline. Mirrors `nthbouncer-governor`'s rules; see
+-- `redis/mod.rs` for the key layout and what differs.
+--
+-- KEYS: 1 leases (zset slot -> lease deadline), 2 held (hash slot -> "requestDeadline:grantedAt"),
+-- 3 waiters (hash ticket -> "class:fairnessKey:leaseMs:node:slot"), 4 deadlines (zset ticket ->
+-- when its queue entry or unclaimed grant is forgotten), 5..7 queues high/normal/low (zset ticket
+-- -> round), 8 meta (hash), 9 rounds (hash "class:fairnessKey" -> last round), 10 grants (hash
+-- ticket -> grant), 11 learned (hash), 12 rpm (zset slot -> admission time), 13 nodes (zset
+-- node -> alive until).
+-- ARGV: 1 limit, 2 queue_size, 3 rpm, 4 request_timeout_ms, 5 lease_term_ms, 6 min_limit,
+-- 7 fair_share (0/1), 8 node, 9 node_ttl_ms, 10 wake channel prefix, 11 pool; the operation's
+-- own arguments from 12.
+
+local K_LEASES, K_HELD, K_WAITERS, K_DEADLINES = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local K_QUEUES = { KEYS[5], KEYS[6], KEYS[7] }
+local K_META, K_ROUNDS, K_GRANTS, K_LEARNED = KEYS[8], KEYS[9], KEYS[10], KEYS[11]
+local K_RPM, K_NODES = KEYS[12], KEYS[13]
+
+local cfg_limit = tonumber(ARGV[1])
+local cfg_queue = tonumber(ARGV[2])
+local cfg_rpm = tonumber(ARGV[3])
+local cfg_request_ms = tonumber(ARGV[4])
+local cfg_term_ms = tonumber(ARGV[5])
+local cfg_min = math.min(tonumber(ARGV[6]), cfg_limit)
+local cfg_fair = ARGV[7] == '1'
+local node = ARGV[8]
+local node_ttl = tonumber(ARGV[9])
+local wake_prefix = ARGV[10]
+local pool = ARGV[11]
+
+local WINDOW_MS = 60000
+
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+
+-- Integers as decimal strings: Lua numbers are doubles, and the default conversion may use an
+-- exponent for large values.
+local function fmt(n)
+  return string.format('%d', n)
+end
+
+-- Every call is a heartbeat: waiters of a node that stopped calling are skipped at dispatch.
+redis.call('ZADD', K_NODES, now + node_ttl, node)
+
+local eff, l_limit, l_pace, l_rpm, rpm_limit, paused_until
+
+-- What learning imposes (written by the node that observed; see `apply_learned`).
+local function load_learned()
+  local l = redis.call('HMGET', K_LEARNED, 'limit', 'pace_us', 'pace_until', 'rpm', 'paused_until')
+  l_limit = tonumber(l[1])
+  l_pace = tonumber(l[2])
+  l_rpm = tonumber(l[4])
+  if l_pace and (tonumber(l[3]) or 0) <= now then
+    l_pace = nil
+    l_rpm = nil
+  end
+  paused_until = tonumber(l[5]) or 0
+  eff = cfg_limit
+  if l_limit and l_limit < eff then eff = l_limit end
+  if eff < cfg_min then eff = cfg_min end
+  rpm_limit = nil
+  if cfg_rpm > 0 then rpm_limit = cfg_rpm end
+  if l_rpm and (not rpm_limit or l_rpm < rpm_limit) then rpm_limit = l_rpm end
+end
+load_learned()
+
+local function in_flight()
+  return redis.call('ZCARD', K_LEASES)
+end
+
+local function queued()
+  return redis.call('ZCARD', K_QUEUES[1]) + redis.call('ZCARD', K_QUEUES[2])
+    + redis.call('ZCARD', K_QUEUES[3])
+end
+
+-- Admissions inside the rolling minute (an admission at t leaves it at t + WINDOW_MS).
+local function rpm_used()
+  redis.call('ZREMRANGEBYSCORE', K_RPM, '-inf', now - WINDOW_MS)
+  return redis.call('ZCARD', K_RPM)
+end
+
+local function rpm_remaining()
+  if not rpm_limit then return -1 end
+  return math.max(0, rpm_limit - rpm_used())
+end
+
+-- When enough admissions have left the window for one more, if not now.
+local function rpm_free_at()
+  if not rpm_limit then return nil end
+  local live = rpm_used()
+  if live < rpm_limit then return nil end
+  local e = redis.call('ZRANGE', K_RPM, live - rpm_limit, live - rpm_limit, 'WITHSCORES')
+  return tonumber(e[2]) + WINDOW_MS
+end
+
+-- The learned pace (a generic cell rate algorithm, burst 2, as the governor's `pace`): when
+-- the next admission is allowed, if not now.
+local function paced_until()
+  if not l_pace then return nil end
+  local tat = tonumber(redis.call('HGET', K_META, 'tat')) or 0
+  local tolerance = math.max(l_pace, 1000)
+  local at = math.ceil((tat - tolerance) / 1000)
+  if at > now then return at end
+  return nil
+end
+
+-- What stops an admission now, most fundamental first (as `Governor::blocker`).
+local function blocker()
+  if paused_until > now then return 'paused' end
+  if rpm_limit and rpm_used() >= rpm_limit then return 'rpm' end
+  if paced_until() then return 'rpm' end
+  if in_flight() >= eff then return 'no_slot' end
+  return nil
+end
+
+local function admit(slot, lease_ms)
+  local rd = now + cfg_request_ms
+  local ld = math.min(now + lease_ms, rd)
+  redis.call('ZADD', K_LEASES, ld, slot)
+  redis.call('HSET', K_HELD, slot, fmt(rd) .. ':' .. fmt(now))
+  if rpm_limit then redis.call('ZADD', K_RPM, now, slot) end
+  if l_pace then
+    local tat = tonumber(redis.call('HGET', K_META, 'tat')) or 0
+    redis.call('HSET', K_META, 'tat', fmt(math.max(tat, now * 1000) + l_pace))
+  end
+  redis.call('HINCRBY', K_META, 'admitted', 1)
+  local n = in_flight()
+  if n >= eff then redis.call('HSET', K_META, 'last_full', fmt(now)) end
+  return { ld, rd, math.max(0, eff - n), eff, rpm_remaining() }
+end
+
+-- Frees a held slot; true iff it was held. The hold time feeds the `Retry-After` estimate.
+local function free(slot)
+  if redis.call('ZREM', K_LEASES, slot) == 0 then return false end
+  local h = redis.call('HGET', K_HELD, slot)
+  redis.call('HDEL', K_HELD, slot)
+  local granted_at = h and tonumber(string.match(h, ':(%d+)$'))
+  if granted_at then
+    local sample = math.max(0, now - granted_at)
+    local mean = tonumber(redis.call('HGET', K_META, 'hold'))
+    if mean then mean = mean - math.floor(mean / 4) + math.floor(sample / 4) else mean = sample end
+    redis.call('HSET', K_META, 'hold', fmt(mean))
+  end
+  return true
+end
+
+local function parse_waiter(meta)
+  local c, fkey, lease_ms, wnode, slot = string.match(meta, '^(%d):(%d+):(%d+):([^:]+):(%x+)$')
+  return tonumber(c), fkey, tonumber(lease_ms), wnode, slot
+end
+
+-- Forgets a ticket: a waiter whose budget (plus grace) ran out, or a grant nobody collected.
+local function forget(m)
+  local meta = redis.call('HGET', K_WAITERS, m)
+  if meta then
+    local c = parse_waiter(meta)
+    if c then redis.call('ZREM', K_QUEUES[c], m) end
+    redis.call('HDEL', K_WAITERS, m)
+  end
+  redis.call('HDEL', K_GRANTS, m)
+  redis.call('ZREM', K_DEADLINES, m)
+end
+
+local woken = {}
+
+local function publish()
+  for n in pairs(woken) do
+    redis.call('PUBLISH', wake_prefix .. n, pool)
+  end
+end
+
+-- The oldest waiter of the highest class present (within a class, lowest round first: with
+-- fair share on, rounds rotate across fairness keys; ties go by ticket, i.e. FIFO).
+local function pop_waiter()
+  for c = 1, 3 do
+    local head = redis.call('ZRANGE', K_QUEUES[c], 0, 0, 'WITHSCORES')
+    if head[1] then
+      redis.call('ZREM', K_QUEUES[c], head[1])
+      if cfg_fair then redis.call('HSET', K_META, 'r' .. c, head[2]) end
+      return head[1]
+    end
+  end
+  return nil
+end
+
+-- Admits waiters while nothing blocks. A grant is recorded for the waiter's node to collect
+-- and that node is woken; a waiter whose node stopped calling is dropped, not granted.
+local function dispatch()
+  while not blocker() do
+    local m = pop_waiter()
+    if not m then return end
+    local meta = redis.call('HGET', K_WAITERS, m)
+    redis.call('HDEL', K_WAITERS, m)
+    redis.call('ZREM', K_DEADLINES, m)
+    if meta then
+      local _, _, lease_ms, wnode, slot = parse_waiter(meta)
+      local alive = tonumber(redis.call('ZSCORE', K_NODES, wnode))
+      if slot and alive and alive >= now then
+        local g = admit(slot, lease_ms)
+        redis.call('HSET', K_GRANTS, m, slot .. ':' .. fmt(g[1]) .. ':' .. fmt(g[2]) .. ':'
+          .. fmt(g[3]) .. ':' .. fmt(g[4]) .. ':' .. fmt(g[5]))
+        -- An uncollected grant is forgotten with its lease (the slot itself expires then too).
+        redis.call('ZADD', K_DEADLINES, g[1], m)
+        woken[wnode] = true
+      end
+    end
+  end
+end
+
+-- Reclaims expired leases, forgets stale tickets and dead nodes, admits whoever can go.
+local function settle()
+  local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now)
+  for _, slot in ipairs(expired) do
+    redis.call('ZREM', K_LEASES, slot)
+    redis.call('HDEL', K_HELD, slot)
+  end
+  redis.call('ZREMRANGEBYSCORE', K_NODES, '-inf', '(' .. fmt(now))
+  local stale = redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', now)
+  for _, m in ipairs(stale) do forget(m) end
+  -- Admission times are kept only while a gate is in force.
+  if not rpm_limit then redis.call('DEL', K_RPM) end
+  dispatch()
+  if queued() == 0 then
+    redis.call('DEL', K_ROUNDS)
+    redis.call('HDEL', K_META, 'r1', 'r2', 'r3')
+  end
+end
+
+-- Milliseconds until state can change without a call (a lease expiry, a forgotten ticket, the
+-- end of a pause or of the RPM/pace hold while waiters exist); -1 for never.
+local function next_wakeup()
+  local best = nil
+  local function consider(t)
+    if t and (not best or t < best) then best = t end
+  end
+  local first = redis.call('ZRANGE', K_LEASES, 0, 0, 'WITHSCORES')
+  if first[2] then consider(tonumber(first[2])) end
+  local d = redis.call('ZRANGE', K_DEADLINES, 0, 0, 'WITHSCORES')
+  if d[2] then consider(tonumber(d[2])) end
+  if queued() > 0 then
+    local b = blocker()
+    if b == 'paused' then
+      consider(paused_until)
+    elseif b == 'rpm' then
+      local w, p = rpm_free_at(), paced_until()
+      if w and p then consider(math.max(w, p)) else consider(w or p) end
+    elseif not b then
+      consider(now)
+    end
+  end
+  if not best then return -1 end
+  return math.max(0, best - now)
+end
+
+-- How long until retrying could plausibly succeed; -1 when unknown.
+local function retry_after(reason)
+  if reason == 'paused' then return paused_until - now end
+  if reason == 'rpm' then
+    local w, p = rpm_free_at(), paced_until()
+    local t = w or p
+    if w and p then t = math.max(w, p) end
+    if not t then return -1 end
+    return math.max(0, t - now)
+  end
+  local mean = tonumber(redis.call('HGET', K_META, 'hold'))
+  if not mean then return -1 end
+  return math.max(1, math.ceil(mean * (queued() + 1) / math.max(eff, 1)))
+end
+
+-- Stores what a node's learner concluded (ARGV from index i: limit, pace_us, pace_until, rpm,
+-- paused_until, throttle_at, throttle_cause; -1 = none). A pause only ever lengthens here: two
+-- nodes that saw throttles both get their pause.
+local function apply_learned(i)
+  local limit, pace, pace_until = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  local rpm, pause, throttle_at = tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4]), tonumber(ARGV[i + 5])
+  if limit >= 0 then
+    redis.call('HSET', K_LEARNED, 'limit', fmt(limit))
+  else
+    redis.call('HDEL', K_LEARNED, 'limit')
+  end
+  if pace > 0 then
+    redis.call('HSET', K_LEARNED, 'pace_us', fmt(pace), 'pace_until', fmt(pace_until), 'rpm', fmt(rpm))
+  else
+    redis.call('HDEL', K_LEARNED, 'pace_us', 'pace_until', 'rpm')
+  end
+  if pause > now then
+    local old = tonumber(redis.call('HGET', K_LEARNED, 'paused_until')) or 0
+    if pause > old then redis.call('HSET', K_LEARNED, 'paused_until', fmt(pause)) end
+  end
+  if throttle_at >= 0 then
+    redis.call('HSET', K_LEARNED, 'throttle_at', fmt(throttle_at), 'throttle_cause', ARGV[i + 6])
+  end
+  -- Learning nobody refreshes fades: a pool whose learners all went away returns to its
+  -- configuration within ten minutes.
+  redis.call('PEXPIRE', K_LEARNED, 600000)
+  load_learned()
+end
+
+local function headers()
+  return { math.max(0, eff - in_flight()), eff, rpm_remaining() }
+end

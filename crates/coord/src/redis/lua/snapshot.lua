@@ -1,0 +1,17 @@
+-- snapshot: live state. Returns {now, inFlight, queuedHigh, queuedNormal, queuedLow, effective,
+-- learnedLimit, learnedRpm, rpmRemaining, pausedUntil, pacedUntil, throttleAt, throttleCause,
+-- admitted, refused}, -1 for what is absent.
+settle()
+publish()
+local t = redis.call('HMGET', K_LEARNED, 'throttle_at', 'throttle_cause')
+local m = redis.call('HMGET', K_META, 'admitted', 'refused')
+local pu = -1
+if paused_until > now then pu = paused_until end
+local learned_limit = -1
+if l_limit and l_limit < cfg_limit then learned_limit = math.max(l_limit, cfg_min) end
+return {
+  now, in_flight(),
+  redis.call('ZCARD', K_QUEUES[1]), redis.call('ZCARD', K_QUEUES[2]), redis.call('ZCARD', K_QUEUES[3]),
+  eff, learned_limit, l_rpm or -1, rpm_remaining(), pu, paced_until() or -1,
+  tonumber(t[1]) or -1, t[2] or '', tonumber(m[1]) or 0, tonumber(m[2]) or 0,
+}

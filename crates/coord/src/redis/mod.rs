@@ -1,0 +1,257 @@
+//! The coordination seam on Redis: several nodes share one pool's limit, queue, RPM window and
+//! learned state exactly.
+//!
+//! Owns the connection (one `ConnectionManager` per [`RedisCoordination`], i.e. per node), the
+//! node's identity and its wake-up subscription, and the gates it opens ([`RedisGate`], in
+//! `gate`) and the nonce stores ([`RedisNonces`], in `nonces`). The admission rules run in Lua
+//! scripts (`script`, `lua/`), one atomic script per operation keyed by slot id or ticket; they
+//! mirror `nthbouncer-governor`. It must not know about HTTP.
+//!
+//! # Layout
+//! Every key of pool `p` is `{prefix}:{p}:…` — the pool name is the Cluster hash tag, so a
+//! pool's keys share one slot and each script touches one slot only (Cluster itself is
+//! untested). `leases` is a sorted set of slot ids scored by lease deadline in the server's
+//! `TIME` milliseconds: no node clock sets or judges a deadline. Waiters are ordered tickets
+//! (`HINCRBY seq`) in one sorted set per priority class; with `fair_share` a ticket's score is
+//! its fairness key's round (start-time fair queuing), so keys take turns within a class and
+//! each key stays FIFO; ties go by ticket. A freed slot is granted *by the script that freed
+//! it* to the head waiter, recorded for the waiter's node to collect, and that node is woken
+//! on its channel `{prefix}:wake:{node}` (pub/sub, at most once: every node with waiters also
+//! polls at `poll_interval`, which doubles as its heartbeat; a waiter whose node stopped
+//! calling for `node_ttl` is dropped at dispatch instead of granted).
+//!
+//! # What differs from one node
+//! - An exchange slot (a proxied call) is leased for one `lease_term_ms` and renewed by its node
+//!   in the background, rather than held to its request deadline: a node that dies gives its
+//!   slots back within one term. A lease the node cannot confirm (reclaimed, or Redis
+//!   unreachable past its deadline) is reported through [`crate::PoolGate::lease_watch`]:
+//!   self-fencing.
+//! - Adaptive learning runs in the governor's pure code on the node that observes the outcome
+//!   (one learner per gate per node, on the server's clock); the resulting learned limit, pace
+//!   and pause are stored in Redis and enforced by the scripts for every node. A pause only
+//!   lengthens; the learned limit and pace are last-writer-wins between nodes that both
+//!   learned, and fade after ten minutes without a write.
+//! - Redis unreachable: acquire refuses with [`crate::Refusal::CoordinationUnavailable`]
+//!   (fail closed), or with [`RedisOptions::fail_open`] admits up to `limit / expected_nodes`
+//!   on this node alone until Redis answers again.
+
+mod gate;
+mod nonces;
+mod script;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use futures_util::StreamExt;
+use parking_lot::Mutex;
+
+pub use gate::RedisGate;
+pub use nonces::RedisNonces;
+pub use script::CallError;
+
+use crate::{Clock, Coordination, NonceStore, PoolGate, PoolSettings, SystemClock};
+
+/// How a node talks to Redis.
+#[derive(Clone, Debug)]
+pub struct RedisOptions {
+    /// `redis://host:port/db`.
+    pub url: String,
+    /// First part of every key and channel (`nb` by default); tests use one of their own. Must
+    /// not contain `{` or `}` (the pool's hash tag follows it).
+    pub key_prefix: String,
+    /// `Some(expected_nodes)`: while Redis is unreachable, admit up to
+    /// `limit / expected_nodes` (at least 1) on this node alone. `None`: refuse (fail closed).
+    pub fail_open: Option<u32>,
+    /// Longest wait for any one Redis call.
+    pub command_timeout: Duration,
+    /// Longest wait for a connection.
+    pub connect_timeout: Duration,
+    /// How often a node with waiters asks Redis for their grants when no wake-up came, and
+    /// refreshes its heartbeat.
+    pub poll_interval: Duration,
+    /// A node silent for this long is considered gone: its waiters are not granted slots.
+    pub node_ttl: Duration,
+    /// After a failed call, how long a fail-open node stays on its own before trying Redis again.
+    pub retry_redis_after: Duration,
+}
+
+impl RedisOptions {
+    pub fn new(url: impl Into<String>) -> Self {
+        RedisOptions {
+            url: url.into(),
+            key_prefix: "nb".to_owned(),
+            fail_open: None,
+            command_timeout: Duration::from_millis(1_000),
+            connect_timeout: Duration::from_millis(500),
+            poll_interval: Duration::from_millis(500),
+            node_ttl: Duration::from_millis(5_000),
+            retry_redis_after: Duration::from_millis(1_000),
+        }
+    }
+}
+
+/// Why a [`RedisCoordination`] could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error("invalid redis url: {0}")]
+    Url(::redis::RedisError),
+    #[error("key prefix must not be empty or contain '{{' or '}}'")]
+    Prefix,
+    #[error("a redis coordination must be created inside a tokio runtime")]
+    NoRuntime,
+}
+
+/// What every gate of one node shares.
+pub(crate) struct Node {
+    pub id: String,
+    pub conn: ConnectionManager,
+    pub options: RedisOptions,
+    pub scripts: script::Scripts,
+    pub clock: Arc<dyn Clock>,
+    /// `{prefix}:wake:` — a node's channel is this plus its id.
+    pub wake_prefix: String,
+    /// Open gates by pool, for wake-ups (a pool may be opened more than once, e.g. reopened
+    /// while the old gate still drains).
+    pub gates: Mutex<HashMap<String, Vec<Weak<gate::Shared>>>>,
+}
+
+/// Redis [`Coordination`]: one per node. Gates of the same pool opened by different nodes (or
+/// different `RedisCoordination`s in one process) share one limit.
+pub struct RedisCoordination {
+    node: Arc<Node>,
+    listener: tokio::task::JoinHandle<()>,
+}
+
+impl RedisCoordination {
+    /// Sets up the connection without waiting for Redis (a node may start while Redis is down:
+    /// it then fails closed or open like any later outage), and subscribes to the node's
+    /// wake-up channel in the background. Must be called inside a tokio runtime.
+    pub fn new(options: RedisOptions, clock: Arc<dyn Clock>) -> Result<Self, SetupError> {
+        if options.key_prefix.is_empty() || options.key_prefix.contains(['{', '}']) {
+            return Err(SetupError::Prefix);
+        }
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| SetupError::NoRuntime)?;
+        let client = ::redis::Client::open(options.url.as_str()).map_err(SetupError::Url)?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(options.connect_timeout))
+            .set_response_timeout(Some(options.command_timeout))
+            // One attempt per call: a caller must learn quickly that Redis is away (to refuse or
+            // fail open), and the next call tries again anyway.
+            .set_number_of_retries(0);
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config)
+            .map_err(SetupError::Url)?;
+        let id = format!("{:016x}", rand::random::<u64>());
+        let wake_prefix = format!("{}:wake:", options.key_prefix);
+        let node = Arc::new(Node {
+            id,
+            conn,
+            options,
+            scripts: script::Scripts::new(),
+            clock,
+            wake_prefix,
+            gates: Mutex::new(HashMap::new()),
+        });
+        let listener = runtime.spawn(listen(client, Arc::downgrade(&node)));
+        Ok(RedisCoordination { node, listener })
+    }
+
+    /// On the system clock.
+    pub fn system(options: RedisOptions) -> Result<Self, SetupError> {
+        Self::new(options, Arc::new(SystemClock::new()))
+    }
+
+    /// This node's id (random per coordination), as it appears in Redis.
+    pub fn node_id(&self) -> &str {
+        &self.node.id
+    }
+
+    /// Answers whether Redis answers (`PING`), within the command timeout.
+    pub async fn ping(&self) -> Result<(), CallError> {
+        let mut conn = self.node.conn.clone();
+        let timeout = self.node.options.command_timeout;
+        let cmd = ::redis::cmd("PING");
+        tokio::time::timeout(timeout, cmd.query_async::<()>(&mut conn))
+            .await
+            .map_err(|_| CallError::Timeout(timeout))??;
+        Ok(())
+    }
+
+    /// Opens the gate of `pool` as a concrete [`RedisGate`].
+    pub fn open_gate(&self, pool: &str, settings: PoolSettings) -> Arc<RedisGate> {
+        Arc::new(RedisGate::new(Arc::clone(&self.node), pool, settings))
+    }
+
+    /// The seen-nonce store of `pool`, shared by every node.
+    pub fn nonces(&self, pool: &str) -> Arc<dyn NonceStore> {
+        Arc::new(RedisNonces::new(
+            self.node.conn.clone(),
+            &self.node.options.key_prefix,
+            pool,
+            self.node.options.command_timeout,
+        ))
+    }
+}
+
+impl Drop for RedisCoordination {
+    fn drop(&mut self) {
+        self.listener.abort();
+    }
+}
+
+impl Coordination for RedisCoordination {
+    fn open(&self, pool: &str, settings: PoolSettings) -> Arc<dyn PoolGate> {
+        self.open_gate(pool, settings)
+    }
+}
+
+/// Keeps the node subscribed to its wake-up channel and wakes the named pool's gate on each
+/// message. A broken subscription is re-made after a pause; meanwhile the gates poll.
+async fn listen(client: ::redis::Client, node: Weak<Node>) {
+    loop {
+        let Some((channel, timeout, retry, clock)) = node.upgrade().map(|n| {
+            (
+                format!("{}{}", n.wake_prefix, n.id),
+                n.options.connect_timeout,
+                n.options.retry_redis_after,
+                Arc::clone(&n.clock),
+            )
+        }) else {
+            return;
+        };
+        let subscribed = tokio::time::timeout(timeout, async {
+            let mut pubsub = client.get_async_pubsub().await?;
+            pubsub.subscribe(&channel).await?;
+            Ok::<_, ::redis::RedisError>(pubsub)
+        })
+        .await;
+        match subscribed {
+            Ok(Ok(pubsub)) => {
+                let mut messages = pubsub.into_on_message();
+                while let Some(msg) = messages.next().await {
+                    let Some(node) = node.upgrade() else {
+                        return;
+                    };
+                    let pool: String = msg.get_payload().unwrap_or_default();
+                    let gates: Vec<_> = node
+                        .gates
+                        .lock()
+                        .get(&pool)
+                        .map(|gates| gates.iter().filter_map(Weak::upgrade).collect())
+                        .unwrap_or_default();
+                    for gate in gates {
+                        gate.wake();
+                    }
+                }
+                tracing::debug!("redis wake-up subscription ended; re-subscribing");
+            }
+            Ok(Err(e)) => tracing::debug!(error = %e, "redis wake-up subscription failed"),
+            Err(_) => tracing::debug!("redis wake-up subscription timed out"),
+        }
+        let retry = u64::try_from(retry.as_millis()).unwrap_or(u64::MAX);
+        clock
+            .sleep_until_monotonic(clock.monotonic_ms().saturating_add(retry))
+            .await;
+    }
+}
