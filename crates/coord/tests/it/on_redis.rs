@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use nthbouncer_coord::redis::{RedisCoordination, RedisOptions};
 use nthbouncer_coord::{
-    AcquireRequest, Coordination, NonceKey, NonceVerdict, Outcome, PoolGate, PoolSettings,
+    AcquireRequest, Clock, Coordination, NonceKey, NonceVerdict, Outcome, PoolGate, PoolSettings,
     Priority, Refusal, RefusalReason, RenewError, SlotId, SlotKind, SystemClock,
 };
 use parking_lot::Mutex;
@@ -333,10 +333,8 @@ async fn only_a_release_that_freed_a_slot_teaches_and_what_it_teaches_is_shared(
     }
     // The pause is capped by max_pause_ms like in process (60 s hint, 5 min cap: 60 s).
     let until = s.paused_until.unwrap();
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis();
+    // Redis's TIME is the wall clock here; the system clock reads it the way the gate does.
+    let now_ms = u128::from(SystemClock::new().now_ms());
     assert!(u128::from(until) <= now_ms + 61_000);
 }
 
