@@ -47,6 +47,8 @@ pub enum ErrorCode {
     StoreUnavailable,
     /// The server is shutting down (`/readyz`).
     Draining,
+    /// Past `server.max_connections`: a new connection is answered this and closed.
+    Overloaded,
     Internal,
 }
 
@@ -76,6 +78,7 @@ impl ErrorCode {
             ErrorCode::TooManyDestinations => "too_many_destinations",
             ErrorCode::StoreUnavailable => "store_unavailable",
             ErrorCode::Draining => "draining",
+            ErrorCode::Overloaded => "overloaded",
             ErrorCode::Internal => "internal",
         }
     }
@@ -101,7 +104,9 @@ impl ErrorCode {
             | ErrorCode::JobNotTerminal
             | ErrorCode::NoActiveDestination
             | ErrorCode::TooManyDestinations => StatusCode::CONFLICT,
-            ErrorCode::StoreUnavailable | ErrorCode::Draining => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::StoreUnavailable | ErrorCode::Draining | ErrorCode::Overloaded => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ErrorCode::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
