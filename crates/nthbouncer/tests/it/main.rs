@@ -4,6 +4,7 @@
 
 mod chaos;
 mod cli;
+mod connections;
 mod jobs_crash;
 mod lock_cli;
 mod lock_restart;

@@ -1,8 +1,13 @@
-//! Serving: one listener for every host, dispatch by `Host` (SPEC §1), and the graceful
-//! shutdown (stop accepting, let in-flight requests finish within a bound).
+//! Serving: one listener for every host, dispatch by `Host` (SPEC §1), the bounds every
+//! connection is held to (`conn`: header and idle timeouts, `max_connections`), and the
+//! graceful shutdown (stop accepting, let in-flight requests finish within a bound).
+
+mod conn;
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,14 +19,18 @@ use axum::Router;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use hyper_util::server::conn::auto;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 
+use self::conn::{
+    Activity, Admission, ConnIo, Connections, Expired, Timeouts, TrackedBody, Watchdog,
+};
 use crate::app::state::AppState;
-use crate::core::error::ApiError;
+use crate::core::error::{ApiError, ErrorCode};
 
 pub(super) struct Dispatcher {
     pub(super) state: Arc<AppState>,
@@ -75,6 +84,16 @@ impl Dispatcher {
     }
 }
 
+/// What every connection task shares: the dispatcher, the protocol settings, the count and
+/// timeouts it is held to, and the signal that the server is draining.
+struct Serving {
+    dispatcher: Arc<Dispatcher>,
+    builder: auto::Builder<TokioExecutor>,
+    connections: Arc<Connections>,
+    timeouts: Timeouts,
+    drain: watch::Sender<()>,
+}
+
 pub(super) async fn accept_loop(
     listener: TcpListener,
     dispatcher: Arc<Dispatcher>,
@@ -82,53 +101,63 @@ pub(super) async fn accept_loop(
     access_log_task: JoinHandle<()>,
 ) {
     let state = dispatcher.state.clone();
-    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
         .timer(TokioTimer::new())
-        // Slowloris guard: a client gets this long to send its request head.
-        .header_read_timeout(Duration::from_millis(state.server.header_read_timeout_ms));
+        // Our watchdog (`conn`) times the first byte and every request head: hyper's own header
+        // timer would also run while a keep-alive connection is idle, and close it after the
+        // header timeout instead of the idle one.
+        .header_read_timeout(None);
     builder.http2().timer(TokioTimer::new());
-    let graceful = GracefulShutdown::new();
+    let serving = Serving {
+        dispatcher,
+        builder,
+        connections: Connections::new(state.server.max_connections),
+        timeouts: Timeouts {
+            header_read_ms: state.server.header_read_timeout_ms,
+            idle_ms: state.server.idle_timeout_ms,
+        },
+        drain: watch::channel(()).0,
+    };
     loop {
         let accepted = tokio::select! {
             _ = cancel.cancelled() => break,
             accepted = listener.accept() => accepted,
         };
-        let (stream, peer) = match accepted {
-            Ok(a) => a,
+        match accepted {
+            Ok((stream, peer)) => serving.serve(stream, peer),
             Err(e) => {
                 // Out of file descriptors and the like: back off instead of spinning.
                 tracing::warn!(error = %e, "accept failed");
                 tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
             }
-        };
-        let _ = stream.set_nodelay(true);
-        let d = dispatcher.clone();
-        let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-            let d = d.clone();
-            async move { Ok::<_, Infallible>(d.dispatch(req, peer).await) }
-        });
-        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-        let conn = graceful.watch(conn.into_owned());
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(error = %e, %peer, "connection ended with an error");
-            }
-        });
+        }
     }
     drop(listener);
+    let Serving {
+        dispatcher, drain, ..
+    } = serving;
+    shut_down(&state, drain).await;
+    drop(dispatcher);
+    drop(state);
+    // The writer ends once the last sender is gone; if a handle is still held elsewhere, the
+    // flush above already committed everything.
+    access_log_task.abort();
+}
+
+/// The graceful shutdown: every connection is asked to finish (HTTP/1 after its request in
+/// flight, HTTP/2 with a GOAWAY), within `shutdown_grace_ms`; then the rest is closed down.
+async fn shut_down(state: &AppState, drain: watch::Sender<()>) {
     state.draining.store(true, Ordering::Relaxed);
     let grace = Duration::from_millis(state.server.shutdown_grace_ms);
     tracing::info!(
         grace_ms = grace.as_millis() as u64,
         "shutting down: draining in-flight requests"
     );
-    if tokio::time::timeout(grace, graceful.shutdown())
-        .await
-        .is_err()
-    {
+    let _ = drain.send(());
+    // Every connection task holds a receiver until its connection is closed.
+    if tokio::time::timeout(grace, drain.closed()).await.is_err() {
         tracing::warn!("shutdown grace elapsed with requests still in flight");
     }
     state.jobs.stopping.cancel();
@@ -136,9 +165,119 @@ pub(super) async fn accept_loop(
     for pool in state.pools.snapshot().pools.values() {
         pool.gate.close().await;
     }
-    drop(dispatcher);
-    drop(state);
-    // The writer ends once the last sender is gone; if a handle is still held elsewhere, the
-    // flush above already committed everything.
-    access_log_task.abort();
+}
+
+impl Serving {
+    /// Counts a connection just accepted and spawns its task: served under the limit, answered
+    /// `503 overloaded` over it.
+    fn serve(&self, stream: TcpStream, peer: SocketAddr) {
+        let (counted, refused) = match self.connections.admit() {
+            Admission::Serve(counted) => (counted, false),
+            Admission::Refuse(counted) => (counted, true),
+            // Dropping the socket closes it: refusals are bounded too.
+            Admission::Close => return,
+        };
+        let _ = stream.set_nodelay(true);
+        let timeouts = Timeouts {
+            // A refused connection closes as soon as its answer is out.
+            idle_ms: if refused { 0 } else { self.timeouts.idle_ms },
+            ..self.timeouts
+        };
+        let activity = Activity::new(timeouts);
+        let io = TokioIo::new(ConnIo::new(stream, activity.clone(), counted));
+        let d = self.dispatcher.clone();
+        let requests = activity.clone();
+        // Each request is in flight, for the watchdog, until its response body is done.
+        let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+            let in_flight = requests.begin(req.version());
+            let d = d.clone();
+            async move {
+                let resp = if refused {
+                    overloaded(req.version())
+                } else {
+                    d.dispatch(req, peer).await
+                };
+                Ok::<_, Infallible>(resp.map(|body| TrackedBody::new(body, in_flight)))
+            }
+        });
+        let conn = self
+            .builder
+            .serve_connection_with_upgrades(io, service)
+            .into_owned();
+        let watchdog = Watchdog::new(activity.clone());
+        let drain = self.drain.subscribe();
+        tokio::spawn(async move {
+            let closed = drive(conn, |c| c.graceful_shutdown(), watchdog, activity, drain);
+            match closed.await {
+                Closed::Done(Err(e)) => {
+                    tracing::debug!(error = %e, %peer, "connection ended with an error");
+                }
+                Closed::Done(Ok(())) => {}
+                Closed::Expired(why) => {
+                    tracing::debug!(?why, %peer, "connection closed by its timeout");
+                }
+            }
+        });
+    }
+}
+
+/// The answer on a connection past `server.max_connections`; HTTP/1 says the connection
+/// closes (HTTP/2 has no such header: its GOAWAY follows the answer).
+fn overloaded(version: http::Version) -> Response<Body> {
+    let mut error = ApiError::new(
+        ErrorCode::Overloaded,
+        "the server has too many open connections; retry shortly",
+    );
+    error.retry_after_s = Some(1);
+    let mut resp = error.into_response();
+    if version < http::Version::HTTP_2 {
+        resp.headers_mut().insert(
+            http::header::CONNECTION,
+            http::HeaderValue::from_static("close"),
+        );
+    }
+    resp
+}
+
+/// How a connection's task ended.
+enum Closed<E> {
+    /// The connection finished (the client closed it, or it was shut down and done).
+    Done(Result<(), E>),
+    /// Its timeout closed it outright.
+    Expired(Expired),
+}
+
+/// Drives one connection to its end: the graceful shutdown when the server drains or the
+/// connection has been idle too long, closed outright when a head is late or a shutdown does
+/// not finish within the header timeout.
+async fn drive<C, E>(
+    conn: C,
+    shutdown: impl Fn(Pin<&mut C>),
+    mut watchdog: Watchdog,
+    activity: Arc<Activity>,
+    mut drain: watch::Receiver<()>,
+) -> Closed<E>
+where
+    C: Future<Output = Result<(), E>>,
+{
+    let mut conn = std::pin::pin!(conn);
+    let mut draining = false;
+    loop {
+        tokio::select! {
+            done = conn.as_mut() => return Closed::Done(done),
+            // Also when the sender is gone: either way the server is going down.
+            _ = drain.changed(), if !draining => {
+                draining = true;
+                shutdown(conn.as_mut());
+                activity.closing();
+            }
+            why = std::future::poll_fn(|cx| watchdog.poll_expired(cx)) => match why {
+                Expired::Overdue => return Closed::Expired(why),
+                Expired::Idle => {
+                    shutdown(conn.as_mut());
+                    activity.closing();
+                }
+            },
+        }
+    }
 }

@@ -49,6 +49,8 @@ pub enum ErrorCode {
     CoordinationUnavailable,
     /// The server is shutting down (`/readyz`).
     Draining,
+    /// Past `server.max_connections`: a new connection is answered this and closed.
+    Overloaded,
     Internal,
 }
 
@@ -79,6 +81,7 @@ impl ErrorCode {
             ErrorCode::StoreUnavailable => "store_unavailable",
             ErrorCode::CoordinationUnavailable => "coordination_unavailable",
             ErrorCode::Draining => "draining",
+            ErrorCode::Overloaded => "overloaded",
             ErrorCode::Internal => "internal",
         }
     }
@@ -106,6 +109,7 @@ impl ErrorCode {
             | ErrorCode::TooManyDestinations => StatusCode::CONFLICT,
             ErrorCode::StoreUnavailable
             | ErrorCode::CoordinationUnavailable
+            | ErrorCode::Overloaded
             | ErrorCode::Draining => StatusCode::SERVICE_UNAVAILABLE,
             ErrorCode::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }

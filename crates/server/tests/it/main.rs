@@ -5,6 +5,7 @@
 
 mod access;
 mod admin;
+mod connections;
 mod fuzz_regressions;
 mod governor;
 mod job_upstream;
