@@ -188,6 +188,19 @@ async fn handle(state: Arc<UpstreamState>, req: Request<Incoming>) -> Response<B
                 .insert("content-type", "text/event-stream".parse().unwrap());
             r
         }
+        "/flood" => {
+            // `mb` MiB as fast as the reader takes them; in flight until the stream ends or the
+            // connection is dropped.
+            let chunks: usize = q.get("mb").and_then(|v| v.parse().ok()).unwrap_or(8) * 16;
+            let stream =
+                futures_util::stream::unfold((0usize, Some(guard)), move |(i, g)| async move {
+                    (i < chunks).then(|| {
+                        let g = if i + 1 == chunks { None } else { g };
+                        (Ok(Frame::data(Bytes::from(vec![b'x'; 65_536]))), (i + 1, g))
+                    })
+                });
+            Response::new(StreamBody::new(stream).boxed())
+        }
         p if p.starts_with("/status/") => {
             let code: u16 = p.trim_start_matches("/status/").parse().unwrap_or(500);
             drop(guard);

@@ -8,11 +8,13 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use futures_util::task::AtomicWaker;
 use http::Response;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::ResponseFuture;
 use nthbouncer_coord::{Outcome, PoolGate, SlotId};
+use parking_lot::Mutex;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -118,25 +120,83 @@ impl Drop for Exchange {
     }
 }
 
-pin_project_lite::pin_project! {
-    /// An upstream response body that holds its slot until the last frame has been handed to
-    /// the client, the client goes away (the body is dropped), or the request deadline passes.
-    pub struct SlotBody {
-        #[pin]
-        inner: Incoming,
-        #[pin]
-        deadline: tokio::time::Sleep,
-        guard: Option<SlotGuard>,
-    }
+/// What a streaming answer holds while it streams: the upstream body and the slot.
+struct Held {
+    body: Incoming,
+    guard: SlotGuard,
+}
+
+/// Shared by a [`SlotBody`] and its watchdog.
+struct Shared {
+    held: Mutex<Option<Held>>,
+    /// The task polling the body, woken when the watchdog ends the exchange under it.
+    waker: AtomicWaker,
+}
+
+/// An upstream response body that holds its slot until the last frame has been handed to the
+/// client, the client goes away (the body is dropped), or the request deadline passes.
+///
+/// The deadline holds whether or not anyone polls the body: a client that stops reading (or
+/// reads slower than the upstream sends) stops hyper from polling it, so a watchdog ends the
+/// exchange at the deadline: it drops the upstream body first (which closes that upstream
+/// connection) and only then frees the slot, so the origin never serves the next caller beside
+/// a call it still streams. The watchdog is started only for a body that did not end at its
+/// first poll, and stopped when the body ends.
+pub struct SlotBody {
+    shared: Arc<Shared>,
+    deadline: tokio::time::Instant,
+    watchdog: Option<tokio::task::AbortHandle>,
+    /// The end (or the deadline's error) was handed out.
+    done: bool,
 }
 
 impl SlotBody {
-    pub fn new(inner: Incoming, guard: SlotGuard, deadline: tokio::time::Instant) -> Self {
+    pub fn new(body: Incoming, guard: SlotGuard, deadline: tokio::time::Instant) -> Self {
         SlotBody {
-            inner,
-            deadline: tokio::time::sleep_until(deadline),
-            guard: Some(guard),
+            shared: Arc::new(Shared {
+                held: Mutex::new(Some(Held { body, guard })),
+                waker: AtomicWaker::new(),
+            }),
+            deadline,
+            watchdog: None,
+            done: false,
         }
+    }
+
+    fn arm_watchdog(&mut self) {
+        if self.watchdog.is_some() {
+            return;
+        }
+        let shared = self.shared.clone();
+        let deadline = self.deadline;
+        let task = tokio::spawn(async move {
+            tokio::time::sleep_until(deadline).await;
+            let held = shared.held.lock().take();
+            if let Some(Held { body, guard }) = held {
+                drop(body);
+                // Let the upstream connection's task see its body gone and close before the
+                // slot goes to the next caller.
+                tokio::task::yield_now().await;
+                drop(guard);
+            }
+            shared.waker.wake();
+        });
+        self.watchdog = Some(task.abort_handle());
+    }
+
+    fn finish(&mut self) -> Option<Held> {
+        self.done = true;
+        if let Some(w) = self.watchdog.take() {
+            w.abort();
+        }
+        self.shared.held.lock().take()
+    }
+}
+
+impl Drop for SlotBody {
+    fn drop(&mut self) {
+        // The client went away (or the body ended): the slot is freed with the body.
+        drop(self.finish());
     }
 }
 
@@ -149,38 +209,61 @@ impl HttpBody for SlotBody {
     type Error = BoxError;
 
     fn poll_frame(
-        self: Pin<&mut Self>,
+        mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let this = self.project();
-        if this.guard.is_none() {
+        if self.done {
             return Poll::Ready(None);
         }
-        match this.inner.poll_frame(cx) {
-            Poll::Ready(None) => {
-                this.guard.take();
+        self.shared.waker.register(cx.waker());
+        let polled = {
+            let mut held = self.shared.held.lock();
+            let Some(h) = held.as_mut() else {
+                drop(held);
+                // The watchdog ended the exchange at the deadline.
+                self.finish();
+                return Poll::Ready(Some(Err(Box::new(DeadlineExceeded))));
+            };
+            let polled = Pin::new(&mut h.body).poll_frame(cx);
+            (polled, h.body.is_end_stream())
+        };
+        match polled {
+            (Poll::Ready(None), _) => {
+                drop(self.finish());
                 Poll::Ready(None)
             }
-            Poll::Ready(Some(Err(e))) => {
-                this.guard.take();
+            (Poll::Ready(Some(Err(e))), _) => {
+                drop(self.finish());
                 Poll::Ready(Some(Err(Box::new(e))))
             }
-            Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
-            Poll::Pending => {
-                if this.deadline.poll(cx).is_ready() {
-                    this.guard.take();
-                    return Poll::Ready(Some(Err(Box::new(DeadlineExceeded))));
+            (Poll::Ready(Some(Ok(frame))), ended) => {
+                if !ended {
+                    self.arm_watchdog();
                 }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            (Poll::Pending, _) => {
+                self.arm_watchdog();
                 Poll::Pending
             }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.guard.is_none() || self.inner.is_end_stream()
+        self.done
+            || self
+                .shared
+                .held
+                .lock()
+                .as_ref()
+                .is_none_or(|h| h.body.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        self.shared
+            .held
+            .lock()
+            .as_ref()
+            .map_or_else(SizeHint::default, |h| h.body.size_hint())
     }
 }

@@ -457,3 +457,38 @@ async fn many_clients_never_exceed_the_limit() {
     assert!(up.max_in_flight() <= 2);
     assert_eq!(gw.state("p").await["inFlight"], 0);
 }
+
+/// A client that reads the head of a large streamed answer and then stops reading: hyper stops
+/// polling the body, and before, the upstream stream stayed open past the request deadline while
+/// the gate reclaimed the slot (the origin served two at once at limit 1). Now the deadline ends
+/// the exchange whether or not anyone polls the body: the upstream stream is cut and the slot
+/// freed, while the stalled client still holds its socket unread.
+#[tokio::test]
+async fn a_client_that_stops_reading_is_cut_off_at_the_deadline() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml(
+        "p",
+        &up.url(),
+        "limit = 1\nrequest_timeout_ms = 500",
+    ))
+    .await;
+    let mut stalled = tokio::net::TcpStream::connect(gw.running.addr)
+        .await
+        .unwrap();
+    let head =
+        format!("GET /flood?mb=64 HTTP/1.1\r\nHost: p.localhost\r\nx-nthpool-key: {KEY}\r\n\r\n");
+    stalled.write_all(head.as_bytes()).await.unwrap();
+    let mut first = [0u8; 1024];
+    let n = stalled.read(&mut first).await.unwrap();
+    assert!(first[..n].starts_with(b"HTTP/1.1 200"), "the head arrived");
+    // From here on nothing is read: the socket buffers fill and the body is no longer polled.
+    eventually("the upstream stream is cut at the deadline", async || {
+        (up.in_flight() == 0).then_some(())
+    })
+    .await;
+    gw.wait_state("p", "the slot is freed", |s| s["inFlight"] == 0)
+        .await;
+    let r = gw.get("p", "/").send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    drop(stalled);
+}
