@@ -740,6 +740,41 @@ async fn release_is_idempotent_and_takes_the_outcome_report() {
     );
 }
 
+/// Before: releasing any id with `{"status":429,"retryAfterMs":900000}` answered
+/// `released:false` and still paused the whole pool for 15 minutes (and halved its limit), so
+/// any key holder could stop every caller. Now only a release that freed a slot reports, once,
+/// and no report pauses longer than `max_pause_ms`.
+#[tokio::test]
+async fn a_release_that_freed_nothing_teaches_nothing_and_pauses_are_capped() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), "limit = 4\nmax_pause_ms = 5000")).await;
+    let throttle = json!({"status": 429, "throttled": 1, "retryAfterMs": 900_000});
+    let bogus = "0123456789abcdef0123456789abcdef";
+    assert!(!released(&gw, "p", bogus, Some(throttle.clone())).await);
+    let s = gw.state("p").await;
+    assert!(s["pausedUntil"].is_null(), "a bogus release paused: {s}");
+    assert_eq!(
+        s["effectiveLimit"], 4,
+        "a bogus release taught the limit: {s}"
+    );
+    assert_eq!(send(keyed(&gw, "p", "acquire")).await.status(), 200);
+
+    // A real release reports once, and its pause is capped.
+    let gw2 = gateway(&pool_toml("q", &up.url(), "limit = 4\nmax_pause_ms = 5000")).await;
+    let id = slot(&grant(&gw2, "q").await);
+    let before = wall_ms();
+    assert!(released(&gw2, "q", &id, Some(throttle.clone())).await);
+    let paused = gw2.state("q").await["pausedUntil"].as_u64().unwrap();
+    assert!(
+        paused <= wall_ms() + 5_000 && paused >= before,
+        "the pause is capped at max_pause_ms: {paused}"
+    );
+    let limit_after_one = gw2.state("q").await["effectiveLimit"].clone();
+    // Repeating the release re-feeds nothing.
+    assert!(!released(&gw2, "q", &id, Some(throttle)).await);
+    assert_eq!(gw2.state("q").await["effectiveLimit"], limit_after_one);
+}
+
 /// A reported throttle pauses admission for the hinted time: the next acquire is 429 with
 /// `Retry-After: 2`, the state shows the pause and the throttle, and 2000 ms later admission
 /// resumes.
