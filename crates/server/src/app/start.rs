@@ -150,6 +150,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         public_url,
         stopping: CancellationToken::new(),
         deliveries_pending,
+        drain: crate::jobs::drain::Drain::new(),
     });
     let trusted_proxies: Arc<[ipnet::IpNet]> = server.trusted_proxy_nets().into();
     Ok(Arc::new(AppState {

@@ -7,9 +7,13 @@
 //!   result fenced by its attempt number. Jobs left unfinished by a crash are resumed at
 //!   start-up ([`sweep`]), which also expires overdue jobs and deletes retained ones.
 //! - [`view`] is the poll (and webhook) body; [`routes`] the poll route and the admin reads.
+//! - [`drain::Drain`] counts the attempts in flight (job fetches and, shared with the webhooks
+//!   feature, webhook attempts): on SIGTERM none starts any more, and the shutdown waits for
+//!   those running to record their results.
 //!
 //! Webhook delivery of finished jobs is the webhooks feature's (the outbox rows written here).
 
+pub mod drain;
 pub mod intake;
 pub mod routes;
 pub mod runner;
@@ -28,7 +32,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::access::keys::Caller;
-use crate::core::error::ApiError;
+use crate::core::error::{ApiError, ErrorCode};
 use crate::pools::registry::PoolRuntime;
 
 pub use intake::JobIntake;
@@ -55,6 +59,8 @@ pub struct Jobs {
     pub stopping: CancellationToken,
     /// Wakes the webhook dispatcher when deliveries are enqueued.
     pub deliveries_pending: Arc<Notify>,
+    /// Job and webhook attempts in flight; once draining, none starts and no job is accepted.
+    pub drain: Arc<drain::Drain>,
 }
 
 impl Jobs {
@@ -113,6 +119,17 @@ pub struct Accepted {
 #[derive(Serialize, ToSchema)]
 pub struct WebhookCount {
     pub destinations: u32,
+}
+
+/// Whether a request may become a job now: checked before its body is read. A stopping server
+/// takes no new job (`503 draining`).
+pub fn admit(state: &Jobs) -> Result<(), ApiError> {
+    if state.drain.is_draining() {
+        let mut e = ApiError::new(ErrorCode::Draining, "shutting down; retry shortly");
+        e.retry_after_s = Some(1);
+        return Err(e);
+    }
+    Ok(())
 }
 
 /// A body already read whole, held to the pool's `async.max_body_bytes` (`413` beyond).

@@ -38,7 +38,9 @@ pub fn spawn_runner(state: Arc<Jobs>, job: StoredJob) {
         let id = job.id.clone();
         let stopping = state.stopping.clone();
         tokio::select! {
-            // A stopping server abandons the attempt; the job resumes at the next start.
+            // Cancelled once the attempts in flight have been recorded (see `drain`), or when
+            // `shutdown_grace_ms` ran out: an attempt still running then is abandoned, and the
+            // job resumes at the next start.
             _ = stopping.cancelled() => {}
             ran = run(&state, job) => {
                 if let Err(e) = ran {
@@ -63,6 +65,8 @@ fn retry_hint(refusal: &Refusal) -> Duration {
 enum Pass {
     /// The job reached a terminal state (or nothing can run it any more).
     Done,
+    /// The server is stopping: no new attempt starts; the job runs at the next start.
+    Stopped,
     /// Try again after this long (refused by the gate, or the origin could not be reached).
     Again(Duration),
 }
@@ -75,7 +79,7 @@ async fn run(state: &Arc<Jobs>, job: StoredJob) -> Result<(), RunError> {
     let mut connect_failures = 0u32;
     loop {
         match pass(state, &job, priority, &mut connect_failures).await? {
-            Pass::Done => return Ok(()),
+            Pass::Done | Pass::Stopped => return Ok(()),
             Pass::Again(after) => tokio::time::sleep(after).await,
         }
     }
@@ -88,6 +92,9 @@ async fn pass(
     priority: Priority,
     connect_failures: &mut u32,
 ) -> Result<Pass, RunError> {
+    if state.drain.is_draining() {
+        return Ok(Pass::Stopped);
+    }
     let now = state.now();
     let Some(pool) = state.pool(&job.pool) else {
         // The pool was deleted: nothing can run this job any more.
@@ -118,7 +125,14 @@ async fn pass(
         Err(refusal) => return Ok(Pass::Again(retry_hint(&refusal))),
     };
     let guard = SlotGuard::new(pool.gate.clone(), grant.slot_id);
-    attempt(state, &pool, job, guard, connect_failures).await
+    // Counted in flight until its result is recorded: a stopping server waits for it. Once
+    // stopping, the slot goes back unused and the job waits for the next start.
+    let Some(entered) = state.drain.enter() else {
+        return Ok(Pass::Stopped);
+    };
+    let ran = attempt(state, &pool, job, guard, connect_failures).await;
+    drop(entered);
+    ran
 }
 
 /// One attempt holding a slot: fetch, then record the result before the slot is freed.

@@ -21,6 +21,10 @@ pub(super) async fn accept_job(
     reason: Reason,
 ) -> Response<Body> {
     let key_id = call.caller.key_id.clone();
+    // Before the body is read: a refused job costs no body.
+    if let Err(e) = jobs::admit(&call.state.jobs) {
+        return call.log.refuse(Some(&key_id), e);
+    }
     let mut headers = call.parts.headers.clone();
     prepare::caller_headers(&mut headers, &consumed(&call), forwarded(&call));
     let head = JobHead {
