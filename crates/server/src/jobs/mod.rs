@@ -5,7 +5,8 @@
 //!   job.
 //! - [`runner`] runs one job through the pool's gate and the upstream layer, and writes the
 //!   result fenced by its attempt number. Jobs left unfinished by a crash are resumed at
-//!   start-up ([`sweep`]), which also expires overdue jobs and deletes retained ones.
+//!   start-up ([`sweep`]), which also expires overdue jobs and deletes retained ones. A store
+//!   call that fails is retried with [`backoff`] rather than leaving the job stranded.
 //! - [`view`] is the poll (and webhook) body; [`routes`] the poll route and the admin reads.
 //! - [`drain::Drain`] counts the attempts in flight (job fetches and, shared with the webhooks
 //!   feature, webhook attempts): on SIGTERM none starts any more, and the shutdown waits for
@@ -13,6 +14,7 @@
 //!
 //! Webhook delivery of finished jobs is the webhooks feature's (the outbox rows written here).
 
+pub mod backoff;
 pub mod drain;
 pub mod intake;
 pub mod routes;
