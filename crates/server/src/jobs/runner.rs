@@ -22,6 +22,7 @@ use nthbouncer_coord::{AcquireRequest, Outcome, Priority, Refusal, SlotKind};
 use nthbouncer_store::jobs::status;
 use nthbouncer_store::{Finish, JobResult, StoredJob};
 
+use crate::jobs::backlog::Pending;
 use crate::jobs::backoff::{until_ok, Backoff};
 use crate::jobs::Jobs;
 use crate::pools::registry::PoolRuntime;
@@ -31,11 +32,15 @@ use crate::upstream::{self, SlotGuard, UpstreamError};
 /// How many times a job tries an upstream it cannot connect to.
 const MAX_CONNECT_ATTEMPTS: u32 = 3;
 
-/// Runs a job to a terminal state in the background.
-pub fn spawn_runner(state: Arc<Jobs>, job: StoredJob) {
+/// Runs a job to a terminal state in the background. `job` may come without its request body
+/// (it is loaded from the store for each attempt); `pending`, the job's place in its pool's
+/// backlog, is given back when the job is done.
+pub fn spawn_runner(state: Arc<Jobs>, job: StoredJob, pending: Pending) {
     tokio::spawn(async move {
+        let _pending = pending;
         let stopping = state.stopping.clone();
         tokio::select! {
+            biased;
             // Cancelled once the attempts in flight have been recorded (see `drain`), or when
             // `shutdown_grace_ms` ran out: an attempt still running then is abandoned, and the
             // job resumes at the next start.
@@ -118,6 +123,8 @@ async fn pass(state: &Arc<Jobs>, job: &StoredJob, priority: Priority, tries: &mu
     };
     let grant = match pool.gate.acquire(request).await {
         Ok(g) => g,
+        // A stopping server closes every gate: that is no deleted pool.
+        Err(Refusal::PoolClosed) if state.drain.is_draining() => return Pass::Stopped,
         Err(Refusal::PoolClosed) => {
             finish_without_attempt(state, job, "the pool was deleted").await;
             return Pass::Done;
@@ -146,8 +153,17 @@ async fn attempt(
     tries: &mut Tries,
 ) -> Pass {
     let store = &state.store;
-    let attempt = match store.start_attempt(&job.id, state.now()).await {
-        Ok(Some(attempt)) => attempt,
+    // The body comes from disk only now, and is dropped with the attempt.
+    let started = match store.job_request_body(&job.id).await {
+        Ok(Some(body)) => store
+            .start_attempt(&job.id, state.now())
+            .await
+            .map(|a| a.map(|a| (a, body))),
+        Ok(None) => return Pass::Done, // the job is gone
+        Err(e) => Err(e),
+    };
+    let (attempt, body) = match started {
+        Ok(Some(started)) => started,
         Ok(None) => return Pass::Done, // already terminal (expired meanwhile)
         Err(e) => {
             // Nothing went out: the slot goes back (with `guard`) while the store recovers, and
@@ -159,7 +175,7 @@ async fn attempt(
         }
     };
     tries.store.reset();
-    let (finish, guard) = match fetch(state, pool, job, guard).await {
+    let (finish, guard) = match fetch(state, pool, job, body, guard).await {
         Ok((result, outcome, mut guard)) => {
             guard.outcome = Some(outcome);
             (Finish::Completed(result), Some(guard))
@@ -210,6 +226,7 @@ async fn finish_without_attempt(state: &Arc<Jobs>, job: &StoredJob, why: &str) {
 fn origin_request(
     pool: &PoolRuntime,
     job: &StoredJob,
+    body: Vec<u8>,
 ) -> Result<http::Request<Body>, UpstreamError> {
     let invalid = |what: &'static str| UpstreamError::new(upstream::Stage::Connect, what);
     let method = Method::from_bytes(job.request.method.as_bytes())
@@ -232,7 +249,7 @@ fn origin_request(
         managed: &pool.upstream_headers,
         idempotency_key: Some(&job.id),
     };
-    let body = Body::from(Bytes::from(job.request.body.clone()));
+    let body = Body::from(Bytes::from(body));
     prepare::origin_request(&origin, method, Some(&path), headers, body)
         .map_err(|e| UpstreamError::new(upstream::Stage::Connect, e))
 }
@@ -243,9 +260,10 @@ async fn fetch(
     state: &Arc<Jobs>,
     pool: &PoolRuntime,
     job: &StoredJob,
+    body: Vec<u8>,
     guard: SlotGuard,
 ) -> Result<(JobResult, Outcome, SlotGuard), UpstreamError> {
-    let req = origin_request(pool, job)?;
+    let req = origin_request(pool, job, body)?;
     let deadline = crate::core::time::deadline_in(pool.concurrency.request_timeout_ms);
     let (resp, guard) = upstream::exchange(&state.client, req, guard, deadline).await?;
     let (parts, body) = resp.into_parts();
