@@ -143,6 +143,24 @@ impl Server {
         self.proc.0.wait().unwrap();
     }
 
+    /// `kill -TERM`: asks the process to shut down gracefully (see [`Server::exited`]).
+    pub fn sigterm(&self) {
+        let pid = self.proc.0.id().to_string();
+        let sent = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        assert!(sent.success(), "kill -TERM {pid} failed");
+    }
+
+    /// Waits (bounded, 60 s) for the process to exit on its own, and returns how it exited.
+    pub async fn exited(&mut self) -> std::process::ExitStatus {
+        for _ in 0..2400 {
+            if let Some(status) = self.proc.0.try_wait().unwrap() {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("the server did not exit within 60 s");
+    }
+
     /// Starts `serve` again on the same config (same port, same data dir) and waits until it
     /// is ready.
     pub async fn restart(&mut self) {

@@ -6,6 +6,7 @@ mod chaos;
 mod cli;
 mod connections;
 mod jobs_crash;
+mod jobs_sigterm;
 mod lock_cli;
 mod lock_restart;
 mod webhooks_crash;

@@ -147,18 +147,28 @@ pub(super) async fn accept_loop(
 }
 
 /// The graceful shutdown: every connection is asked to finish (HTTP/1 after its request in
-/// flight, HTTP/2 with a GOAWAY), within `shutdown_grace_ms`; then the rest is closed down.
+/// flight, HTTP/2 with a GOAWAY), no job is accepted and no job or webhook attempt starts, and
+/// the requests and attempts in flight get `shutdown_grace_ms` to finish (an attempt: to have
+/// its result recorded); then the rest is closed down.
 async fn shut_down(state: &AppState, drain: watch::Sender<()>) {
     state.draining.store(true, Ordering::Relaxed);
+    let attempts = state.jobs.drain.clone();
+    attempts.start();
     let grace = Duration::from_millis(state.server.shutdown_grace_ms);
     tracing::info!(
         grace_ms = grace.as_millis() as u64,
-        "shutting down: draining in-flight requests"
+        attempts_in_flight = attempts.in_flight(),
+        "shutting down: draining in-flight requests and job attempts"
     );
     let _ = drain.send(());
     // Every connection task holds a receiver until its connection is closed.
-    if tokio::time::timeout(grace, drain.closed()).await.is_err() {
-        tracing::warn!("shutdown grace elapsed with requests still in flight");
+    let both = async { tokio::join!(drain.closed(), attempts.idle()) };
+    if tokio::time::timeout(grace, both).await.is_err() {
+        tracing::warn!(
+            attempts_in_flight = attempts.in_flight(),
+            "shutdown grace elapsed with requests or attempts still in flight; those attempts \
+             run again at the next start"
+        );
     }
     state.jobs.stopping.cancel();
     state.access_log.flush().await;

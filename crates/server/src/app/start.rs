@@ -80,7 +80,10 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
     state.pools.load_pools(&config).await?;
     crate::lock::leases::reserve_outstanding(&*state.store, &state.pools, state.clock.now_ms())
         .await;
-    let background = tokio::spawn(crate::jobs::resume_and_sweep(state.jobs.clone()));
+    // Before serving: every unfinished job has its runner and its place in the backlog before a
+    // new job can be accepted (or picked up twice).
+    crate::jobs::resume(&state.jobs).await;
+    let background = tokio::spawn(crate::jobs::run_sweeper(state.jobs.clone()));
     // Ends when the jobs' `stopping` is cancelled; pending deliveries go out at the next start.
     let webhooks = tokio::spawn(crate::webhooks::run_dispatcher(state.webhooks.clone()));
 
@@ -150,6 +153,8 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         public_url,
         stopping: CancellationToken::new(),
         deliveries_pending,
+        drain: crate::jobs::drain::Drain::new(),
+        backlog: crate::jobs::backlog::Backlog::new(),
     });
     let trusted_proxies: Arc<[ipnet::IpNet]> = server.trusted_proxy_nets().into();
     Ok(Arc::new(AppState {

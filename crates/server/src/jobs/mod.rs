@@ -5,11 +5,18 @@
 //!   job.
 //! - [`runner`] runs one job through the pool's gate and the upstream layer, and writes the
 //!   result fenced by its attempt number. Jobs left unfinished by a crash are resumed at
-//!   start-up ([`sweep`]), which also expires overdue jobs and deletes retained ones.
+//!   start-up ([`sweep`]), which also expires overdue jobs and deletes retained ones. A store
+//!   call that fails is retried with [`backoff`] rather than leaving the job stranded.
 //! - [`view`] is the poll (and webhook) body; [`routes`] the poll route and the admin reads.
+//! - [`drain::Drain`] counts the attempts in flight (job fetches and, shared with the webhooks
+//!   feature, webhook attempts): on SIGTERM none starts any more, and the shutdown waits for
+//!   those running to record their results.
 //!
 //! Webhook delivery of finished jobs is the webhooks feature's (the outbox rows written here).
 
+pub mod backlog;
+pub mod backoff;
+pub mod drain;
 pub mod intake;
 pub mod routes;
 pub mod runner;
@@ -28,7 +35,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::access::keys::Caller;
-use crate::core::error::ApiError;
+use crate::core::error::{ApiError, ErrorCode};
 use crate::pools::registry::PoolRuntime;
 
 pub use intake::JobIntake;
@@ -55,6 +62,10 @@ pub struct Jobs {
     pub stopping: CancellationToken,
     /// Wakes the webhook dispatcher when deliveries are enqueued.
     pub deliveries_pending: Arc<Notify>,
+    /// Job and webhook attempts in flight; once draining, none starts and no job is accepted.
+    pub drain: Arc<drain::Drain>,
+    /// Jobs pending per pool, held to `async.max_pending`.
+    pub backlog: Arc<backlog::Backlog>,
 }
 
 impl Jobs {
@@ -71,7 +82,7 @@ impl Jobs {
     }
 }
 pub use runner::spawn_runner;
-pub use sweep::{resume_and_sweep, sweep};
+pub use sweep::{resume, run_sweeper, sweep};
 pub use view::JobView;
 
 /// Why a job was created (the `reason` of the poll body).
@@ -115,6 +126,29 @@ pub struct WebhookCount {
     pub destinations: u32,
 }
 
+/// `Retry-After` of a request refused because its pool's backlog is full.
+pub const BACKLOG_RETRY_AFTER_S: u64 = 1;
+
+/// Whether a request may become a job now, checked before its body is read: a stopping server
+/// takes no new job (`503 draining`), nor does a pool with `async.max_pending` jobs pending
+/// (`429 too_many_requests`). The place reserved travels with the job to its runner.
+pub fn admit(state: &Jobs, pool: &PoolRuntime) -> Result<backlog::Pending, ApiError> {
+    if state.drain.is_draining() {
+        let mut e = ApiError::new(ErrorCode::Draining, "shutting down; retry shortly");
+        e.retry_after_s = Some(1);
+        return Err(e);
+    }
+    let max = pool.spec.async_jobs.max_pending;
+    state.backlog.reserve(&pool.name, max).ok_or_else(|| {
+        let mut e = ApiError::new(
+            ErrorCode::TooManyRequests,
+            format!("this pool has {max} async jobs pending (async.max_pending); retry later"),
+        );
+        e.retry_after_s = Some(BACKLOG_RETRY_AFTER_S);
+        e
+    })
+}
+
 /// A body already read whole, held to the pool's `async.max_body_bytes` (`413` beyond).
 pub fn bounded_body(pool: &PoolRuntime, body: Bytes) -> Result<Bytes, ApiError> {
     let max = pool.spec.async_jobs.max_body_bytes;
@@ -148,17 +182,31 @@ pub struct JobHead {
     pub headers: HeaderMap,
 }
 
-/// Accepts a request (its body already read and verified, its head prepared for the origin) as
-/// a job: writes it durably, starts its runner, and returns the `202` body.
+/// What a job is made of: its request (the body already read and verified, the head prepared
+/// for the origin), who asked, and its place in the pool's backlog ([`admit`]).
+pub struct Submission {
+    pub head: JobHead,
+    pub body: Bytes,
+    pub priority: Priority,
+    pub reason: Reason,
+    pub pending: backlog::Pending,
+}
+
+/// Accepts a request as a job: writes it durably, starts its runner (which loads the body from
+/// the store when its turn comes), and returns the `202` body.
 pub async fn accept(
     state: &Arc<Jobs>,
     pool: &Arc<PoolRuntime>,
-    head: JobHead,
-    body: Bytes,
     caller: &Caller,
-    priority: Priority,
-    reason: Reason,
+    submission: Submission,
 ) -> Result<Accepted, ApiError> {
+    let Submission {
+        head,
+        body,
+        priority,
+        reason,
+        pending,
+    } = submission;
     let fairness = caller.fairness;
     let headers: Vec<(String, String)> = head
         .headers
@@ -206,10 +254,14 @@ pub async fn accept(
         delivered: 0,
         failed: 0,
         error: None,
-        request: job.request,
+        // The body stays on disk until the job's turn comes.
+        request: JobRequest {
+            body: Vec::new(),
+            ..job.request
+        },
         result: None,
     };
-    spawn_runner(state.clone(), stored);
+    spawn_runner(state.clone(), stored, pending);
     Ok(Accepted {
         poll_url: format!("{}/pools/{}/jobs/{}", state.public_url, pool.name, job.id),
         job_id: job.id,

@@ -5,6 +5,11 @@
 //! A fetch is retried only when the origin cannot have acted on it (the connection could not be
 //! made); any later failure is the job's result, so an origin never does a job's work twice
 //! because we retried.
+//!
+//! A store call that fails is retried with bounded exponential backoff ([`super::backoff`]), so
+//! a store that is locked or down for a while delays a job but does not strand it. Starting an
+//! attempt gives the slot back while it waits; recording a result keeps the slot (and the
+//! attempt counted in flight) until the result is committed.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,6 +22,8 @@ use nthbouncer_coord::{AcquireRequest, Outcome, Priority, Refusal, SlotKind};
 use nthbouncer_store::jobs::status;
 use nthbouncer_store::{Finish, JobResult, StoredJob};
 
+use crate::jobs::backlog::Pending;
+use crate::jobs::backoff::{until_ok, Backoff};
 use crate::jobs::Jobs;
 use crate::pools::registry::PoolRuntime;
 use crate::upstream::prepare::{self, Origin};
@@ -25,26 +32,20 @@ use crate::upstream::{self, SlotGuard, UpstreamError};
 /// How many times a job tries an upstream it cannot connect to.
 const MAX_CONNECT_ATTEMPTS: u32 = 3;
 
-/// Why a job's run stopped before a terminal state (it resumes at the next start).
-#[derive(Debug, thiserror::Error)]
-pub enum RunError {
-    #[error("the store failed: {0}")]
-    Store(#[from] nthbouncer_store::StoreError),
-}
-
-/// Runs a job to a terminal state in the background.
-pub fn spawn_runner(state: Arc<Jobs>, job: StoredJob) {
+/// Runs a job to a terminal state in the background. `job` may come without its request body
+/// (it is loaded from the store for each attempt); `pending`, the job's place in its pool's
+/// backlog, is given back when the job is done.
+pub fn spawn_runner(state: Arc<Jobs>, job: StoredJob, pending: Pending) {
     tokio::spawn(async move {
-        let id = job.id.clone();
+        let _pending = pending;
         let stopping = state.stopping.clone();
         tokio::select! {
-            // A stopping server abandons the attempt; the job resumes at the next start.
+            biased;
+            // Cancelled once the attempts in flight have been recorded (see `drain`), or when
+            // `shutdown_grace_ms` ran out: an attempt still running then is abandoned, and the
+            // job resumes at the next start.
             _ = stopping.cancelled() => {}
-            ran = run(&state, job) => {
-                if let Err(e) = ran {
-                    tracing::warn!(job = %id, error = %e, "job runner stopped; the job resumes at the next start");
-                }
-            }
+            () = run(&state, job) => {}
         }
     });
 }
@@ -63,39 +64,52 @@ fn retry_hint(refusal: &Refusal) -> Duration {
 enum Pass {
     /// The job reached a terminal state (or nothing can run it any more).
     Done,
-    /// Try again after this long (refused by the gate, or the origin could not be reached).
+    /// The server is stopping: no new attempt starts; the job runs at the next start.
+    Stopped,
+    /// Try again after this long (refused by the gate, the origin could not be reached, or the
+    /// store could not start the attempt).
     Again(Duration),
 }
 
-async fn run(state: &Arc<Jobs>, job: StoredJob) -> Result<(), RunError> {
+/// What a job's passes remember of the ones before.
+#[derive(Default)]
+struct Tries {
+    /// Fetches that could not connect.
+    connect_failures: u32,
+    /// Attempts the store could not start (the slot goes back meanwhile).
+    store: Backoff,
+}
+
+async fn run(state: &Arc<Jobs>, job: StoredJob) {
     if job.status == status::ACCEPTED {
-        state.store.mark_queued(&job.id, state.now()).await?;
+        until_ok("mark_queued", &job.id, || {
+            state.store.mark_queued(&job.id, state.now())
+        })
+        .await;
     }
     let priority = Priority::parse(&job.priority).unwrap_or_default();
-    let mut connect_failures = 0u32;
+    let mut tries = Tries::default();
     loop {
-        match pass(state, &job, priority, &mut connect_failures).await? {
-            Pass::Done => return Ok(()),
+        match pass(state, &job, priority, &mut tries).await {
+            Pass::Done | Pass::Stopped => return,
             Pass::Again(after) => tokio::time::sleep(after).await,
         }
     }
 }
 
 /// Waits for a slot, then makes one attempt.
-async fn pass(
-    state: &Arc<Jobs>,
-    job: &StoredJob,
-    priority: Priority,
-    connect_failures: &mut u32,
-) -> Result<Pass, RunError> {
+async fn pass(state: &Arc<Jobs>, job: &StoredJob, priority: Priority, tries: &mut Tries) -> Pass {
+    if state.drain.is_draining() {
+        return Pass::Stopped;
+    }
     let now = state.now();
     let Some(pool) = state.pool(&job.pool) else {
         // The pool was deleted: nothing can run this job any more.
-        finish_without_attempt(state, job, "the pool was deleted").await?;
-        return Ok(Pass::Done);
+        finish_without_attempt(state, job, "the pool was deleted").await;
+        return Pass::Done;
     };
     if now >= job.expires_at {
-        return Ok(Pass::Done); // the sweeper writes `expired`
+        return Pass::Done; // the sweeper writes `expired`
     }
     let request = AcquireRequest {
         fairness_key: job.fairness,
@@ -109,16 +123,25 @@ async fn pass(
     };
     let grant = match pool.gate.acquire(request).await {
         Ok(g) => g,
+        // A stopping server closes every gate: that is no deleted pool.
+        Err(Refusal::PoolClosed) if state.drain.is_draining() => return Pass::Stopped,
         Err(Refusal::PoolClosed) => {
-            finish_without_attempt(state, job, "the pool was deleted").await?;
-            return Ok(Pass::Done);
+            finish_without_attempt(state, job, "the pool was deleted").await;
+            return Pass::Done;
         }
         // Queue full, RPM spent, paused, or the wait ran out: the job keeps its place in the
         // store and tries again.
-        Err(refusal) => return Ok(Pass::Again(retry_hint(&refusal))),
+        Err(refusal) => return Pass::Again(retry_hint(&refusal)),
     };
     let guard = SlotGuard::new(pool.gate.clone(), grant.slot_id);
-    attempt(state, &pool, job, guard, connect_failures).await
+    // Counted in flight until its result is recorded: a stopping server waits for it. Once
+    // stopping, the slot goes back unused and the job waits for the next start.
+    let Some(entered) = state.drain.enter() else {
+        return Pass::Stopped;
+    };
+    let ran = attempt(state, &pool, job, guard, tries).await;
+    drop(entered);
+    ran
 }
 
 /// One attempt holding a slot: fetch, then record the result before the slot is freed.
@@ -127,53 +150,75 @@ async fn attempt(
     pool: &PoolRuntime,
     job: &StoredJob,
     guard: SlotGuard,
-    connect_failures: &mut u32,
-) -> Result<Pass, RunError> {
+    tries: &mut Tries,
+) -> Pass {
     let store = &state.store;
-    let Some(attempt) = store.start_attempt(&job.id, state.now()).await? else {
-        return Ok(Pass::Done); // already terminal (expired meanwhile)
+    // The body comes from disk only now, and is dropped with the attempt.
+    let started = match store.job_request_body(&job.id).await {
+        Ok(Some(body)) => store
+            .start_attempt(&job.id, state.now())
+            .await
+            .map(|a| a.map(|a| (a, body))),
+        Ok(None) => return Pass::Done, // the job is gone
+        Err(e) => Err(e),
     };
-    let (finish, guard) = match fetch(state, pool, job, guard).await {
+    let (attempt, body) = match started {
+        Ok(Some(started)) => started,
+        Ok(None) => return Pass::Done, // already terminal (expired meanwhile)
+        Err(e) => {
+            // Nothing went out: the slot goes back (with `guard`) while the store recovers, and
+            // the job queues again.
+            let wait = tries.store.next_delay();
+            tracing::warn!(job = %job.id, error = %e, failures = tries.store.failures(),
+                retry_in_ms = wait.as_millis() as u64, "cannot start a job attempt; retrying");
+            return Pass::Again(wait);
+        }
+    };
+    tries.store.reset();
+    let (finish, guard) = match fetch(state, pool, job, body, guard).await {
         Ok((result, outcome, mut guard)) => {
             guard.outcome = Some(outcome);
             (Finish::Completed(result), Some(guard))
         }
         // The slot was freed with the failed call.
-        Err(e) if e.retry_safe() && *connect_failures + 1 < MAX_CONNECT_ATTEMPTS => {
-            *connect_failures += 1;
-            store
-                .retry_attempt(&job.id, attempt, state.now(), &e.to_string())
-                .await?;
-            return Ok(Pass::Again(Duration::from_millis(
-                500 * u64::from(*connect_failures),
-            )));
+        Err(e) if e.retry_safe() && tries.connect_failures + 1 < MAX_CONNECT_ATTEMPTS => {
+            tries.connect_failures += 1;
+            let detail = e.to_string();
+            until_ok("retry_attempt", &job.id, || {
+                store.retry_attempt(&job.id, attempt, state.now(), &detail)
+            })
+            .await;
+            return Pass::Again(Duration::from_millis(
+                500 * u64::from(tries.connect_failures),
+            ));
         }
         Err(e) => (Finish::Failed(e.to_string()), None),
     };
-    // The slot is freed only once the result is committed: a crash before that reruns the
-    // job, so at most `limit` jobs can ever run twice.
+    // The slot is freed only once the result is committed (retried until the store takes it):
+    // a crash before that reruns the job, so at most `limit` jobs can ever run twice.
     let dests = pool.active_destination_ids();
-    store
-        .finish_attempt(&job.id, attempt, &finish, state.now(), &dests)
-        .await?;
+    until_ok("finish_attempt", &job.id, || {
+        store.finish_attempt(&job.id, attempt, &finish, state.now(), &dests)
+    })
+    .await;
     drop(guard);
     state.notify_deliveries();
-    Ok(Pass::Done)
+    Pass::Done
 }
 
-async fn finish_without_attempt(
-    state: &Arc<Jobs>,
-    job: &StoredJob,
-    why: &str,
-) -> Result<(), RunError> {
+async fn finish_without_attempt(state: &Arc<Jobs>, job: &StoredJob, why: &str) {
     let store = &state.store;
-    if let Some(attempt) = store.start_attempt(&job.id, state.now()).await? {
+    let started = until_ok("start_attempt", &job.id, || {
+        store.start_attempt(&job.id, state.now())
+    })
+    .await;
+    if let Some(attempt) = started {
         let failed = Finish::Failed(why.into());
-        store
-            .finish_attempt(&job.id, attempt, &failed, state.now(), &[])
-            .await?;
+        until_ok("finish_attempt", &job.id, || {
+            store.finish_attempt(&job.id, attempt, &failed, state.now(), &[])
+        })
+        .await;
     }
-    Ok(())
 }
 
 /// The stored request (its headers already as the origin may see them, see
@@ -181,6 +226,7 @@ async fn finish_without_attempt(
 fn origin_request(
     pool: &PoolRuntime,
     job: &StoredJob,
+    body: Vec<u8>,
 ) -> Result<http::Request<Body>, UpstreamError> {
     let invalid = |what: &'static str| UpstreamError::new(upstream::Stage::Connect, what);
     let method = Method::from_bytes(job.request.method.as_bytes())
@@ -203,7 +249,7 @@ fn origin_request(
         managed: &pool.upstream_headers,
         idempotency_key: Some(&job.id),
     };
-    let body = Body::from(Bytes::from(job.request.body.clone()));
+    let body = Body::from(Bytes::from(body));
     prepare::origin_request(&origin, method, Some(&path), headers, body)
         .map_err(|e| UpstreamError::new(upstream::Stage::Connect, e))
 }
@@ -214,9 +260,10 @@ async fn fetch(
     state: &Arc<Jobs>,
     pool: &PoolRuntime,
     job: &StoredJob,
+    body: Vec<u8>,
     guard: SlotGuard,
 ) -> Result<(JobResult, Outcome, SlotGuard), UpstreamError> {
-    let req = origin_request(pool, job)?;
+    let req = origin_request(pool, job, body)?;
     let deadline = crate::core::time::deadline_in(pool.concurrency.request_timeout_ms);
     let (resp, guard) = upstream::exchange(&state.client, req, guard, deadline).await?;
     let (parts, body) = resp.into_parts();

@@ -21,6 +21,11 @@ pub(super) async fn accept_job(
     reason: Reason,
 ) -> Response<Body> {
     let key_id = call.caller.key_id.clone();
+    // Before the body is read: a refused job costs no body.
+    let pending = match jobs::admit(&call.state.jobs, call.pool) {
+        Ok(pending) => pending,
+        Err(e) => return call.log.refuse(Some(&key_id), e),
+    };
     let mut headers = call.parts.headers.clone();
     prepare::caller_headers(&mut headers, &consumed(&call), forwarded(&call));
     let head = JobHead {
@@ -41,16 +46,14 @@ pub(super) async fn accept_job(
         Ok(b) => b,
         Err(e) => return call.log.refuse(Some(&key_id), e),
     };
-    let accepted = jobs::accept(
-        &call.state.jobs,
-        call.pool,
+    let submission = jobs::Submission {
         head,
         body,
-        &call.caller,
         priority,
         reason,
-    )
-    .await;
+        pending,
+    };
+    let accepted = jobs::accept(&call.state.jobs, call.pool, &call.caller, submission).await;
     match accepted {
         Ok(accepted) => {
             call.log.write(

@@ -45,6 +45,7 @@ use tokio::sync::mpsc;
 use tokio::task::{Id as TaskId, JoinSet};
 
 use crate::core::batch::{BatchConfig, Batcher, Commit};
+use crate::jobs::drain::Entered;
 use crate::jobs::JobView;
 use crate::jobs::Jobs;
 use crate::pools::Pools;
@@ -451,6 +452,7 @@ async fn attempt(
     recorder: Recorder,
     sent: mpsc::UnboundedSender<u64>,
     due: DueDelivery,
+    entered: Entered,
 ) {
     let started = crate::core::time::now();
     let sent_at = state.jobs.now();
@@ -463,7 +465,10 @@ async fn attempt(
     let (pool, destination) = (record.pool.clone(), record.destination_id.clone());
     tracing::debug!(%pool, %destination, job = %record.job_id, attempt = record.attempt,
         status = ?record.status_code, next = ?record.next, "webhook attempt");
-    match recorder.submit(record).await {
+    let recorded = recorder.submit(record).await;
+    // Recorded (or not): a stopping server need not wait for the rest.
+    drop(entered);
+    match recorded {
         Ok(applied) => {
             if applied.deactivated {
                 tracing::warn!(%pool, %destination, "webhook destination deactivated");
@@ -538,6 +543,9 @@ struct Dispatcher {
 impl Dispatcher {
     /// Starts every due attempt there is room for; returns when the next pending delivery is due.
     async fn scan(&mut self) -> nthbouncer_store::Result<Option<u64>> {
+        if self.state.jobs.drain.is_draining() {
+            return Ok(None); // pending deliveries go out at the next start
+        }
         let now = self.state.jobs.now();
         let mut active: Vec<String> = {
             let registry = self.state.pools.snapshot();
@@ -607,9 +615,14 @@ impl Dispatcher {
                     .await?;
                 for d in due {
                     // Belt and braces: never two attempts of one delivery at once.
-                    if !self.in_flight.contains(&d.id) {
-                        self.spawn(d);
+                    if self.in_flight.contains(&d.id) {
+                        continue;
                     }
+                    // A stopping server starts no new attempt (see `jobs::drain`).
+                    let Some(entered) = self.state.jobs.drain.enter() else {
+                        break;
+                    };
+                    self.spawn(d, entered);
                 }
             }
         }
@@ -622,7 +635,7 @@ impl Dispatcher {
         Ok(next)
     }
 
-    fn spawn(&mut self, due: DueDelivery) {
+    fn spawn(&mut self, due: DueDelivery, entered: Entered) {
         let dest = due.destination.id.clone();
         self.in_flight.insert(due.id);
         *self.held.entry(dest.clone()).or_default() += 1;
@@ -635,6 +648,7 @@ impl Dispatcher {
             self.recorder.clone(),
             self.sent_tx.clone(),
             due,
+            entered,
         ));
         self.running.insert(handle.id(), (delivery, dest));
     }
@@ -665,8 +679,10 @@ fn decrement(counts: &mut HashMap<String, usize>, key: &str) {
     }
 }
 
-/// Sends the delivery outbox until the server stops (`AppState::stopping`). Attempts in flight
-/// at the stop are abandoned: their deliveries stay pending and go out at the next start.
+/// Sends the delivery outbox until the server stops (`Jobs::stopping`). Once the server drains
+/// (`Jobs::drain`) no attempt starts; those in flight finish and are recorded within
+/// `shutdown_grace_ms`, and any still running after it are abandoned: their deliveries stay
+/// pending and go out at the next start.
 pub async fn run_dispatcher(state: Arc<Webhooks>) {
     let client = match build_client(&state.server) {
         Ok(c) => Arc::new(c),

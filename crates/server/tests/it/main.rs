@@ -10,6 +10,8 @@ mod fuzz_regressions;
 mod governor;
 mod job_upstream;
 mod jobs;
+mod jobs_backlog;
+mod jobs_faults;
 mod lock;
 mod proxy;
 mod webhooks;

@@ -1,0 +1,71 @@
+//! Async jobs when the store fails for a while, made real: the test takes SQLite's write lock on
+//! the gateway's own database file (`BEGIN EXCLUSIVE` from another connection) while a job's
+//! fetch is at the origin, so recording its result fails, and releases the lock later. The job
+//! must still reach its terminal state without a restart.
+
+use std::time::Duration;
+
+use nthbouncer_testkit::*;
+use reqwest::Method;
+
+/// Longer than the store's `busy_timeout` (5 s): a write waiting for the lock gives up and fails
+/// while the test holds it. This only makes the fault happen; nothing asserts on time.
+const HOLD_LOCK: Duration = Duration::from_secs(7);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_result_cannot_be_written_for_a_while_still_ends() {
+    let up = Upstream::start().await;
+    let gw = gateway(&format!(
+        "[server]\nallow_private_webhooks = true\n{}[pools.async]\nenabled = true\n{}",
+        pool_toml("p", &up.url(), "limit = 1"),
+        webhook_toml("http://127.0.0.1:9/hook"),
+    ))
+    .await;
+    let r = send(
+        gw.pool("p", Method::POST, "/hold")
+            .header("x-nthpool-key", KEY)
+            .header("x-nthpool-async", "1")
+            .body("work"),
+    )
+    .await;
+    assert_eq!(r.status(), 202);
+    let job = json_of(r).await["jobId"].as_str().unwrap().to_string();
+    // The attempt has started (its row says so) and the origin is working on it.
+    eventually("the job's fetch to reach the origin", async || {
+        (up.in_flight() == 1).then_some(())
+    })
+    .await;
+
+    let db = gw.dir().join("nthbouncer.db");
+    let locker = std::thread::spawn(move || {
+        let conn = rusqlite::Connection::open(&db).unwrap();
+        conn.busy_timeout(Duration::from_secs(30)).unwrap();
+        conn.execute_batch("BEGIN EXCLUSIVE").unwrap();
+        conn
+    });
+    let conn = tokio::task::spawn_blocking(move || locker.join().unwrap())
+        .await
+        .unwrap();
+    // The origin answers; recording the result now fails until the lock is released.
+    up.release(1);
+    tokio::time::sleep(HOLD_LOCK).await;
+    tokio::task::spawn_blocking(move || conn.execute_batch("ROLLBACK").unwrap())
+        .await
+        .unwrap();
+
+    let done = eventually(&format!("job {job} to complete"), async || {
+        let (code, v) = call(
+            gw.api_anon(Method::GET, &format!("/pools/p/jobs/{job}"))
+                .header("x-nthpool-key", KEY),
+        )
+        .await;
+        assert_eq!(code, 200, "{v}");
+        assert!(v["status"] != "failed" && v["status"] != "expired", "{v}");
+        (v["status"] == "completed").then_some(v)
+    })
+    .await;
+    assert_eq!(done["result"]["status"], 200);
+    assert_eq!(up.total(), 1, "the origin saw the job once");
+    // The slot went back: the pool is idle again.
+    gw.wait_state("p", "idle", |s| s["inFlight"] == 0).await;
+}
