@@ -22,7 +22,9 @@ use registry::{PoolRuntime, Registry};
 /// The live pools and what changing them needs.
 pub struct Pools {
     registry: ArcSwap<Registry>,
-    /// Serialises changes to the pool set (and to destinations, which the admin API edits).
+    /// Serialises changes to the pool set, to pool keys and to destinations (the admin API
+    /// edits them): each reads the store and publishes what it read, so two at once could
+    /// publish an older read last.
     changes: Mutex<()>,
     store: Arc<dyn Store>,
     /// Webhook destinations live with the jobs.

@@ -10,6 +10,7 @@ mod fuzz_regressions;
 mod governor;
 mod job_upstream;
 mod jobs;
+mod key_races;
 mod lock;
 mod proxy;
 mod webhooks;
