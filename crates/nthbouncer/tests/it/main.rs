@@ -8,6 +8,7 @@ mod connections;
 mod jobs_crash;
 mod lock_cli;
 mod lock_restart;
+mod nonce_restart;
 mod webhooks_crash;
 
 /// The binary under test (only this crate's tests know its path).

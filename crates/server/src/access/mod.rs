@@ -17,6 +17,7 @@
 mod client_ip;
 mod jwt;
 pub mod keys;
+mod nonces;
 mod signing;
 mod throttle;
 
@@ -32,6 +33,7 @@ use nthbouncer_coord::{InProcessNonces, NonceStore};
 
 pub use client_ip::client_addr;
 pub use jwt::{JwtFailure, JwtPolicy};
+pub use nonces::{NonceJournal, PURGE_EVERY_MS};
 pub use signing::{HmacFailure, HmacPolicy, Pending};
 pub use throttle::{FailureThrottle, BLOCK_MS, FAILURE_WINDOW_MS, MAX_FAILURES};
 
@@ -245,6 +247,14 @@ impl AccessPolicy {
     /// The pool's key index (shared by every settings version of the pool).
     pub fn keys(&self) -> &Arc<ArcSwap<KeyIndex>> {
         &self.keys
+    }
+
+    /// A new pool's seen nonces (before it serves): the durable store instead of memory alone.
+    pub fn use_nonces(&mut self, nonces: Arc<dyn NonceStore>) {
+        self.state = Arc::new(AccessState {
+            nonces,
+            throttle: FailureThrottle::default(),
+        });
     }
 
     /// Keeps the nonces and failure counts of the pool's previous settings.

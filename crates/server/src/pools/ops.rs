@@ -49,10 +49,14 @@ impl Pools {
             ),
         };
         let mut runtime = PoolRuntime::build(at, spec, provenance, gate, keys, destinations)?;
-        if let Some(p) = previous {
+        match previous {
             // Seen nonces and failure counts survive a settings change (a replay window must
             // not reopen because an admin edited the pool).
-            runtime.access.carry_state_from(&p.access);
+            Some(p) => runtime.access.carry_state_from(&p.access),
+            // Durable nonces, with those recorded before a restart.
+            None => runtime
+                .access
+                .use_nonces(self.nonces.for_pool(&runtime.name)),
         }
         runtime.access.keys().store(Arc::new(KeyIndex::build(
             &runtime.spec_key_digests,
@@ -65,6 +69,14 @@ impl Pools {
     /// also declares is shadowed by the file, with a warning).
     pub async fn load_pools(&self, config: &Config) -> Result<(), LoadError> {
         let _guard = self.changes.lock().await;
+        let nonces = self
+            .nonces
+            .load()
+            .await
+            .map_err(|e| LoadError::Store(e.to_string()))?;
+        if nonces > 0 {
+            tracing::info!(nonces, "HMAC nonces seen before the restart loaded");
+        }
         let all_keys = self
             .store
             .list_all_keys()
