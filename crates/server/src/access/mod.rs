@@ -37,7 +37,7 @@ pub use nonces::{NonceJournal, PURGE_EVERY_MS};
 pub use signing::{HmacFailure, HmacPolicy, Pending};
 pub use throttle::{FailureThrottle, BLOCK_MS, FAILURE_WINDOW_MS, MAX_FAILURES};
 
-use crate::core::access_log::{LogLine, LogOutcome, UpstreamSeen};
+use crate::core::access_log::LogLine;
 use crate::core::error::{ApiError, ErrorCode};
 use crate::core::extract;
 use crate::core::metrics::PoolMetrics;
@@ -388,14 +388,7 @@ pub fn refuse(
 ) -> Response {
     count_refusal(metrics, failure);
     let e = failure.error();
-    log.write(
-        key_id,
-        LogOutcome::Refused(e.status),
-        Some(&failure.reason()),
-        e.status,
-        0,
-        UpstreamSeen::default(),
-    );
+    log.write_auth_refusal(key_id, &failure.reason(), e.status);
     e.into_response()
 }
 

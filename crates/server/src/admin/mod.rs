@@ -400,6 +400,9 @@ pub struct AccessLogView {
     pub queued_ms: u64,
     pub upstream_status: Option<u16>,
     pub upstream_latency_ms: Option<u64>,
+    /// Requests this row stands for: 1, or more for authentication refusals of one client
+    /// address folded into one row (the first one's route and time).
+    pub count: u64,
 }
 
 impl From<AccessLogEntry> for AccessLogView {
@@ -416,6 +419,7 @@ impl From<AccessLogEntry> for AccessLogView {
             queued_ms: e.queued_ms,
             upstream_status: e.upstream_status,
             upstream_latency_ms: e.upstream_latency_ms,
+            count: e.count,
         }
     }
 }

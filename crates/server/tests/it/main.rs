@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod access;
+mod access_log_flood;
 mod admin;
 mod connections;
 mod fuzz_regressions;
