@@ -73,6 +73,13 @@ impl InProcessNonces {
         self.len() == 0
     }
 
+    /// Forgets `nonce` (one recorded here whose durable record then failed, so that its request
+    /// was refused: the caller may try it again).
+    pub fn forget(&self, nonce: NonceKey) {
+        // Its heap entry stays and is skipped when it comes due (see `Inner::purge`).
+        self.inner.lock().seen.remove(&nonce);
+    }
+
     /// The synchronous core of [`NonceStore::check_and_record`].
     pub fn record(&self, nonce: NonceKey, now_ms: u64, expires_at_ms: u64) -> NonceVerdict {
         let mut inner = self.inner.lock();
@@ -155,6 +162,18 @@ mod tests {
         // Once the oldest expires, there is room again.
         assert_eq!(s.record(key(7), 1_000, 2_000), NonceVerdict::Fresh);
         assert_eq!(s.len(), 3);
+    }
+
+    #[test]
+    fn a_forgotten_nonce_is_fresh_again_and_its_old_expiry_is_harmless() {
+        let s = InProcessNonces::new(10);
+        assert_eq!(s.record(key(1), 0, 1_000), NonceVerdict::Fresh);
+        s.forget(key(1));
+        assert!(s.is_empty());
+        assert_eq!(s.record(key(1), 10, 5_000), NonceVerdict::Fresh);
+        // The first record's heap entry comes due and must not remove the second.
+        assert_eq!(s.record(key(2), 2_000, 3_000), NonceVerdict::Fresh);
+        assert_eq!(s.record(key(1), 2_000, 6_000), NonceVerdict::Replayed);
     }
 
     #[tokio::test]

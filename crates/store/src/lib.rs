@@ -77,6 +77,14 @@ pub struct AccessLogEntry {
     pub queued_ms: u64,
     pub upstream_status: Option<u16>,
     pub upstream_latency_ms: Option<u64>,
+    /// How many requests the row stands for: 1, or more for refusals folded into one row
+    /// (repeated refusals of one client address, alike but for their path).
+    #[serde(default = "one")]
+    pub count: u64,
+}
+
+fn one() -> u64 {
+    1
 }
 
 /// Filters for reading the access log, newest first.
@@ -138,7 +146,17 @@ pub trait Store: Send + Sync + 'static {
     async fn revoke_key(&self, pool: &str, id: &str, now: u64) -> Result<bool>;
 
     /// Appends a batch in one transaction.
-    async fn append_access_log(&self, entries: &[AccessLogEntry]) -> Result<()>;
+    async fn append_access_log(&self, entries: &[AccessLogEntry]) -> Result<()> {
+        self.append_access_log_folded(entries, &[]).await.map(drop)
+    }
+    /// Appends `entries` and adds to the `count` of rows already written (`bumps`: a row id and
+    /// how many more requests it stands for), in one transaction. Returns the new rows' ids, in
+    /// order. A bump of a row no longer there (trimmed, or its pool deleted) changes nothing.
+    async fn append_access_log_folded(
+        &self,
+        entries: &[AccessLogEntry],
+        bumps: &[(u64, u64)],
+    ) -> Result<Vec<u64>>;
     async fn query_access_log(
         &self,
         pool: &str,

@@ -32,14 +32,15 @@ pub const DB_FILE_NAME: &str = "nthbouncer.db";
 
 /// Schema migrations, applied in order. Entry `i` moves the database from `user_version = i` to
 /// `i + 1`. Append only: never edit a step that has shipped, add a new one instead.
-const MIGRATIONS: &[&str] = &[
+const MIGRATIONS: &[Step] = &[
     // v1: pools, keys, access log.
     //
     // `keys.pool` deliberately has no foreign key: keys may belong to pools that exist only in
     // the config file. `delete_pool` removes a pool's keys and log rows explicitly instead.
     // `access_log` uses AUTOINCREMENT so ids are never reused after rows are deleted; the id
     // is the pagination cursor and must stay monotonic.
-    "CREATE TABLE IF NOT EXISTS pools (
+    Step::Sql(
+        "CREATE TABLE IF NOT EXISTS pools (
         name       TEXT PRIMARY KEY NOT NULL,
         spec       TEXT NOT NULL,
         created_at INTEGER NOT NULL,
@@ -70,8 +71,10 @@ const MIGRATIONS: &[&str] = &[
         upstream_latency_ms INTEGER
     );
     CREATE INDEX IF NOT EXISTS access_log_pool_id ON access_log (pool, id);",
+    ),
     // v2: async jobs, their history, webhook destinations and the delivery outbox.
-    "CREATE TABLE IF NOT EXISTS jobs (
+    Step::Sql(
+        "CREATE TABLE IF NOT EXISTS jobs (
         id           TEXT PRIMARY KEY NOT NULL,
         pool         TEXT NOT NULL,
         status       TEXT NOT NULL,
@@ -126,13 +129,15 @@ const MIGRATIONS: &[&str] = &[
         UNIQUE (job_id, destination_id)
     );
     CREATE INDEX IF NOT EXISTS deliveries_due ON deliveries (status, next_attempt_at);",
+    ),
     // v3: webhook delivery: the attempt log, redelivery rounds, secret rotation.
     //
     // `deliveries.round` fences an attempt's result to the round it started in (a redelivery
     // asked for meanwhile starts a new one); `round_attempts` drives the retry schedule.
     // `delivery_attempts` keeps `pool` so the admin reads filter without a join, and
     // AUTOINCREMENT ids as the (monotonic) pagination cursor.
-    "ALTER TABLE webhook_destinations ADD COLUMN previous_secret TEXT;
+    Step::Sql(
+        "ALTER TABLE webhook_destinations ADD COLUMN previous_secret TEXT;
     ALTER TABLE webhook_destinations ADD COLUMN previous_secret_expires_at INTEGER;
     ALTER TABLE deliveries ADD COLUMN manual INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE deliveries ADD COLUMN round INTEGER NOT NULL DEFAULT 0;
@@ -161,31 +166,79 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX IF NOT EXISTS delivery_attempts_job ON delivery_attempts (job_id, id);
     CREATE INDEX IF NOT EXISTS delivery_attempts_destination
         ON delivery_attempts (destination_id, id);",
+    ),
     // v3 -> v4: lock leases outstanding, so a restart holds their slots back.
-    "CREATE TABLE IF NOT EXISTS leases (
+    Step::Sql(
+        "CREATE TABLE IF NOT EXISTS leases (
         slot_id          TEXT PRIMARY KEY,
         pool             TEXT NOT NULL,
         request_deadline INTEGER NOT NULL
     ) WITHOUT ROWID;
     CREATE INDEX IF NOT EXISTS leases_deadline ON leases (request_deadline);",
+    ),
     // v4 -> v5: HMAC nonces seen, so a restart does not reopen a replay window. Digests only;
     // `expires_at` drives the purge and the start-up load.
-    "CREATE TABLE IF NOT EXISTS nonces (
+    Step::Sql(
+        "CREATE TABLE IF NOT EXISTS nonces (
         pool       TEXT NOT NULL,
         digest     BLOB NOT NULL,
         expires_at INTEGER NOT NULL,
         PRIMARY KEY (pool, digest)
     ) WITHOUT ROWID;
     CREATE INDEX IF NOT EXISTS nonces_expires ON nonces (expires_at);",
+    ),
     // v5 -> v6: the unfinished backlog, read in pages at start-up and counted per pool for
     // `async.max_pending`. Partial indexes: they hold only the (few) unfinished jobs, however
     // many finished ones are retained. Queries must repeat the `status IN (...)` text for the
     // planner to use them.
-    "CREATE INDEX IF NOT EXISTS jobs_unfinished_created
+    Step::Sql(
+        "CREATE INDEX IF NOT EXISTS jobs_unfinished_created
         ON jobs (created_at, id) WHERE status IN ('accepted', 'queued', 'running');
     CREATE INDEX IF NOT EXISTS jobs_unfinished_pool
         ON jobs (pool) WHERE status IN ('accepted', 'queued', 'running');",
+    ),
+    // v6 -> v7: refusals folded into one access-log row carry how many requests they stand for.
+    Step::AddColumn {
+        table: "access_log",
+        column: "count",
+        decl: "INTEGER NOT NULL DEFAULT 1",
+    },
 ];
+
+/// One migration step.
+enum Step {
+    /// SQL run as is.
+    Sql(&'static str),
+    /// `ALTER TABLE … ADD COLUMN`, which SQLite cannot write idempotently: skipped when the
+    /// column is there already (or the table is missing).
+    AddColumn {
+        table: &'static str,
+        column: &'static str,
+        decl: &'static str,
+    },
+}
+
+impl Step {
+    fn apply(&self, tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<()> {
+        match self {
+            Step::Sql(sql) => tx.execute_batch(sql),
+            Step::AddColumn {
+                table,
+                column,
+                decl,
+            } => {
+                let mut stmt = tx.prepare("SELECT name FROM pragma_table_info(?1)")?;
+                let columns = stmt
+                    .query_map([table], |row| row.get::<_, String>(0))?
+                    .collect::<rusqlite::Result<Vec<_>>>()?;
+                if columns.is_empty() || columns.iter().any(|c| c == column) {
+                    return Ok(());
+                }
+                tx.execute_batch(&format!("ALTER TABLE {table} ADD COLUMN {column} {decl};"))
+            }
+        }
+    }
+}
 
 /// The schema version this build writes (`PRAGMA user_version`).
 pub const SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;
@@ -204,7 +257,7 @@ const MAX_LIMIT: u32 = 1000;
 const POOL_COLUMNS: &str = "name, spec, created_at, updated_at";
 const KEY_COLUMNS: &str = "id, pool, hash, label, created_at, expires_at, revoked_at";
 const LOG_COLUMNS: &str = "id, pool, at, key_id, client_addr, route, outcome, reason, status, \
-                           queued_ms, upstream_status, upstream_latency_ms";
+                           queued_ms, upstream_status, upstream_latency_ms, count";
 
 /// SQLite-backed [`Store`]. Cheap to clone; clones share the same connections.
 #[derive(Clone)]
@@ -384,7 +437,7 @@ fn migrate(conn: &mut Connection) -> Result<()> {
     }
     for (from, step) in MIGRATIONS.iter().enumerate().skip(current as usize) {
         tracing::info!(from, to = from + 1, "migrating store schema");
-        tx.execute_batch(step)
+        step.apply(&tx)
             .ctx(&format!("migrating schema to version {}", from + 1))?;
     }
     tx.pragma_update(None, "user_version", SCHEMA_VERSION)
@@ -462,6 +515,7 @@ fn log_from_row(row: &Row<'_>) -> rusqlite::Result<AccessLogEntry> {
         queued_ms: row.get(9)?,
         upstream_status: row.get(10)?,
         upstream_latency_ms: row.get(11)?,
+        count: row.get(12)?,
     })
 }
 
@@ -671,21 +725,26 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn append_access_log(&self, entries: &[AccessLogEntry]) -> Result<()> {
-        if entries.is_empty() {
-            return Ok(());
+    async fn append_access_log_folded(
+        &self,
+        entries: &[AccessLogEntry],
+        bumps: &[(u64, u64)],
+    ) -> Result<Vec<u64>> {
+        if entries.is_empty() && bumps.is_empty() {
+            return Ok(Vec::new());
         }
-        let entries = entries.to_vec();
+        let (entries, bumps) = (entries.to_vec(), bumps.to_vec());
         self.write(move |conn| {
             // One transaction per batch: one WAL commit instead of one per row, and a failed row
             // leaves none of the batch behind.
             let tx = conn.transaction().ctx("append_access_log")?;
+            let mut ids = Vec::with_capacity(entries.len());
             {
                 let mut stmt = tx
                     .prepare_cached(
                         "INSERT INTO access_log (pool, at, key_id, client_addr, route, outcome, \
-                         reason, status, queued_ms, upstream_status, upstream_latency_ms) \
-                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+                         reason, status, queued_ms, upstream_status, upstream_latency_ms, count) \
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
                     )
                     .ctx("append_access_log")?;
                 for e in &entries {
@@ -700,12 +759,22 @@ impl Store for SqliteStore {
                         e.status,
                         e.queued_ms,
                         e.upstream_status,
-                        e.upstream_latency_ms
+                        e.upstream_latency_ms,
+                        clamp_i64(e.count.max(1))
                     ])
                     .ctx("append_access_log")?;
+                    ids.push(tx.last_insert_rowid() as u64);
+                }
+                let mut bump = tx
+                    .prepare_cached("UPDATE access_log SET count = count + ?2 WHERE id = ?1")
+                    .ctx("append_access_log")?;
+                for (id, more) in &bumps {
+                    bump.execute(params![clamp_i64(*id), clamp_i64(*more)])
+                        .ctx("append_access_log")?;
                 }
             }
-            tx.commit().ctx("append_access_log")
+            tx.commit().ctx("append_access_log")?;
+            Ok(ids)
         })
         .await
     }

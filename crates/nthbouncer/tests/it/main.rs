@@ -9,6 +9,7 @@ mod jobs_crash;
 mod jobs_sigterm;
 mod lock_cli;
 mod lock_restart;
+mod nonce_restart;
 mod webhooks_crash;
 
 /// The binary under test (only this crate's tests know its path).

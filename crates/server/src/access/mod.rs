@@ -17,6 +17,7 @@
 mod client_ip;
 mod jwt;
 pub mod keys;
+mod nonces;
 mod signing;
 mod throttle;
 
@@ -32,10 +33,11 @@ use nthbouncer_coord::{InProcessNonces, NonceStore};
 
 pub use client_ip::client_addr;
 pub use jwt::{JwtFailure, JwtPolicy};
+pub use nonces::{NonceJournal, PURGE_EVERY_MS};
 pub use signing::{HmacFailure, HmacPolicy, Pending};
 pub use throttle::{FailureThrottle, BLOCK_MS, FAILURE_WINDOW_MS, MAX_FAILURES};
 
-use crate::core::access_log::{LogLine, LogOutcome, UpstreamSeen};
+use crate::core::access_log::LogLine;
 use crate::core::error::{ApiError, ErrorCode};
 use crate::core::extract;
 use crate::core::metrics::PoolMetrics;
@@ -247,6 +249,14 @@ impl AccessPolicy {
         &self.keys
     }
 
+    /// A new pool's seen nonces (before it serves): the durable store instead of memory alone.
+    pub fn use_nonces(&mut self, nonces: Arc<dyn NonceStore>) {
+        self.state = Arc::new(AccessState {
+            nonces,
+            throttle: FailureThrottle::default(),
+        });
+    }
+
     /// Keeps the nonces and failure counts of the pool's previous settings.
     pub fn carry_state_from(&mut self, previous: &AccessPolicy) {
         self.state = previous.state.clone();
@@ -378,14 +388,7 @@ pub fn refuse(
 ) -> Response {
     count_refusal(metrics, failure);
     let e = failure.error();
-    log.write(
-        key_id,
-        LogOutcome::Refused(e.status),
-        Some(&failure.reason()),
-        e.status,
-        0,
-        UpstreamSeen::default(),
-    );
+    log.write_auth_refusal(key_id, &failure.reason(), e.status);
     e.into_response()
 }
 

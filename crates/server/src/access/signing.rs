@@ -49,7 +49,9 @@ impl HmacFailure {
             HmacFailure::OutsideWindow => "hmac: timestamp outside the window",
             HmacFailure::Signature => "hmac: signature mismatch",
             HmacFailure::Replayed => "hmac: nonce replayed",
-            HmacFailure::NonceStoreFull => "hmac: nonce store full",
+            HmacFailure::NonceStoreFull => {
+                "hmac: nonce could not be recorded (store full or failing)"
+            }
             HmacFailure::BodyIncomplete => "hmac: body ended before it was verified",
         }
     }

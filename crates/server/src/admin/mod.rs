@@ -17,12 +17,11 @@ use serde::{Deserialize, Serialize};
 use subtle::ConstantTimeEq;
 use utoipa::ToSchema;
 
-use crate::core::error::{ApiError, ErrorCode};
+use crate::core::error::ApiError;
 use crate::core::extract::{self, parse_json, BodyBytes, MAX_ADMIN_BODY_BYTES};
 use crate::core::pagination;
-use crate::core::ManagedBy;
 use crate::pools::registry::PoolRuntime;
-use crate::pools::{managed_by_config, Pools};
+use crate::pools::Pools;
 
 type AdminRef = State<Arc<Admin>>;
 
@@ -256,8 +255,7 @@ pub async fn create_key(
         expires_at: req.expires_at,
         revoked_at: None,
     };
-    state.store.create_key(&stored).await?;
-    state.pools.refresh_keys(&pool).await?;
+    state.pools.add_key(&pool.name, &stored).await?;
     Ok((
         StatusCode::CREATED,
         Json(CreatedKey {
@@ -307,25 +305,7 @@ pub async fn revoke_key(
     State(state): AdminRef,
     Path((name, id)): Path<(String, String)>,
 ) -> Result<Json<Revoked>, ApiError> {
-    let pool = state.pools.get_or_404(&name)?;
-    let managed = pool
-        .access
-        .keys()
-        .load()
-        .by_digest
-        .values()
-        .find(|e| *e.id == *id)
-        .map(|e| e.managed_by);
-    if managed == Some(ManagedBy::Config) {
-        return Err(managed_by_config(&name));
-    }
-    if !state.store.revoke_key(&pool.name, &id, state.now()).await? {
-        return Err(ApiError::new(
-            ErrorCode::KeyNotFound,
-            format!("no active key {id:?} in pool {name:?}"),
-        ));
-    }
-    state.pools.refresh_keys(&pool).await?;
+    state.pools.revoke_key(&name, &id).await?;
     Ok(Json(Revoked { id, revoked: true }))
 }
 
@@ -420,6 +400,9 @@ pub struct AccessLogView {
     pub queued_ms: u64,
     pub upstream_status: Option<u16>,
     pub upstream_latency_ms: Option<u64>,
+    /// Requests this row stands for: 1, or more for authentication refusals of one client
+    /// address folded into one row (the first one's route and time).
+    pub count: u64,
 }
 
 impl From<AccessLogEntry> for AccessLogView {
@@ -436,6 +419,7 @@ impl From<AccessLogEntry> for AccessLogView {
             queued_ms: e.queued_ms,
             upstream_status: e.upstream_status,
             upstream_latency_ms: e.upstream_latency_ms,
+            count: e.count,
         }
     }
 }

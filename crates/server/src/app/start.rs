@@ -143,6 +143,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         api_host: server.api_host.clone(),
         pool_domain: server.pool_domain.clone(),
         destinations_changed: deliveries_pending.clone(),
+        nonces: crate::access::NonceJournal::start(store.clone(), clock.clone()),
     }));
     let jobs = Arc::new(Jobs {
         intake: JobIntake::start(job_store.clone()),

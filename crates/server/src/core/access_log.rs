@@ -1,8 +1,17 @@
 //! The pool access log's write path: the hot path hands entries to a bounded channel and never
 //! waits; one writer task commits them in batches and trims each pool to its bound.
 //!
-//! When the channel is full (storage far slower than traffic), entries are dropped and counted
-//! (`nthbouncer_access_log_dropped_total`) rather than slowing admission.
+//! Bounds, so that a flood of refusals cannot fill memory nor hold up the store's one writer
+//! (lease grants and job intake commit on it too):
+//! - a route is cut to [`MAX_ROUTE_BYTES`] (a visible [`CUT_MARKER`] at the end);
+//! - authentication refusals (`access::refuse`) of one client address, alike in pool, status,
+//!   reason and key, are folded within [`FOLD_WINDOW_MS`] into one row whose `count` says how
+//!   many requests it stands for (the first one's route and time);
+//! - refusal rows wait at most [`REFUSAL_QUEUE_ROWS`] rows or [`REFUSAL_QUEUE_BYTES`] bytes in
+//!   the queue, whichever comes first; past that they are dropped and counted
+//!   (`nthbouncer_access_log_refusals_shed_total`). Other rows (admitted requests among them)
+//!   are never folded, and have [`QUEUE_ROWS`] rows of room in all: only storage far slower than
+//!   traffic drops them (`nthbouncer_access_log_dropped_total`).
 //!
 //! The writer is the one group-commit writer (`core::batch`), paced: under load it commits at
 //! most every 20 ms (unless a batch is full or a flush is asked for); a lone entry after a
@@ -10,6 +19,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use nthbouncer_store::{AccessLogEntry, Store, StoreError};
@@ -18,28 +28,163 @@ use tokio::time::Duration;
 
 use crate::core::batch::{BatchConfig, Batcher, Commit};
 
+/// Longest route (method and path) a row keeps, in bytes, marker included.
+pub const MAX_ROUTE_BYTES: usize = 512;
+/// The end of a route that was cut.
+pub const CUT_MARKER: &str = "…[cut]";
+/// Refusals alike from one address within this long of the row's first are one row.
+pub const FOLD_WINDOW_MS: u64 = 10_000;
+/// Refusal rows waiting to be written, at most.
+pub const REFUSAL_QUEUE_ROWS: usize = 65_536;
+/// Bytes of refusal and other rows waiting to be written past which refusal rows are shed.
+pub const REFUSAL_QUEUE_BYTES: usize = 16 << 20;
+/// Rows waiting to be written, at most (refusals stop at [`REFUSAL_QUEUE_ROWS`]).
+pub const QUEUE_ROWS: usize = REFUSAL_QUEUE_ROWS + 16_384;
+/// Fold windows tracked at once; past it, new refusals are written unfolded until windows end.
+const MAX_FOLDS: usize = 100_000;
+
 const CONFIG: BatchConfig = BatchConfig {
-    capacity: 65_536,
+    capacity: QUEUE_ROWS,
     max_batch: 4096,
     // The shortest time between two commits while entries keep coming.
     min_interval: Some(Duration::from_millis(20)),
 };
 
-/// Appends rows and trims each pool to its bound every so often (trimming every batch would
-/// double the write load).
+/// A row on its way, and whether it may be folded with others alike.
+pub struct Row {
+    entry: AccessLogEntry,
+    foldable: bool,
+}
+
+/// What queued rows weigh, shared by the hot path (adds) and the writer (subtracts).
+#[derive(Default)]
+struct Queued {
+    rows: AtomicUsize,
+    bytes: AtomicUsize,
+}
+
+/// About what a row costs in memory while it waits.
+fn weight(e: &AccessLogEntry) -> usize {
+    128 + e.pool.len()
+        + e.key_id.as_ref().map_or(0, String::len)
+        + e.client_addr.len()
+        + e.route.len()
+        + e.outcome.len()
+        + e.reason.as_ref().map_or(0, String::len)
+}
+
+/// `text` cut to `max` bytes at most, marker included, on a character boundary.
+pub fn cut(text: String, max: usize) -> String {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max.saturating_sub(CUT_MARKER.len());
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{CUT_MARKER}", &text[..end])
+}
+
+/// Refusals that fold together.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct FoldKey {
+    pool: String,
+    client_addr: String,
+    status: u16,
+    reason: Option<String>,
+    key_id: Option<String>,
+}
+
+impl FoldKey {
+    fn of(e: &AccessLogEntry) -> FoldKey {
+        FoldKey {
+            pool: e.pool.clone(),
+            client_addr: e.client_addr.clone(),
+            status: e.status,
+            reason: e.reason.clone(),
+            key_id: e.key_id.clone(),
+        }
+    }
+}
+
+/// Where a fold's row is: in the batch being built, or written already.
+#[derive(Clone, Copy)]
+enum Target {
+    Pending(usize),
+    Written(u64),
+}
+
+#[derive(Clone, Copy)]
+struct Fold {
+    target: Target,
+    /// Epoch ms: refusals at or past it start a new row.
+    until: u64,
+}
+
+/// Appends rows (folding refusals) and trims each pool to its bound every so often (trimming
+/// every batch would double the write load).
 struct Append {
     store: Arc<dyn Store>,
     keep: u64,
+    queued: Arc<Queued>,
     /// Appends since the last trim, per pool.
     since_trim: HashMap<String, u64>,
+    folds: HashMap<FoldKey, Fold>,
 }
 
-impl Commit for Append {
-    type Item = AccessLogEntry;
-    type Done = ();
-    async fn commit(&mut self, batch: Vec<AccessLogEntry>) -> Result<Vec<()>, StoreError> {
-        self.store.append_access_log(&batch).await?;
-        for entry in &batch {
+impl Append {
+    /// Folds the batch's refusals into rows of this batch or into counts of written rows.
+    fn fold(&mut self, batch: Vec<Row>) -> (Vec<AccessLogEntry>, HashMap<u64, u64>) {
+        let mut rows: Vec<AccessLogEntry> = Vec::with_capacity(batch.len());
+        let mut bumps: HashMap<u64, u64> = HashMap::new();
+        for Row { entry, foldable } in batch {
+            if !foldable {
+                rows.push(entry);
+                continue;
+            }
+            let key = FoldKey::of(&entry);
+            match self.folds.get(&key) {
+                Some(f) if entry.at < f.until => {
+                    match f.target {
+                        Target::Pending(i) => {
+                            if let Some(row) = rows.get_mut(i) {
+                                row.count += 1;
+                            }
+                        }
+                        Target::Written(id) => *bumps.entry(id).or_default() += 1,
+                    }
+                    continue;
+                }
+                Some(_) => {}
+                None if self.folds.len() >= MAX_FOLDS => {
+                    rows.push(entry);
+                    continue;
+                }
+                None => {}
+            }
+            let until = entry.at.saturating_add(FOLD_WINDOW_MS);
+            let target = Target::Pending(rows.len());
+            self.folds.insert(key, Fold { target, until });
+            rows.push(entry);
+        }
+        (rows, bumps)
+    }
+
+    /// After the commit: the batch's new rows are written, at these ids.
+    fn settle(&mut self, ids: Option<&[u64]>, newest: u64) {
+        self.folds.retain(|_, f| {
+            if let Target::Pending(i) = f.target {
+                match ids.and_then(|ids| ids.get(i)) {
+                    Some(id) => f.target = Target::Written(*id),
+                    None => return false,
+                }
+            }
+            f.until > newest
+        });
+    }
+
+    async fn trim(&mut self, rows: &[AccessLogEntry]) {
+        for entry in rows {
             match self.since_trim.get_mut(entry.pool.as_str()) {
                 Some(n) => *n += 1,
                 None => {
@@ -56,35 +201,76 @@ impl Commit for Append {
                 }
             }
         }
-        Ok(vec![(); batch.len()])
+    }
+}
+
+impl Commit for Append {
+    type Item = Row;
+    type Done = ();
+    async fn commit(&mut self, batch: Vec<Row>) -> Result<Vec<()>, StoreError> {
+        let n = batch.len();
+        let bytes: usize = batch.iter().map(|r| weight(&r.entry)).sum();
+        self.queued.rows.fetch_sub(n, Ordering::Relaxed);
+        self.queued.bytes.fetch_sub(bytes, Ordering::Relaxed);
+        let newest = batch.iter().map(|r| r.entry.at).max().unwrap_or(0);
+        let (rows, bumps) = self.fold(batch);
+        let bumps: Vec<(u64, u64)> = bumps.into_iter().collect();
+        match self.store.append_access_log_folded(&rows, &bumps).await {
+            Ok(ids) => self.settle(Some(&ids), newest),
+            Err(e) => {
+                self.settle(None, newest);
+                return Err(e);
+            }
+        }
+        self.trim(&rows).await;
+        Ok(vec![(); n])
     }
 }
 
 #[derive(Clone)]
-pub struct AccessLog(Batcher<AccessLogEntry, ()>);
+pub struct AccessLog {
+    writer: Batcher<Row, ()>,
+    queued: Arc<Queued>,
+}
 
 impl AccessLog {
     /// Starts the writer. It ends once every `AccessLog` clone is dropped and the queue is drained.
     pub fn start(store: Arc<dyn Store>, keep_per_pool: u64) -> (AccessLog, JoinHandle<()>) {
+        let queued = Arc::new(Queued::default());
         let append = Append {
             store,
             keep: keep_per_pool,
+            queued: queued.clone(),
             since_trim: HashMap::new(),
+            folds: HashMap::new(),
         };
-        let (batcher, task) = Batcher::start(append, CONFIG);
-        (AccessLog(batcher), task)
+        let (writer, task) = Batcher::start(append, CONFIG);
+        (AccessLog { writer, queued }, task)
     }
 
-    /// Queues an entry without waiting.
-    pub fn record(&self, entry: AccessLogEntry) {
-        if !self.0.enqueue(entry) {
-            metrics::counter!("nthbouncer_access_log_dropped_total").increment(1);
+    /// Queues an entry without waiting. `foldable`: an authentication refusal, which may be
+    /// folded with others alike, or shed past the refusal bounds.
+    pub fn record(&self, entry: AccessLogEntry, foldable: bool) {
+        let weight = weight(&entry);
+        let rows = self.queued.rows.fetch_add(1, Ordering::Relaxed);
+        let bytes = self.queued.bytes.fetch_add(weight, Ordering::Relaxed);
+        let shed = foldable
+            && (rows >= REFUSAL_QUEUE_ROWS || bytes.saturating_add(weight) > REFUSAL_QUEUE_BYTES);
+        if shed || !self.writer.enqueue(Row { entry, foldable }) {
+            self.queued.rows.fetch_sub(1, Ordering::Relaxed);
+            self.queued.bytes.fetch_sub(weight, Ordering::Relaxed);
+            let name = if shed {
+                "nthbouncer_access_log_refusals_shed_total"
+            } else {
+                "nthbouncer_access_log_dropped_total"
+            };
+            metrics::counter!(name).increment(1);
         }
     }
 
     /// Waits until every entry recorded so far is committed (tests, shutdown).
     pub async fn flush(&self) {
-        self.0.flush().await;
+        self.writer.flush().await;
     }
 }
 
@@ -157,19 +343,61 @@ impl LogLine<'_> {
         queued_ms: u64,
         upstream: UpstreamSeen,
     ) {
-        self.log.record(AccessLogEntry {
+        self.record(key_id, outcome, reason, status, queued_ms, upstream, false);
+    }
+
+    /// Logs an authentication refusal: foldable with others alike from the same address.
+    pub fn write_auth_refusal(self, key_id: Option<&str>, reason: &str, status: http::StatusCode) {
+        let outcome = LogOutcome::Refused(status);
+        let upstream = UpstreamSeen::default();
+        self.record(key_id, outcome, Some(reason), status, 0, upstream, true);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn record(
+        self,
+        key_id: Option<&str>,
+        outcome: LogOutcome,
+        reason: Option<&str>,
+        status: http::StatusCode,
+        queued_ms: u64,
+        upstream: UpstreamSeen,
+        foldable: bool,
+    ) {
+        let entry = AccessLogEntry {
             id: 0,
             pool: self.pool.to_string(),
             at: self.at,
             key_id: key_id.map(str::to_string),
             client_addr: self.peer.ip().to_string(),
-            route: self.route,
+            route: cut(self.route, MAX_ROUTE_BYTES),
             outcome: outcome.as_str().to_string(),
-            reason: reason.map(str::to_string),
+            reason: reason.map(|r| cut(r.to_string(), MAX_ROUTE_BYTES)),
             status: status.as_u16(),
             queued_ms,
             upstream_status: upstream.status,
             upstream_latency_ms: upstream.latency_ms,
-        });
+            count: 1,
+        };
+        self.log.record(entry, foldable);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_text_is_cut_on_a_character_boundary_with_a_marker() {
+        assert_eq!(cut("GET /short".into(), 512), "GET /short");
+        let exact = "x".repeat(512);
+        assert_eq!(cut(exact.clone(), 512), exact);
+        let cut_long = cut("y".repeat(70_000), 512);
+        assert_eq!(cut_long.len(), 512);
+        assert!(cut_long.ends_with(CUT_MARKER));
+        // A two-byte character straddling the cut is left out whole.
+        let text = format!("{}é{}", "z".repeat(503), "z".repeat(100));
+        let cut_text = cut(text, 512);
+        assert_eq!(cut_text, format!("{}{CUT_MARKER}", "z".repeat(503)));
     }
 }

@@ -15,6 +15,7 @@ use nthbouncer_coord::{Clock, Coordination};
 use nthbouncer_store::{JobStore, Store};
 use tokio::sync::{Mutex, Notify};
 
+use crate::access::NonceJournal;
 use crate::core::error::ApiError;
 pub use ops::{config_destination_id, invalid_from_config, managed_by_config, LoadError};
 use registry::{PoolRuntime, Registry};
@@ -22,7 +23,9 @@ use registry::{PoolRuntime, Registry};
 /// The live pools and what changing them needs.
 pub struct Pools {
     registry: ArcSwap<Registry>,
-    /// Serialises changes to the pool set (and to destinations, which the admin API edits).
+    /// Serialises changes to the pool set, to pool keys and to destinations (the admin API
+    /// edits them): each reads the store and publishes what it read, so two at once could
+    /// publish an older read last.
     changes: Mutex<()>,
     store: Arc<dyn Store>,
     /// Webhook destinations live with the jobs.
@@ -35,6 +38,8 @@ pub struct Pools {
     pool_suffix: String,
     /// Notified when a pool's destinations change (the webhook dispatcher listens).
     destinations_changed: Arc<Notify>,
+    /// Where every pool's HMAC nonces are recorded (and loaded from at start).
+    nonces: NonceJournal,
 }
 
 /// What [`Pools::new`] is made of.
@@ -46,6 +51,7 @@ pub struct PoolsParts {
     pub api_host: String,
     pub pool_domain: String,
     pub destinations_changed: Arc<Notify>,
+    pub nonces: NonceJournal,
 }
 
 impl Pools {
@@ -61,6 +67,7 @@ impl Pools {
             api_host: parts.api_host.to_ascii_lowercase(),
             pool_suffix: format!(".{}", parts.pool_domain.to_ascii_lowercase()),
             destinations_changed: parts.destinations_changed,
+            nonces: parts.nonces,
         }
     }
 

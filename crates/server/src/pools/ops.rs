@@ -24,13 +24,15 @@ pub enum LoadError {
 }
 
 impl Pools {
-    /// Builds a runtime pool, reusing `previous`'s gate and key index when it is an update.
+    /// Builds a runtime pool, reusing `previous`'s gate and key index when it is an update. The
+    /// key index is rebuilt from `stored_keys`, read from the store under `Pools::changes` by
+    /// the caller: never from an index in memory, which a key change may have replaced since.
     fn build_pool(
         &self,
         at: &str,
         spec: PoolSpec,
         provenance: Provenance,
-        stored_keys: Option<&[StoredKey]>,
+        stored_keys: &[StoredKey],
         previous: Option<&Arc<PoolRuntime>>,
     ) -> Result<Arc<PoolRuntime>, ConfigError> {
         let settings = PoolRuntime::gate_settings(&spec.concurrency);
@@ -47,37 +49,18 @@ impl Pools {
             ),
         };
         let mut runtime = PoolRuntime::build(at, spec, provenance, gate, keys, destinations)?;
-        if let Some(p) = previous {
+        match previous {
             // Seen nonces and failure counts survive a settings change (a replay window must
             // not reopen because an admin edited the pool).
-            runtime.access.carry_state_from(&p.access);
+            Some(p) => runtime.access.carry_state_from(&p.access),
+            // Durable nonces, with those recorded before a restart.
+            None => runtime
+                .access
+                .use_nonces(self.nonces.for_pool(&runtime.name)),
         }
-        let stored: Vec<StoredKey> = match stored_keys {
-            Some(k) => k.to_vec(),
-            None => previous
-                .map(|p| {
-                    p.access
-                        .keys()
-                        .load()
-                        .by_digest
-                        .iter()
-                        .filter(|(_, e)| e.managed_by == ManagedBy::Api)
-                        .map(|(d, e)| StoredKey {
-                            id: e.id.to_string(),
-                            pool: p.name.clone(),
-                            hash: hex::encode(d),
-                            label: e.label.clone(),
-                            created_at: e.created_at,
-                            expires_at: e.expires_at,
-                            revoked_at: e.revoked_at,
-                        })
-                        .collect()
-                })
-                .unwrap_or_default(),
-        };
         runtime.access.keys().store(Arc::new(KeyIndex::build(
             &runtime.spec_key_digests,
-            &stored,
+            stored_keys,
         )));
         Ok(Arc::new(runtime))
     }
@@ -86,6 +69,14 @@ impl Pools {
     /// also declares is shadowed by the file, with a warning).
     pub async fn load_pools(&self, config: &Config) -> Result<(), LoadError> {
         let _guard = self.changes.lock().await;
+        let nonces = self
+            .nonces
+            .load()
+            .await
+            .map_err(|e| LoadError::Store(e.to_string()))?;
+        if nonces > 0 {
+            tracing::info!(nonces, "HMAC nonces seen before the restart loaded");
+        }
         let all_keys = self
             .store
             .list_all_keys()
@@ -111,7 +102,7 @@ impl Pools {
                         created_at: now,
                         updated_at: now,
                     },
-                    Some(&keys),
+                    &keys,
                     None,
                 )
                 .map_err(LoadError::Config)?;
@@ -145,7 +136,7 @@ impl Pools {
                         created_at: stored.created_at,
                         updated_at: stored.updated_at,
                     },
-                    Some(&keys),
+                    &keys,
                     None,
                 )
             }) {
@@ -269,7 +260,7 @@ impl Pools {
                     created_at: now,
                     updated_at: now,
                 },
-                Some(&[]),
+                &[],
                 None,
             )
             .map_err(invalid_from_config)?;
@@ -314,6 +305,9 @@ impl Pools {
         self.check_domains(&registry, &spec)?;
         let spec = spec.with_hashed_keys();
         let now = self.now();
+        // From the store, under the lock key changes take too: a key revoked a moment ago is
+        // revoked here as well.
+        let stored_keys = self.store.list_keys(name).await?;
         let pool = self
             .build_pool(
                 "pool",
@@ -323,7 +317,7 @@ impl Pools {
                     created_at: previous.created_at,
                     updated_at: now,
                 },
-                None,
+                &stored_keys,
                 Some(&previous),
             )
             .map_err(invalid_from_config)?;
@@ -357,8 +351,44 @@ impl Pools {
         Ok(())
     }
 
-    /// Re-reads a pool's stored keys into its index (after a key is added or revoked).
-    pub async fn refresh_keys(&self, pool: &PoolRuntime) -> Result<(), ApiError> {
+    /// Admin API: stores a new key of pool `name` and puts it in the pool's index. Serialised
+    /// with every pool change, so a concurrent update cannot publish an index without it.
+    pub async fn add_key(&self, name: &str, key: &StoredKey) -> Result<(), ApiError> {
+        let _guard = self.changes.lock().await;
+        let pool = self.get_or_404(name)?;
+        self.store.create_key(key).await?;
+        self.reload_keys(&pool).await
+    }
+
+    /// Admin API: revokes key `id` of pool `name` in the store and in the pool's index.
+    /// Serialised with every pool change (an update rebuilding the index from an older view
+    /// would bring the key back).
+    pub async fn revoke_key(&self, name: &str, id: &str) -> Result<(), ApiError> {
+        let _guard = self.changes.lock().await;
+        let pool = self.get_or_404(name)?;
+        let managed = pool
+            .access
+            .keys()
+            .load()
+            .by_digest
+            .values()
+            .find(|e| *e.id == *id)
+            .map(|e| e.managed_by);
+        if managed == Some(ManagedBy::Config) {
+            return Err(managed_by_config(name));
+        }
+        if !self.store.revoke_key(&pool.name, id, self.now()).await? {
+            return Err(ApiError::new(
+                ErrorCode::KeyNotFound,
+                format!("no active key {id:?} in pool {name:?}"),
+            ));
+        }
+        self.reload_keys(&pool).await
+    }
+
+    /// Re-reads a pool's stored keys into its index. Callers hold `changes`: two reloads racing
+    /// could publish the older read last.
+    async fn reload_keys(&self, pool: &PoolRuntime) -> Result<(), ApiError> {
         let stored = self.store.list_keys(&pool.name).await?;
         pool.access
             .keys()

@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod access;
+mod access_log_flood;
 mod admin;
 mod connections;
 mod fuzz_regressions;
@@ -12,6 +13,7 @@ mod job_upstream;
 mod jobs;
 mod jobs_backlog;
 mod jobs_faults;
+mod key_races;
 mod lock;
 mod proxy;
 mod webhooks;

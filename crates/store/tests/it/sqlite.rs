@@ -50,6 +50,7 @@ fn entry(pool: &str, at: u64, outcome: &str, key_id: Option<&str>) -> AccessLogE
         queued_ms: at % 7,
         upstream_status: (outcome == "admitted").then_some(200),
         upstream_latency_ms: (outcome == "admitted").then_some(at % 13),
+        count: 1,
     }
 }
 
@@ -720,4 +721,44 @@ async fn a_v4_store_migrates_to_remember_nonces() {
             .unwrap(),
         vec![true]
     );
+}
+
+/// A store written by the previous schema (v6, no access-log `count`) migrates on open: its
+/// rows stand for one request each, and new rows can be folded.
+#[tokio::test]
+async fn a_v6_store_migrates_to_counted_access_log_rows() {
+    let tmp = tempfile::tempdir().unwrap();
+    {
+        let store = open(tmp.path());
+        store
+            .append_access_log(&[
+                entry("p", 1, "401", None),
+                entry("p", 2, "admitted", Some("k")),
+            ])
+            .await
+            .unwrap();
+    }
+    let raw = rusqlite::Connection::open(tmp.path().join(DB_FILE_NAME)).unwrap();
+    raw.execute_batch("ALTER TABLE access_log DROP COLUMN count; PRAGMA user_version = 6;")
+        .unwrap();
+    drop(raw);
+    let store = open(tmp.path());
+    let rows = store.query_access_log("p", &q(10)).await.unwrap();
+    assert_eq!(rows.len(), 2);
+    assert!(rows.iter().all(|r| r.count == 1), "{rows:?}");
+
+    // Folded: a new row standing for three, and two more requests added to an old one.
+    let mut folded = entry("p", 3, "401", None);
+    folded.count = 3;
+    let old = rows[1].id;
+    let ids = store
+        .append_access_log_folded(&[folded], &[(old, 2), (9_999, 5)])
+        .await
+        .unwrap();
+    assert_eq!(ids.len(), 1);
+    let rows = store.query_access_log("p", &q(10)).await.unwrap();
+    let count_of = |id: u64| rows.iter().find(|r| r.id == id).unwrap().count;
+    assert_eq!(count_of(ids[0]), 3);
+    assert_eq!(count_of(old), 3, "1 + 2");
+    assert_eq!(rows.iter().map(|r| r.count).sum::<u64>(), 7);
 }
