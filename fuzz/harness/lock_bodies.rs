@@ -164,6 +164,7 @@ fn feed_governor(outcome: &Outcome) {
         fairness_key: 0,
         priority: Priority::Normal,
         lease_ms: 30_000,
+        grace_ms: 0,
     };
     assert!(matches!(
         gov.try_acquire(NOW, ticket(1), false),

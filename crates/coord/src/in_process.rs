@@ -373,9 +373,14 @@ impl Inner {
             }
         };
         let settings = st.gov.settings();
-        let lease_ms = match req.kind {
-            SlotKind::Exchange => settings.request_timeout_ms,
-            SlotKind::Lease => settings.lease_term_ms,
+        let (lease_ms, grace_ms) = match req.kind {
+            SlotKind::Exchange => (
+                settings
+                    .request_timeout_ms
+                    .saturating_add(crate::EXCHANGE_GRACE_MS),
+                crate::EXCHANGE_GRACE_MS,
+            ),
+            SlotKind::Lease => (settings.lease_term_ms, 0),
         };
         let dispatched_terms = (settings.lease_term_ms, settings.renew_interval_ms);
         let ticket = Ticket {
@@ -383,6 +388,7 @@ impl Inner {
             fairness_key: req.fairness_key,
             priority: req.priority,
             lease_ms,
+            grace_ms,
         };
         match st.gov.try_acquire(now.mono, ticket, req.wait_ms > 0) {
             TryAcquire::Admitted(admitted) => {

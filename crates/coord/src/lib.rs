@@ -54,11 +54,18 @@ impl std::fmt::Display for SlotId {
     }
 }
 
+/// How long an [`SlotKind::Exchange`] slot outlives its request deadline when its holder has not
+/// freed it yet. The holder ends the exchange at the deadline and frees the slot once the
+/// upstream connection is closed (at most a second later); reclaiming it at the deadline
+/// itself would hand it to the next caller while the origin still counts the cut call.
+pub const EXCHANGE_GRACE_MS: u64 = 2_000;
+
 /// What kind of holder a slot has: it decides the slot's lease.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum SlotKind {
     /// Held by this process for one proxied exchange (or job fetch); freed by the holder's guard.
-    /// Its lease runs to the request deadline, so a crashed holder cannot leak it for longer.
+    /// Its lease runs to the request deadline plus [`EXCHANGE_GRACE_MS`], so a crashed holder
+    /// cannot leak it for longer.
     Exchange,
     /// Held by a remote caller through the lock API; must be renewed every `lease_term_ms`.
     Lease,

@@ -30,6 +30,7 @@ fn pair(g: &mut Governor, now: u64, id: u128) {
         fairness_key: (id & 7) as u64,
         priority: Priority::Normal,
         lease_ms: 30_000,
+        grace_ms: 0,
     };
     if let TryAcquire::Admitted(a) = g.try_acquire(now, ticket, false) {
         black_box(g.release(now, a.id));

@@ -235,8 +235,13 @@ pub struct Ticket {
     pub id: u128,
     pub fairness_key: u64,
     pub priority: Priority,
-    /// Initial lease length from grant time (capped by the request deadline).
+    /// Initial lease length from grant time (capped by the request deadline plus `grace_ms`).
     pub lease_ms: u64,
+    /// How long past its request deadline the slot stays held if its holder has not freed it:
+    /// a holder that ends its own exchange at the deadline needs a moment to finish ending it
+    /// (to close the upstream connection), and the slot must not go to the next caller first.
+    /// 0 for a lock lease, which the request deadline ends.
+    pub grace_ms: u64,
 }
 
 /// A grant.
@@ -352,7 +357,12 @@ impl Governor {
             self.last_full_at = Some(now);
         }
         if blocker.is_none() && self.queue.is_empty() {
-            return TryAcquire::Admitted(self.admit(now, ticket.id, ticket.lease_ms));
+            return TryAcquire::Admitted(self.admit(
+                now,
+                ticket.id,
+                ticket.lease_ms,
+                ticket.grace_ms,
+            ));
         }
         let room = u64::try_from(self.queue.len()).unwrap_or(u64::MAX)
             < u64::from(self.settings.queue_size);
@@ -362,6 +372,7 @@ impl Governor {
                 ticket.fairness_key,
                 ticket.priority,
                 ticket.lease_ms,
+                ticket.grace_ms,
             );
             return TryAcquire::Queued;
         }
@@ -393,7 +404,7 @@ impl Governor {
             return None;
         }
         let waiter = self.queue.pop()?;
-        Some(self.admit(now, waiter.id, waiter.lease_ms))
+        Some(self.admit(now, waiter.id, waiter.lease_ms, waiter.grace_ms))
     }
 
     /// Removes a waiter; `true` iff it was queued.
@@ -680,14 +691,17 @@ impl Governor {
         }
     }
 
-    fn admit(&mut self, now: u64, id: u128, lease_ms: u64) -> Admitted {
+    fn admit(&mut self, now: u64, id: u128, lease_ms: u64, grace_ms: u64) -> Admitted {
         let request_deadline = now.saturating_add(self.settings.request_timeout_ms);
-        let lease_deadline = now.saturating_add(lease_ms).min(request_deadline);
+        // The holder is told the request deadline; the slot is reclaimed no later than that
+        // plus its grace.
+        let held_until = request_deadline.saturating_add(grace_ms);
+        let lease_deadline = now.saturating_add(lease_ms).min(held_until);
         self.leases.grant(
             id,
             Held {
                 lease_deadline,
-                request_deadline,
+                request_deadline: held_until,
                 granted_at: now,
             },
         );

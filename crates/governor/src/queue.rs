@@ -25,6 +25,7 @@ use crate::Priority;
 pub(crate) struct Waiter {
     pub(crate) id: u128,
     pub(crate) lease_ms: u64,
+    pub(crate) grace_ms: u64,
 }
 
 /// A waiter's id as two words. `u128` is 16-byte aligned, which would pad every map entry that
@@ -47,16 +48,21 @@ impl From<Id> for u128 {
 
 /// A waiter as stored in its class.
 #[derive(Clone, Copy, Debug)]
+///
+/// Lease and grace are kept as `u32` ms, so two of them take the room one `u64` did and entries
+/// stay small; a waiter's longer lease (over 49 days) is granted as 49 days.
 struct Parked {
     id: Id,
-    lease_ms: u64,
+    lease_ms: u32,
+    grace_ms: u32,
 }
 
 impl From<Parked> for Waiter {
     fn from(p: Parked) -> Self {
         Waiter {
             id: p.id.into(),
-            lease_ms: p.lease_ms,
+            lease_ms: u64::from(p.lease_ms),
+            grace_ms: u64::from(p.grace_ms),
         }
     }
 }
@@ -201,13 +207,28 @@ impl WaitQueue {
     }
 
     /// Parks a waiter at the back of its key's FIFO. The caller guarantees `id` is not queued.
-    pub(crate) fn push(&mut self, id: u128, key: u64, priority: Priority, lease_ms: u64) {
+    pub(crate) fn push(
+        &mut self,
+        id: u128,
+        key: u64,
+        priority: Priority,
+        lease_ms: u64,
+        grace_ms: u64,
+    ) {
         let seq = self.next_seq;
         self.next_seq += 1;
         let class = class_index(priority);
         let qkey = self.queue_key(key);
         let id = Id::from(id);
-        self.classes[usize::from(class)].push(qkey, seq, Parked { id, lease_ms });
+        self.classes[usize::from(class)].push(
+            qkey,
+            seq,
+            Parked {
+                id,
+                lease_ms: u32::try_from(lease_ms).unwrap_or(u32::MAX),
+                grace_ms: u32::try_from(grace_ms).unwrap_or(u32::MAX),
+            },
+        );
         self.index.insert(id, Loc { key, seq, class });
     }
 
@@ -267,7 +288,7 @@ mod tests {
     fn fifo_within_one_key() {
         let mut q = WaitQueue::new(true);
         for id in 1..=5 {
-            q.push(id, 7, Priority::Normal, 0);
+            q.push(id, 7, Priority::Normal, 0, 0);
         }
         assert_eq!(drain(&mut q), vec![1, 2, 3, 4, 5]);
         assert!(q.is_empty());
@@ -276,10 +297,10 @@ mod tests {
     #[test]
     fn higher_class_served_first_regardless_of_age() {
         let mut q = WaitQueue::new(true);
-        q.push(1, 1, Priority::Low, 0);
-        q.push(2, 1, Priority::Normal, 0);
-        q.push(3, 1, Priority::High, 0);
-        q.push(4, 2, Priority::Normal, 0);
+        q.push(1, 1, Priority::Low, 0, 0);
+        q.push(2, 1, Priority::Normal, 0, 0);
+        q.push(3, 1, Priority::High, 0, 0);
+        q.push(4, 2, Priority::Normal, 0, 0);
         assert_eq!(q.len_of(Priority::Normal), 2);
         assert_eq!(drain(&mut q), vec![3, 2, 4, 1]);
     }
@@ -289,30 +310,30 @@ mod tests {
         let mut q = WaitQueue::new(true);
         // Key 1 floods first with 6 waiters, then key 2 adds 2, then key 3 adds 1.
         for id in 1..=6 {
-            q.push(id, 1, Priority::Normal, 0);
+            q.push(id, 1, Priority::Normal, 0, 0);
         }
-        q.push(101, 2, Priority::Normal, 0);
-        q.push(102, 2, Priority::Normal, 0);
-        q.push(201, 3, Priority::Normal, 0);
+        q.push(101, 2, Priority::Normal, 0, 0);
+        q.push(102, 2, Priority::Normal, 0, 0);
+        q.push(201, 3, Priority::Normal, 0, 0);
         assert_eq!(drain(&mut q), vec![1, 101, 201, 2, 102, 3, 4, 5, 6]);
     }
 
     #[test]
     fn without_fair_share_strict_fifo_across_keys() {
         let mut q = WaitQueue::new(false);
-        q.push(1, 1, Priority::Normal, 0);
-        q.push(2, 1, Priority::Normal, 0);
-        q.push(3, 2, Priority::Normal, 0);
-        q.push(4, 1, Priority::Normal, 0);
+        q.push(1, 1, Priority::Normal, 0, 0);
+        q.push(2, 1, Priority::Normal, 0, 0);
+        q.push(3, 2, Priority::Normal, 0, 0);
+        q.push(4, 1, Priority::Normal, 0, 0);
         assert_eq!(drain(&mut q), vec![1, 2, 3, 4]);
     }
 
     #[test]
     fn cancel_removes_only_that_waiter_and_empty_keys_leave_the_ring() {
         let mut q = WaitQueue::new(true);
-        q.push(1, 1, Priority::Normal, 0);
-        q.push(2, 2, Priority::Normal, 0);
-        q.push(3, 1, Priority::Normal, 0);
+        q.push(1, 1, Priority::Normal, 0, 0);
+        q.push(2, 2, Priority::Normal, 0, 0);
+        q.push(3, 1, Priority::Normal, 0, 0);
         assert!(q.cancel(2));
         assert!(!q.cancel(2));
         assert!(!q.contains(2));
@@ -320,9 +341,9 @@ mod tests {
         // Key 2 is gone from the ring; key 1 is served in order.
         assert_eq!(drain(&mut q), vec![1, 3]);
         // A key that emptied by cancel and comes back joins the ring again.
-        q.push(4, 2, Priority::Normal, 0);
+        q.push(4, 2, Priority::Normal, 0, 0);
         assert!(q.cancel(4));
-        q.push(5, 2, Priority::Normal, 0);
+        q.push(5, 2, Priority::Normal, 0, 0);
         assert_eq!(drain(&mut q), vec![5]);
         assert!(q
             .classes
@@ -334,19 +355,30 @@ mod tests {
     fn toggling_fair_share_keeps_fifo_per_key() {
         let mut q = WaitQueue::new(false);
         for (id, key) in [(1, 1), (2, 1), (3, 1), (4, 2), (5, 2)] {
-            q.push(id, key, Priority::Normal, 9);
+            q.push(id, key, Priority::Normal, 9, 0);
         }
         q.set_fair_share(true);
         assert_eq!(drain(&mut q), vec![1, 4, 2, 5, 3]);
         for (id, key) in [(1, 1), (2, 2), (3, 1)] {
-            q.push(id, key, Priority::High, 9);
+            q.push(id, key, Priority::High, 9, 0);
         }
         q.set_fair_share(false);
         assert!(q.cancel(2));
         let got: Vec<Waiter> = std::iter::from_fn(|| q.pop()).collect();
         assert_eq!(
             got,
-            vec![Waiter { id: 1, lease_ms: 9 }, Waiter { id: 3, lease_ms: 9 }]
+            vec![
+                Waiter {
+                    id: 1,
+                    lease_ms: 9,
+                    grace_ms: 0
+                },
+                Waiter {
+                    id: 3,
+                    lease_ms: 9,
+                    grace_ms: 0
+                }
+            ]
         );
     }
 

@@ -18,6 +18,7 @@ fn ticket(id: u128) -> Ticket {
         fairness_key: 0,
         priority: Priority::Normal,
         lease_ms: 30_000,
+        grace_ms: 0,
     }
 }
 
@@ -27,6 +28,7 @@ fn keyed(id: u128, key: u64, priority: Priority) -> Ticket {
         fairness_key: key,
         priority,
         lease_ms: 30_000,
+        grace_ms: 0,
     }
 }
 
@@ -372,6 +374,33 @@ fn exchange_slot_is_capped_from_the_start() {
     ));
     assert_eq!(a.lease_deadline, a.request_deadline);
     assert_eq!(g.renew(1, 1), Err(RenewRefusal::Capped));
+}
+
+#[test]
+fn exchange_slot_outlives_its_request_deadline_by_its_grace_only() {
+    let mut g = Governor::new(PoolSettings {
+        limit: 1,
+        request_timeout_ms: 5_000,
+        ..PoolSettings::default()
+    });
+    let a = admitted(g.try_acquire(
+        0,
+        Ticket {
+            lease_ms: 7_000,
+            grace_ms: 2_000,
+            ..ticket(1)
+        },
+        false,
+    ));
+    // The holder is told the request deadline; the slot is reclaimed only after the grace.
+    assert_eq!((a.request_deadline, a.lease_deadline), (5_000, 7_000));
+    // At the request deadline the holder is still ending its exchange: nobody else gets in.
+    assert_eq!(g.try_acquire(5_000, ticket(2), true), TryAcquire::Queued);
+    assert_eq!(g.next_wakeup(5_000), Some(7_000));
+    assert_eq!(g.reclaim_expired(6_999), None);
+    // A holder that never frees it loses it when the grace ends.
+    assert_eq!(g.reclaim_expired(7_000), Some(1));
+    assert_eq!(drain(&mut g, 7_000), vec![2]);
 }
 
 #[test]

@@ -678,6 +678,11 @@ impl PoolGate for RedisGate {
             u8::from(req.wait_ms > 0).to_string(),
             req.wait_ms.to_string(),
             GRACE_MS.to_string(),
+            match req.kind {
+                SlotKind::Exchange => crate::EXCHANGE_GRACE_MS,
+                SlotKind::Lease => 0,
+            }
+            .to_string(),
         ];
         let reply = match s.call(&s.node.scripts.acquire, &extra).await {
             Ok(reply) => reply,

@@ -359,10 +359,24 @@ async fn renewing_keeps_a_lease_alive_until_the_cap() {
     })
     .await;
 
-    // An exchange slot's lease is its request deadline: nothing to renew.
+    // An exchange slot's lease is its request deadline plus the grace its holder has to close
+    // a cut exchange's upstream connection: nothing to renew.
     let exchange = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
-    assert_eq!(exchange.lease_deadline, exchange.request_deadline);
+    assert_eq!(
+        exchange.lease_deadline,
+        exchange.request_deadline + nthbouncer_coord::EXCHANGE_GRACE_MS
+    );
     assert_eq!(gate.renew(exchange.slot_id).await, Err(RenewError::Capped));
+    // At its request deadline the slot is still held (its holder is ending the exchange); at
+    // the end of the grace it is reclaimed.
+    clock.advance(45_000);
+    settle().await;
+    assert_eq!(gate.snapshot().await.in_flight, 1);
+    clock.advance(nthbouncer_coord::EXCHANGE_GRACE_MS);
+    until("reclaim at the end of the grace", || async {
+        gate.snapshot().await.in_flight == 0
+    })
+    .await;
 }
 
 #[tokio::test]

@@ -218,6 +218,7 @@ impl Sim {
                     fairness_key: u64::from(client),
                     priority: Priority::Normal,
                     lease_ms: 120_000,
+                    grace_ms: 0,
                 };
                 match self.g.try_acquire(self.now, ticket, true) {
                     TryAcquire::Admitted(_) => {

@@ -300,6 +300,7 @@ impl Model {
                     fairness_key: key,
                     priority,
                     lease_ms,
+                    grace_ms: 0,
                 };
                 let had_waiters = self.g.queued() > 0;
                 let paused = self.held_back();
@@ -452,7 +453,7 @@ proptest! {
         let mut g = Governor::new(PoolSettings { limit: 4, max_pause_ms, ..PoolSettings::default() });
         let o = outcome(kind, ms);
         if held {
-            let t = Ticket { id: 1, fairness_key: 0, priority: Priority::Normal, lease_ms: 1_000 };
+            let t = Ticket { id: 1, fairness_key: 0, priority: Priority::Normal, lease_ms: 1_000, grace_ms: 0 };
             prop_assert!(matches!(g.try_acquire(now, t, false), TryAcquire::Admitted(_)));
             prop_assert!(g.release_observed(now, 1, Some(&o)).0);
         } else {
@@ -467,7 +468,7 @@ proptest! {
             prop_assert!(u64::from(rpm) * max_pause_ms >= 30_000, "pace {rpm} rpm");
         }
         // Whatever holds a newcomer back, its Retry-After stays within the cap too.
-        let t = Ticket { id: 2, fairness_key: 0, priority: Priority::Normal, lease_ms: 1_000 };
+        let t = Ticket { id: 2, fairness_key: 0, priority: Priority::Normal, lease_ms: 1_000, grace_ms: 0 };
         if let TryAcquire::Refused { retry_after_ms: Some(retry), .. } = g.try_acquire(now, t, false) {
             prop_assert!(retry <= max_pause_ms, "retry after {retry}ms");
         }
@@ -478,7 +479,7 @@ proptest! {
     fn reports_on_slots_nobody_holds_teach_nothing(kind in 0u8..9, ms in 0u64..10_000_000, stale in any::<bool>()) {
         let mut g = Governor::new(PoolSettings { limit: 4, ..PoolSettings::default() });
         let id = if stale {
-            let t = Ticket { id: 7, fairness_key: 0, priority: Priority::Normal, lease_ms: 1_000 };
+            let t = Ticket { id: 7, fairness_key: 0, priority: Priority::Normal, lease_ms: 1_000, grace_ms: 0 };
             prop_assert!(matches!(g.try_acquire(1_000, t, false), TryAcquire::Admitted(_)));
             prop_assert_eq!(g.release_observed(1_000, 7, None), (true, None));
             7

@@ -1,11 +1,11 @@
 -- acquire: ARGV 12 slot, 13 fairness key, 14 class (1 high .. 3 low), 15 lease_ms, 16 may_wait,
--- 17 wait_ms, 18 grace_ms.
+-- 17 wait_ms, 18 grace_ms (a ticket's), 19 hold_grace_ms (a slot's, past its request deadline).
 -- Returns {'admitted', now, leaseDeadline, requestDeadline, remaining, effective, rpmRemaining}
 -- or {'queued', now, ticket, nextWakeupMs} or {'refused', now, reason, retryMs, remaining,
 -- effective, rpmRemaining}.
 local slot, fkey, class = ARGV[12], ARGV[13], tonumber(ARGV[14])
 local lease_ms, may_wait, wait_ms = tonumber(ARGV[15]), ARGV[16] == '1', tonumber(ARGV[17])
-local grace = tonumber(ARGV[18])
+local grace, hold_grace = tonumber(ARGV[18]), tonumber(ARGV[19])
 
 settle()
 if redis.call('ZSCORE', K_LEASES, slot) then
@@ -17,7 +17,7 @@ local b = blocker()
 if b == 'no_slot' then redis.call('HSET', K_META, 'last_full', fmt(now)) end
 -- Admitted at once only if nobody waits (no overtaking).
 if not b and queued() == 0 then
-  local g = admit(slot, lease_ms)
+  local g = admit(slot, lease_ms, hold_grace)
   publish()
   return { 'admitted', now, g[1], g[2], g[3], g[4], g[5] }
 end
@@ -35,7 +35,7 @@ if may_wait and queued() < cfg_queue then
     redis.call('HSET', K_ROUNDS, field, fmt(round))
   end
   redis.call('ZADD', K_QUEUES[class], round, m)
-  redis.call('HSET', K_WAITERS, m, class .. ':' .. fkey .. ':' .. fmt(lease_ms) .. ':' .. node .. ':' .. slot)
+  redis.call('HSET', K_WAITERS, m, class .. ':' .. fkey .. ':' .. fmt(lease_ms) .. ':' .. fmt(hold_grace) .. ':' .. node .. ':' .. slot)
   redis.call('ZADD', K_DEADLINES, now + wait_ms + grace, m)
   publish()
   return { 'queued', now, m, next_wakeup() }

@@ -5,7 +5,7 @@
 -- `redis/mod.rs` for the key layout and what differs.
 --
 -- KEYS: 1 leases (zset slot -> lease deadline), 2 held (hash slot -> "requestDeadline:grantedAt"),
--- 3 waiters (hash ticket -> "class:fairnessKey:leaseMs:node:slot"), 4 deadlines (zset ticket ->
+-- 3 waiters (hash ticket -> "class:fairnessKey:leaseMs:holdGraceMs:node:slot"), 4 deadlines (zset ticket ->
 -- when its queue entry or unclaimed grant is forgotten), 5..7 queues high/normal/low (zset ticket
 -- -> round), 8 meta (hash), 9 rounds (hash "class:fairnessKey" -> last round), 10 grants (hash
 -- ticket -> grant), 11 learned (hash), 12 rpm (zset slot -> admission time), 13 nodes (zset
@@ -116,11 +116,14 @@ local function blocker()
   return nil
 end
 
-local function admit(slot, lease_ms)
+-- `hold_grace` keeps the slot past its request deadline for a holder that ends the exchange
+-- itself (see `EXCHANGE_GRACE_MS`); the holder is told the request deadline without it.
+local function admit(slot, lease_ms, hold_grace)
   local rd = now + cfg_request_ms
-  local ld = math.min(now + lease_ms, rd)
+  local held_until = rd + hold_grace
+  local ld = math.min(now + lease_ms, held_until)
   redis.call('ZADD', K_LEASES, ld, slot)
-  redis.call('HSET', K_HELD, slot, fmt(rd) .. ':' .. fmt(now))
+  redis.call('HSET', K_HELD, slot, fmt(held_until) .. ':' .. fmt(now))
   if rpm_limit then redis.call('ZADD', K_RPM, now, slot) end
   if l_pace then
     local tat = tonumber(redis.call('HGET', K_META, 'tat')) or 0
@@ -148,8 +151,9 @@ local function free(slot)
 end
 
 local function parse_waiter(meta)
-  local c, fkey, lease_ms, wnode, slot = string.match(meta, '^(%d):(%d+):(%d+):([^:]+):(%x+)$')
-  return tonumber(c), fkey, tonumber(lease_ms), wnode, slot
+  local c, fkey, lease_ms, hold_grace, wnode, slot =
+    string.match(meta, '^(%d):(%d+):(%d+):(%d+):([^:]+):(%x+)$')
+  return tonumber(c), fkey, tonumber(lease_ms), wnode, slot, tonumber(hold_grace)
 end
 
 -- Forgets a ticket: a waiter whose budget (plus grace) ran out, or a grant nobody collected.
@@ -196,10 +200,10 @@ local function dispatch()
     redis.call('HDEL', K_WAITERS, m)
     redis.call('ZREM', K_DEADLINES, m)
     if meta then
-      local _, _, lease_ms, wnode, slot = parse_waiter(meta)
+      local _, _, lease_ms, wnode, slot, hold_grace = parse_waiter(meta)
       local alive = tonumber(redis.call('ZSCORE', K_NODES, wnode))
       if slot and alive and alive >= now then
-        local g = admit(slot, lease_ms)
+        local g = admit(slot, lease_ms, hold_grace or 0)
         redis.call('HSET', K_GRANTS, m, slot .. ':' .. fmt(g[1]) .. ':' .. fmt(g[2]) .. ':'
           .. fmt(g[3]) .. ':' .. fmt(g[4]) .. ':' .. fmt(g[5]))
         -- An uncollected grant is forgotten with its lease (the slot itself expires then too).
