@@ -266,9 +266,8 @@ async fn fetch(
     let req = origin_request(pool, job, body)?;
     let deadline = crate::core::time::deadline_in(pool.concurrency.request_timeout_ms);
     let (resp, guard) = upstream::exchange(&state.client, req, guard, deadline).await?;
-    let (parts, body) = resp.into_parts();
     let max = pool.spec.async_jobs.max_body_bytes as usize;
-    let collected = upstream::collect(body, max, deadline).await?;
+    let (parts, collected) = upstream::collect(resp, max, deadline).await?;
     let outcome =
         upstream::outcome::from_response(parts.status.as_u16(), &parts.headers, state.now());
     let mut result_headers = parts.headers;

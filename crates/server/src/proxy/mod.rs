@@ -301,6 +301,7 @@ async fn forward(mut call: Call<'_>, body: CallBody, grant: Grant) -> Response<B
     pool.metrics
         .upstream_latency
         .record(latency_ms as f64 / 1000.0);
+    let closed = upstream::ConnectionClosed::of(&resp);
     let (mut rparts, rbody) = resp.into_parts();
     let now = call.state.now();
     guard.outcome = Some(upstream::outcome::from_response(
@@ -324,7 +325,10 @@ async fn forward(mut call: Call<'_>, body: CallBody, grant: Grant) -> Response<B
         queued_ms,
         upstream,
     );
-    Response::from_parts(rparts, Body::new(SlotBody::new(rbody, guard, deadline)))
+    Response::from_parts(
+        rparts,
+        Body::new(SlotBody::new(rbody, guard, deadline, closed)),
+    )
 }
 
 /// The request for the origin: the caller's side, then the origin's (the upstream layer).

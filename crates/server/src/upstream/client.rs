@@ -8,7 +8,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use nthbouncer_config::ServerSpec;
 
-pub type UpstreamClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Body>;
+use super::connector::TrackedConnector;
+
+pub type UpstreamClient = Client<hyper_rustls::HttpsConnector<TrackedConnector>, Body>;
 
 /// Builds the shared upstream client: keep-alive pool whose idle connections are closed by a
 /// timer below typical upstream keep-alive timeouts, so we never write into a connection the
@@ -26,7 +28,7 @@ pub fn build_client(server: &ServerSpec) -> Result<UpstreamClient, String> {
         .https_or_http()
         .enable_http1()
         .enable_http2()
-        .wrap_connector(http);
+        .wrap_connector(TrackedConnector(http));
     Ok(Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_millis(server.upstream_idle_timeout_ms))
         .pool_timer(TokioTimer::new())

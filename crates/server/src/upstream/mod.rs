@@ -7,6 +7,7 @@
 //! It must not know pools, keys or features: callers hand it a target, headers and a slot.
 
 pub mod client;
+pub mod connector;
 pub mod error;
 pub mod outcome;
 pub mod prepare;
@@ -20,6 +21,7 @@ use hyper::body::Incoming;
 use tokio::time::Instant;
 
 pub use client::{build_client, UpstreamClient};
+pub use connector::ConnectionClosed;
 pub use error::{Stage, UpstreamError};
 pub use slot::{Exchange, SlotBody, SlotGuard};
 pub use target::{PathRefused, Target};
@@ -46,13 +48,16 @@ pub struct Collected {
     pub truncated: bool,
 }
 
-/// Reads a response body up to `max` bytes before `deadline`.
+/// Reads a response body up to `max` bytes before `deadline`. A body cut short (too long, too
+/// late, broken) returns only once its connection is closed: the caller frees the slot next.
 pub async fn collect(
-    mut body: Incoming,
+    resp: Response<Incoming>,
     max: usize,
     deadline: Instant,
-) -> Result<Collected, UpstreamError> {
-    let read = async {
+) -> Result<(http::response::Parts, Collected), UpstreamError> {
+    let closed = ConnectionClosed::of(&resp);
+    let (parts, mut body) = resp.into_parts();
+    let read = async move {
         let mut collected = Vec::new();
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| UpstreamError::new(Stage::Body, e))?;
@@ -73,7 +78,13 @@ pub async fn collect(
             truncated: false,
         })
     };
-    tokio::time::timeout_at(deadline, read)
+    let collected = tokio::time::timeout_at(deadline, read)
         .await
-        .map_err(|_| UpstreamError::deadline(Stage::Body))?
+        .map_err(|_| UpstreamError::deadline(Stage::Body))
+        .and_then(|read| read);
+    let cut = !matches!(&collected, Ok(c) if !c.truncated);
+    if cut {
+        ConnectionClosed::after_cut(closed).await;
+    }
+    collected.map(|c| (parts, c))
 }

@@ -16,6 +16,8 @@ use hyper_util::client::legacy::ResponseFuture;
 use nthbouncer_coord::{Outcome, PoolGate, SlotId};
 use parking_lot::Mutex;
 
+use super::connector::ConnectionClosed;
+
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Frees a slot when dropped; carries the upstream outcome to adaptive learning.
@@ -120,10 +122,30 @@ impl Drop for Exchange {
     }
 }
 
-/// What a streaming answer holds while it streams: the upstream body and the slot.
+/// What a streaming answer holds while it streams: the upstream body, its connection and the
+/// slot.
 struct Held {
     body: Incoming,
+    closed: Option<ConnectionClosed>,
     guard: SlotGuard,
+}
+
+impl Held {
+    /// Ends the exchange: drops the body and, if it had not ended (which closes its
+    /// connection), frees the slot only once that connection is closed.
+    async fn cut(self) {
+        let Held {
+            body,
+            closed,
+            guard,
+        } = self;
+        let ended = body.is_end_stream();
+        drop(body);
+        if !ended {
+            ConnectionClosed::after_cut(closed).await;
+        }
+        drop(guard);
+    }
 }
 
 /// Shared by a [`SlotBody`] and its watchdog.
@@ -151,10 +173,19 @@ pub struct SlotBody {
 }
 
 impl SlotBody {
-    pub fn new(body: Incoming, guard: SlotGuard, deadline: tokio::time::Instant) -> Self {
+    pub fn new(
+        body: Incoming,
+        guard: SlotGuard,
+        deadline: tokio::time::Instant,
+        closed: Option<ConnectionClosed>,
+    ) -> Self {
         SlotBody {
             shared: Arc::new(Shared {
-                held: Mutex::new(Some(Held { body, guard })),
+                held: Mutex::new(Some(Held {
+                    body,
+                    closed,
+                    guard,
+                })),
                 waker: AtomicWaker::new(),
             }),
             deadline,
@@ -172,31 +203,45 @@ impl SlotBody {
         let task = tokio::spawn(async move {
             tokio::time::sleep_until(deadline).await;
             let held = shared.held.lock().take();
-            if let Some(Held { body, guard }) = held {
-                drop(body);
-                // Let the upstream connection's task see its body gone and close before the
-                // slot goes to the next caller.
-                tokio::task::yield_now().await;
-                drop(guard);
-            }
+            // Wake the reader first: it gets the deadline's error while the slot waits for
+            // the upstream connection to close.
             shared.waker.wake();
+            if let Some(held) = held {
+                held.cut().await;
+            }
         });
         self.watchdog = Some(task.abort_handle());
     }
 
     fn finish(&mut self) -> Option<Held> {
         self.done = true;
-        if let Some(w) = self.watchdog.take() {
+        let held = self.shared.held.lock().take();
+        // A watchdog that already took the exchange is ending it (waiting for its connection
+        // to close before it frees the slot): aborting it would free the slot early.
+        if let (Some(w), Some(_)) = (self.watchdog.take(), held.as_ref()) {
             w.abort();
         }
-        self.shared.held.lock().take()
+        held
     }
 }
 
 impl Drop for SlotBody {
     fn drop(&mut self) {
-        // The client went away (or the body ended): the slot is freed with the body.
-        drop(self.finish());
+        // The body ended, or the client went away.
+        end(self.finish());
+    }
+}
+
+/// Frees the slot of an exchange that ended: at once if its body ended, else once its
+/// connection (which the dropped body closes) is closed.
+fn end(held: Option<Held>) {
+    let Some(held) = held else { return };
+    if held.body.is_end_stream() || held.closed.is_none() {
+        return;
+    }
+    match tokio::runtime::Handle::try_current() {
+        Ok(rt) => drop(rt.spawn(held.cut())),
+        Err(_) => drop(held),
     }
 }
 
@@ -233,7 +278,7 @@ impl HttpBody for SlotBody {
                 Poll::Ready(None)
             }
             (Poll::Ready(Some(Err(e))), _) => {
-                drop(self.finish());
+                end(self.finish());
                 Poll::Ready(Some(Err(Box::new(e))))
             }
             (Poll::Ready(Some(Ok(frame))), ended) => {
