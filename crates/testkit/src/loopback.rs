@@ -3,6 +3,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -23,6 +24,26 @@ where
     serve_http_counting(|| {}, f).await
 }
 
+/// A request's connection, as the server that took it can check it: still open, or closed by
+/// the peer. Every request [`serve_http_counting`] serves carries one as an extension.
+#[derive(Clone, Debug)]
+pub struct PeerConnection(Arc<std::net::TcpStream>);
+
+impl PeerConnection {
+    /// Whether the peer has closed (or reset) the connection. On loopback the kernel knows the
+    /// moment the peer's `close` returns, before this server's tasks notice: a request whose
+    /// caller hung up is not one the server still serves, however late its task learns it.
+    pub fn gone(&self) -> bool {
+        let mut byte = [0u8; 1];
+        // The duplicate shares the socket's non-blocking mode: a peek never waits.
+        match self.0.peek(&mut byte) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+        }
+    }
+}
+
 /// [`serve_http`], calling `on_connection` for every connection it accepts.
 pub async fn serve_http_counting<C, F, Fut, B>(on_connection: C, f: F) -> SocketAddr
 where
@@ -41,9 +62,16 @@ where
                 continue;
             };
             on_connection();
+            let peer = std::os::fd::AsFd::as_fd(&stream)
+                .try_clone_to_owned()
+                .ok()
+                .map(|fd| PeerConnection(Arc::new(std::net::TcpStream::from(fd))));
             let f = f.clone();
             tokio::spawn(async move {
-                let svc = hyper::service::service_fn(move |req| {
+                let svc = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+                    if let Some(peer) = &peer {
+                        req.extensions_mut().insert(peer.clone());
+                    }
                     let f = f.clone();
                     async move { Ok::<_, Infallible>(f(req).await) }
                 });

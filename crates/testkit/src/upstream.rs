@@ -1,4 +1,5 @@
-//! A real upstream on loopback that counts what it sees: requests in flight (now and at most),
+//! A real upstream on loopback that counts what it sees: requests in flight (now and at most:
+//! the most whose callers had not hung up, see [`UpstreamState::max_in_flight`]),
 //! connections, requests in all, `x-seq` arrivals, and every request's method, path and headers.
 //!
 //! Routes: `/hold` (and each `/sse` event) waits for a [`Upstream::release`] permit;
@@ -21,7 +22,7 @@ use parking_lot::Mutex;
 use serde_json::Value;
 use tokio::sync::Semaphore;
 
-use crate::loopback::{read_body, serve_http_counting};
+use crate::loopback::{read_body, serve_http_counting, PeerConnection};
 use crate::wait::eventually;
 
 /// What the upstream saw of one request.
@@ -33,8 +34,14 @@ pub struct Seen {
 }
 
 pub struct UpstreamState {
+    /// Requests whose handling has not ended.
     pub in_flight: AtomicI64,
+    /// The most requests in flight at any request's arrival whose connections were still open.
+    /// A request whose caller closed its connection (a cut stream) is not counted although this
+    /// server's task may not have noticed yet: that lag is this server's, not the caller's.
     pub max_in_flight: AtomicI64,
+    /// The connections of the requests in flight, by request number.
+    open: Mutex<Vec<(u64, Option<PeerConnection>)>>,
     pub connections: AtomicU64,
     /// Requests seen in all.
     pub requests: AtomicU64,
@@ -52,6 +59,7 @@ impl Default for UpstreamState {
         UpstreamState {
             in_flight: AtomicI64::new(0),
             max_in_flight: AtomicI64::new(0),
+            open: Mutex::new(Vec::new()),
             connections: AtomicU64::new(0),
             requests: AtomicU64::new(0),
             arrivals: Mutex::new(Vec::new()),
@@ -67,17 +75,25 @@ pub struct Upstream {
     pub state: Arc<UpstreamState>,
 }
 
-struct InFlight(Arc<UpstreamState>);
+struct InFlight(Arc<UpstreamState>, u64);
 impl InFlight {
-    fn new(s: &Arc<UpstreamState>) -> Self {
-        let now = s.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
-        s.max_in_flight.fetch_max(now, Ordering::SeqCst);
-        s.requests.fetch_add(1, Ordering::SeqCst);
-        InFlight(s.clone())
+    fn new(s: &Arc<UpstreamState>, peer: Option<PeerConnection>) -> Self {
+        s.in_flight.fetch_add(1, Ordering::SeqCst);
+        let number = s.requests.fetch_add(1, Ordering::SeqCst);
+        let mut open = s.open.lock();
+        open.push((number, peer));
+        let now = open
+            .iter()
+            .filter(|(_, peer)| !peer.as_ref().is_some_and(PeerConnection::gone))
+            .count();
+        s.max_in_flight
+            .fetch_max(i64::try_from(now).unwrap_or(i64::MAX), Ordering::SeqCst);
+        InFlight(s.clone(), number)
     }
 }
 impl Drop for InFlight {
     fn drop(&mut self) {
+        self.0.open.lock().retain(|(number, _)| *number != self.1);
         self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
     }
 }
@@ -101,7 +117,7 @@ fn query(req: &Request<Incoming>) -> HashMap<String, String> {
 }
 
 async fn handle(state: Arc<UpstreamState>, req: Request<Incoming>) -> Response<BoxBody> {
-    let guard = InFlight::new(&state);
+    let guard = InFlight::new(&state, req.extensions().get::<PeerConnection>().cloned());
     if let Some(seq) = req.headers().get("x-seq") {
         state
             .arrivals

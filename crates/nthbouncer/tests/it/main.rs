@@ -10,6 +10,7 @@ mod jobs_sigterm;
 mod lock_cli;
 mod lock_restart;
 mod nonce_restart;
+mod soak;
 mod webhooks_crash;
 
 /// The binary under test (only this crate's tests know its path).
