@@ -18,7 +18,9 @@ use std::time::Duration;
 
 use http::{Response, Uri, Version};
 use hyper::rt::{Read, ReadBufCursor, Write};
-use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
+use hyper_util::client::legacy::connect::{
+    CaptureConnection, Connected, Connection, HttpConnector,
+};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
@@ -45,6 +47,21 @@ impl ConnectionClosed {
             return None;
         }
         resp.extensions().get::<ConnectionClosed>().cloned()
+    }
+
+    /// The connection a request was sent on, once the client has picked one (see
+    /// [`hyper_util::client::legacy::connect::capture_connection`]): for a call cut before its
+    /// response head. `None` for HTTP/2 (cutting resets the stream, the connection stays) and
+    /// while no connection was picked yet (then the origin has seen nothing to count).
+    pub fn of_capture(capture: &CaptureConnection) -> Option<ConnectionClosed> {
+        let connected = capture.connection_metadata();
+        let connected = connected.as_ref()?;
+        if connected.is_negotiated_h2() {
+            return None;
+        }
+        let mut extensions = http::Extensions::new();
+        connected.get_extras(&mut extensions);
+        extensions.get::<ConnectionClosed>().cloned()
     }
 
     fn close(&self) {

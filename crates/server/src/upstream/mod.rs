@@ -34,7 +34,7 @@ pub async fn exchange(
     guard: SlotGuard,
     deadline: Instant,
 ) -> Result<(Response<Incoming>, SlotGuard), UpstreamError> {
-    let call = Exchange::new(client.request(req), guard, deadline);
+    let call = Exchange::send(client, req, guard, deadline);
     match tokio::time::timeout_at(deadline, call).await {
         Ok((Ok(resp), guard)) => Ok((resp, guard)),
         Ok((Err(e), _slot_freed)) => Err(UpstreamError::from_client(e)),

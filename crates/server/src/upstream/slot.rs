@@ -12,6 +12,7 @@ use futures_util::task::AtomicWaker;
 use http::Response;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::{capture_connection, CaptureConnection};
 use hyper_util::client::legacy::ResponseFuture;
 use nthbouncer_coord::{Outcome, PoolGate, SlotId};
 use parking_lot::Mutex;
@@ -66,19 +67,29 @@ impl Drop for SlotGuard {
 /// If the caller goes away first (this future is dropped), the origin is still working on the
 /// call: the rest of it runs detached and the slot is freed only when the origin answers or the
 /// request deadline passes. Freeing it at once would let the next waiter reach the origin while
-/// the origin still counts the abandoned call: one over the limit, seen from the origin.
+/// the origin still counts the abandoned call: one over the limit, seen from the origin. A call
+/// cut at the deadline frees its slot once its connection is closed, for the same reason.
 pub struct Exchange {
     call: Option<ResponseFuture>,
     guard: Option<SlotGuard>,
     deadline: tokio::time::Instant,
+    connection: CaptureConnection,
 }
 
 impl Exchange {
-    pub fn new(call: ResponseFuture, guard: SlotGuard, deadline: tokio::time::Instant) -> Self {
+    /// Sends `req` on `client`; the exchange holds `guard` until it ends.
+    pub fn send(
+        client: &super::UpstreamClient,
+        mut req: http::Request<axum::body::Body>,
+        guard: SlotGuard,
+        deadline: tokio::time::Instant,
+    ) -> Self {
+        let connection = capture_connection(&mut req);
         Exchange {
-            call: Some(call),
+            call: Some(client.request(req)),
             guard: Some(guard),
             deadline,
+            connection,
         }
     }
 }
@@ -108,17 +119,36 @@ impl Drop for Exchange {
         let (Some(call), Some(guard)) = (self.call.take(), self.guard.take()) else {
             return;
         };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         if crate::core::time::now() >= self.deadline {
-            return; // the request timed out: the slot is freed now (SPEC §4)
+            // The request timed out (SPEC §4): the call is cut, and its slot is freed once its
+            // connection is closed.
+            drop(call);
+            let closed = ConnectionClosed::of_capture(&self.connection);
+            if closed.is_some() {
+                rt.spawn(async move {
+                    ConnectionClosed::after_cut(closed).await;
+                    drop(guard);
+                });
+            }
+            return;
         }
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            let deadline = self.deadline;
-            rt.spawn(async move {
-                // The answer is discarded: its caller is gone.
-                let _ = tokio::time::timeout_at(deadline, call).await;
-                drop(guard);
-            });
-        }
+        let deadline = self.deadline;
+        let connection = self.connection.clone();
+        rt.spawn(async move {
+            // The answer is discarded: its caller is gone. Whether the call answered (its
+            // body is dropped unread) or the deadline cut it, its connection closes first.
+            let closed = match tokio::time::timeout_at(deadline, call).await {
+                Ok(Ok(resp)) if resp.body().is_end_stream() => None,
+                Ok(Ok(resp)) => ConnectionClosed::of(&resp),
+                Ok(Err(_)) => None,
+                Err(_) => ConnectionClosed::of_capture(&connection),
+            };
+            ConnectionClosed::after_cut(closed).await;
+            drop(guard);
+        });
     }
 }
 

@@ -492,3 +492,37 @@ async fn a_client_that_stops_reading_is_cut_off_at_the_deadline() {
     assert_eq!(r.status(), 200);
     drop(stalled);
 }
+
+/// An origin that never answers: at the deadline the caller gets 504 and the call is cut, and
+/// the slot goes to the next caller only once the cut call's connection is closed. Before, the
+/// slot was freed as the call was dropped, while hyper closed the connection a moment later on
+/// its own task. On loopback the waiter's way to the origin (gate, task, pooled connection) has
+/// always been longer than that close, so this did not fail before the fix either: it holds the
+/// guarantee in place, which the soak's streamed variant did catch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_call_frees_its_slot_only_once_its_connection_is_closed() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml(
+        "p",
+        &up.url(),
+        "limit = 1\nrequest_timeout_ms = 300",
+    ))
+    .await;
+    for round in 0..5 {
+        let hung = tokio::spawn(gw.get("p", "/hang").send());
+        eventually("the hung call reached the origin", async || {
+            (up.in_flight() >= 1).then_some(())
+        })
+        .await;
+        let next = tokio::spawn(gw.get("p", "/sleep?ms=5").send());
+        assert_eq!(hung.await.unwrap().unwrap().status(), 504, "round {round}");
+        assert_eq!(next.await.unwrap().unwrap().status(), 200, "round {round}");
+        assert!(
+            up.max_in_flight() <= 1,
+            "round {round}: the origin had {} open calls at once",
+            up.max_in_flight()
+        );
+    }
+    gw.wait_state("p", "the slot is freed", |s| s["inFlight"] == 0)
+        .await;
+}
