@@ -153,6 +153,10 @@ pub struct PoolSpec {
     /// Policies callers must pass besides the pool key (SPEC §9).
     #[serde(default)]
     pub access: AccessSpec,
+    /// The pool's own listener (`"127.0.0.1:8081"`): everything arriving there is this pool's
+    /// host whatever its `Host` header, for clients that cannot set `Host`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub listen: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
@@ -280,9 +284,19 @@ impl Config {
         self.server.validate()?;
         let mut names = HashSet::new();
         let mut domains = HashSet::new();
+        let mut listeners = HashSet::from([self.server.listen_addr()?]);
         for (i, pool) in self.pools.iter().enumerate() {
             let at = format!("pools[{i}]");
             pool.validate(&at)?;
+            // Port 0 asks the system for a free port: never a clash.
+            if let Some(addr) = pool.listen_addr(&at)?.filter(|a| a.port() != 0) {
+                if !listeners.insert(addr) {
+                    return Err(ConfigError::new(
+                        format!("{at}.listen"),
+                        format!("{addr} is already the server's or another pool's listener"),
+                    ));
+                }
+            }
             if !names.insert(pool.name.as_str()) {
                 return Err(ConfigError::new(
                     format!("{at}.name"),
@@ -513,7 +527,21 @@ pub fn parse_http_url(key: &str, url: &str) -> Result<http::Uri, ConfigError> {
 
 impl PoolSpec {
     /// Checks the pool's own rules; `at` prefixes key paths (e.g. `pools[0]`).
+    /// The pool's own listener address, if it has one.
+    pub fn listen_addr(&self, at: &str) -> Result<Option<SocketAddr>, ConfigError> {
+        let Some(listen) = &self.listen else {
+            return Ok(None);
+        };
+        listen.parse().map(Some).map_err(|_| {
+            ConfigError::new(
+                format!("{at}.listen"),
+                format!("{listen:?} is not an address like 127.0.0.1:8081"),
+            )
+        })
+    }
+
     pub fn validate(&self, at: &str) -> Result<(), ConfigError> {
+        self.listen_addr(at)?;
         if !valid_pool_name(&self.name) {
             return Err(ConfigError::new(
                 format!("{at}.name"),
@@ -756,6 +784,23 @@ mod tests {
     }
 
     #[test]
+    fn a_pool_listener_is_an_address_of_its_own() {
+        let pool = |name: &str, listen: &str| {
+            format!("[[pools]]\nname = \"{name}\"\nupstream = \"http://127.0.0.1:9\"\nlisten = \"{listen}\"\n")
+        };
+        let c = Config::from_toml_str(&pool("a", "127.0.0.1:8081")).unwrap();
+        assert_eq!(c.pools[0].listen.as_deref(), Some("127.0.0.1:8081"));
+        let e = err(&pool("a", "nowhere"));
+        assert_eq!(e.key, "pools[0].listen");
+        let e = err(&(pool("a", "127.0.0.1:8081") + &pool("b", "127.0.0.1:8081")));
+        assert_eq!(e.key, "pools[1].listen");
+        let e = err(&pool("a", "127.0.0.1:8080"));
+        assert_eq!(e.key, "pools[0].listen", "the server's own listener");
+        // Port 0 (any free port) never clashes.
+        Config::from_toml_str(&(pool("a", "127.0.0.1:0") + &pool("b", "127.0.0.1:0"))).unwrap();
+    }
+
+    #[test]
     fn empty_file_gives_defaults() {
         let c = Config::from_toml_str("").unwrap();
         assert_eq!(c.server.listen, "127.0.0.1:8080");
@@ -919,6 +964,7 @@ mod tests {
                 deactivate_after: 20,
             }],
             access: Default::default(),
+            listen: None,
         };
         let m = spec.masked();
         let shown = serde_json::to_string(&m).unwrap();

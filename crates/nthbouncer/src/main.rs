@@ -186,7 +186,10 @@ async fn serve(config_path: Option<PathBuf>, demo: bool) -> Result<(), String> {
         .await
         .map_err(|e| e.to_string())?;
     if let Some(print) = demo_lines {
-        print(running.addr.port());
+        print(
+            running.addr.port(),
+            running.state.pools.listeners.addr("demo"),
+        );
     }
     let token = running.shutdown_token();
     tokio::spawn(async move {
@@ -199,9 +202,27 @@ async fn serve(config_path: Option<PathBuf>, demo: bool) -> Result<(), String> {
     Ok(())
 }
 
-/// Starts an in-process sandbox and adds a `demo` pool in front of it. Returns the printer of
-/// the ready-to-paste commands (it needs the bound port).
-async fn add_demo(config: &mut Config) -> Result<Box<dyn FnOnce(u16)>, String> {
+/// The printer of the demo's ready-to-paste commands: it needs the bound port and the demo
+/// pool's own listener.
+type DemoLines = Box<dyn FnOnce(u16, Option<std::net::SocketAddr>)>;
+
+/// Where the demo pool gets its own listener: the port after the server's when that is free
+/// (8081 for the default 8080), else any free port.
+fn demo_listen(server_listen: &str) -> String {
+    let Ok(addr) = server_listen.parse::<std::net::SocketAddr>() else {
+        return "127.0.0.1:0".into();
+    };
+    let next = std::net::SocketAddr::new(addr.ip(), addr.port().wrapping_add(1));
+    if addr.port() != 0 && next.port() != 0 && std::net::TcpListener::bind(next).is_ok() {
+        next.to_string()
+    } else {
+        std::net::SocketAddr::new(addr.ip(), 0).to_string()
+    }
+}
+
+/// Starts an in-process sandbox and adds a `demo` pool in front of it, with its own listener
+/// too. Returns the printer of the ready-to-paste commands.
+async fn add_demo(config: &mut Config) -> Result<DemoLines, String> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .map_err(|e| format!("demo sandbox: {e}"))?;
@@ -228,6 +249,7 @@ async fn add_demo(config: &mut Config) -> Result<Box<dyn FnOnce(u16)>, String> {
         "upstream": format!("http://{sandbox_addr}"),
         "keys": [key.clone()],
         "upstream_headers": { "authorization": "Bearer sandbox-managed-credential" },
+        "listen": demo_listen(&config.server.listen),
     }))
     .map_err(|e| e.to_string())?;
     spec.concurrency.limit = 4;
@@ -243,33 +265,43 @@ async fn add_demo(config: &mut Config) -> Result<Box<dyn FnOnce(u16)>, String> {
     };
     let api_host = config.server.api_host.clone();
     let pool_domain = config.server.pool_domain.clone();
-    Ok(Box::new(move |port: u16| {
-        let pool = format!("http://demo.{pool_domain}:{port}");
-        let api = format!("http://{api_host}:{port}");
-        println!();
-        println!(
+    Ok(Box::new(
+        move |port: u16, own: Option<std::net::SocketAddr>| {
+            let pool = format!("http://demo.{pool_domain}:{port}");
+            let api = format!("http://{api_host}:{port}");
+            println!();
+            println!(
             "nthbouncer demo: pool `demo` (limit 4) in front of a sandbox origin at {sandbox_addr}"
         );
-        println!("  (hidden limits: 8 concurrent, 600 requests/minute, 200 ms latency)");
-        println!();
-        println!("  export KEY='{key}'");
-        println!("  export ADMIN='{token}'");
-        println!();
-        println!("  # a proxied call (the sandbox answers like an LLM API):");
-        println!("  curl -s {pool}/v1/chat/completions -H \"X-Nthpool-Key: $KEY\" -H 'content-type: application/json' \\");
-        println!("       -d '{{\"model\":\"demo\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'");
-        println!("  # a streamed answer holds its slot until it ends:");
-        println!("  curl -sN '{pool}/stream?chunks=5&interval_ms=300' -H \"X-Nthpool-Key: $KEY\"");
-        println!(
+            println!("  (hidden limits: 8 concurrent, 600 requests/minute, 200 ms latency)");
+            println!();
+            println!("  export KEY='{key}'");
+            println!("  export ADMIN='{token}'");
+            println!();
+            println!("  # a proxied call (the sandbox answers like an LLM API):");
+            println!("  curl -s {pool}/v1/chat/completions -H \"X-Nthpool-Key: $KEY\" -H 'content-type: application/json' \\");
+            println!("       -d '{{\"model\":\"demo\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'");
+            println!("  # a streamed answer holds its slot until it ends:");
+            println!(
+                "  curl -sN '{pool}/stream?chunks=5&interval_ms=300' -H \"X-Nthpool-Key: $KEY\""
+            );
+            println!(
             "  # what the upstream received (no X-Nthpool-Key, the managed credential instead):"
         );
-        println!("  curl -s {pool}/echo -H \"X-Nthpool-Key: $KEY\"");
-        println!("  # 20 at once: at most 4 reach the origin, the rest queue in order:");
-        println!("  for i in $(seq 20); do curl -s -o /dev/null -w '%{{http_code}} ' {pool}/v1/chat/completions -H \"X-Nthpool-Key: $KEY\" -d '{{}}' & done; wait; echo");
-        println!("  # live governor state:");
-        println!("  curl -s {api}/admin/pools/demo/state -H \"Authorization: Bearer $ADMIN\"");
-        println!();
-    }))
+            println!("  curl -s {pool}/echo -H \"X-Nthpool-Key: $KEY\"");
+            println!("  # 20 at once: at most 4 reach the origin, the rest queue in order:");
+            println!("  for i in $(seq 20); do curl -s -o /dev/null -w '%{{http_code}} ' {pool}/v1/chat/completions -H \"X-Nthpool-Key: $KEY\" -d '{{}}' & done; wait; echo");
+            println!("  # live governor state:");
+            println!("  curl -s {api}/admin/pools/demo/state -H \"Authorization: Bearer $ADMIN\"");
+            if let Some(own) = own {
+                println!("  # the same pool on its own listener: no Host header needed, so any SDK works");
+                println!("  # with a plain base URL (OpenAI's: base_url=\"http://{own}/v1\" and the key as");
+                println!("  # default_headers={{\"X-Nthpool-Key\": KEY}}):");
+                println!("  curl -s http://{own}/v1/chat/completions -H \"X-Nthpool-Key: $KEY\" -d '{{}}'");
+            }
+            println!();
+        },
+    ))
 }
 
 async fn sandbox(

@@ -18,6 +18,7 @@ fn invalid_configs_exit_non_zero_naming_the_key() {
         ("[[pools]]\nname = \"p\"\nupstream = \"http://127.0.0.1:1\"\n[pools.concurrency]\nlimit = 0\n", "pools[0].concurrency.limit"),
         ("[[pools]]\nname = \"Not Valid\"\nupstream = \"http://127.0.0.1:1\"\n", "pools[0].name"),
         ("[server]\nlisten = \"where?\"\n", "server.listen"),
+        ("[[pools]]\nname = \"p\"\nupstream = \"http://127.0.0.1:1\"\nlisten = \"here\"\n", "pools[0].listen"),
         ("[server]\nbogus = 1\n", "bogus"),
         ("this is not toml", "(file)"),
     ];
@@ -41,6 +42,27 @@ fn invalid_configs_exit_non_zero_naming_the_key() {
         .output()
         .unwrap();
     assert!(!missing.status.success());
+}
+
+/// A pool listener whose address is taken stops the start, naming the key.
+#[test]
+fn serve_exits_naming_a_pool_listener_it_cannot_bind() {
+    let dir = tempfile::tempdir().unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = free_port();
+    let text = format!(
+        "{}[[pools]]\nname = \"p\"\nupstream = \"http://127.0.0.1:1\"\nlisten = \"{}\"\n",
+        server_toml(port, dir.path()),
+        taken.local_addr().unwrap()
+    );
+    let path = write_config(dir.path(), &text);
+    let out = Command::new(BIN)
+        .args(["serve", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "served with a taken pool listener");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("pools[0].listen"), "{err}");
 }
 
 #[test]
@@ -179,14 +201,19 @@ fn demo_mode_serves_with_no_network() {
     let stdout = child.stdout.take().unwrap();
     let _guard = Proc(child);
     wait_listening(port);
-    let mut key = None;
+    let (mut key, mut own_port) = (None, None);
+    let mut own_listener_next = false;
     for line in BufReader::new(stdout).lines() {
         let line = line.unwrap();
         if let Some(rest) = line.trim().strip_prefix("export KEY='") {
             key = Some(rest.trim_end_matches('\'').to_string());
         }
-        if line.contains("live governor state") {
-            break;
+        own_listener_next |= line.contains("on its own listener");
+        if let Some(rest) = line.trim().strip_prefix("curl -s http://127.0.0.1:") {
+            if own_listener_next {
+                own_port = rest.split('/').next().and_then(|p| p.parse::<u16>().ok());
+                break;
+            }
         }
     }
     let key = key.expect("the demo printed no key");
@@ -196,4 +223,9 @@ fn demo_mode_serves_with_no_network() {
         body.contains("sandbox-managed-credential"),
         "the managed credential was not injected: {body}"
     );
+    // The demo pool's own listener: any Host, the same pool.
+    let own_port = own_port.expect("the demo printed no listener of the pool's own");
+    let (status, body) = http(own_port, "127.0.0.1", "/echo", Some(&key));
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("sandbox-managed-credential"), "{body}");
 }

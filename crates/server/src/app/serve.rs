@@ -1,5 +1,6 @@
-//! Serving: one listener for every host, dispatch by `Host` (SPEC §1), the bounds every
-//! connection is held to (`conn`: header and idle timeouts, `max_connections`), and the
+//! Serving: one listener for every host, dispatch by `Host` (SPEC §1), and the pools' own
+//! listeners (everything arriving on one is its pool's); the bounds every connection is held
+//! to, on every listener alike (`conn`: header and idle timeouts, `max_connections`); and the
 //! graceful shutdown (stop accepting, let in-flight requests finish within a bound).
 
 mod conn;
@@ -31,6 +32,7 @@ use self::conn::{
 };
 use crate::app::state::AppState;
 use crate::core::error::{ApiError, ErrorCode};
+use crate::pools::listeners::Opened;
 
 pub(super) struct Dispatcher {
     pub(super) state: Arc<AppState>,
@@ -57,12 +59,31 @@ fn request_host(req: &Request<Incoming>) -> Option<String> {
     Some(host.trim_end_matches('.').to_ascii_lowercase())
 }
 
+/// How a listener's requests find their role.
+#[derive(Clone)]
+enum Route {
+    /// The main listener: by `Host`.
+    ByHost,
+    /// A pool's own listener: every request is that pool's, whatever its `Host`.
+    Pool(Arc<str>),
+}
+
 impl Dispatcher {
     async fn dispatch(
         self: Arc<Self>,
         mut req: Request<Incoming>,
         peer: SocketAddr,
+        route: &Route,
     ) -> Response<Body> {
+        if let Route::Pool(name) = route {
+            // A pool deleted since its listener accepted this connection is gone here too.
+            let Some(pool) = self.state.pools.get(name) else {
+                return ApiError::pool_not_found().into_response();
+            };
+            let original_host = req.headers().get(http::header::HOST).cloned();
+            let proxy = self.state.proxy.clone();
+            return crate::proxy::handle(proxy, pool, req, peer, original_host).await;
+        }
         let Some(host) = request_host(&req) else {
             return ApiError::pool_not_found().into_response();
         };
@@ -110,7 +131,7 @@ pub(super) async fn accept_loop(
         // header timeout instead of the idle one.
         .header_read_timeout(None);
     builder.http2().timer(TokioTimer::new());
-    let serving = Serving {
+    let serving = Arc::new(Serving {
         dispatcher,
         builder,
         connections: Connections::new(state.server.max_connections),
@@ -119,38 +140,60 @@ pub(super) async fn accept_loop(
             idle_ms: state.server.idle_timeout_ms,
         },
         drain: watch::channel(()).0,
-    };
+    });
+    // Pools' own listeners, opened at start and whenever the admin API gives a pool one.
+    let mut opened = state.pools.listeners.take_opened();
     loop {
         let accepted = tokio::select! {
             _ = cancel.cancelled() => break,
             accepted = listener.accept() => accepted,
+            Some(pool) = async { opened.as_mut()?.recv().await } => {
+                tokio::spawn(accept_pool_listener(serving.clone(), pool, cancel.clone()));
+                continue;
+            }
         };
         match accepted {
-            Ok((stream, peer)) => serving.serve(stream, peer),
-            Err(e) => {
-                // Out of file descriptors and the like: back off instead of spinning.
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            Ok((stream, peer)) => serving.serve(stream, peer, Route::ByHost),
+            Err(e) => accept_failed(e).await,
         }
     }
     drop(listener);
-    let Serving {
-        dispatcher, drain, ..
-    } = serving;
-    shut_down(&state, drain).await;
-    drop(dispatcher);
+    shut_down(&state, &serving.drain).await;
+    drop(serving);
     drop(state);
     // The writer ends once the last sender is gone; if a handle is still held elsewhere, the
     // flush above already committed everything.
     access_log_task.abort();
 }
 
+/// Accepts on a pool's own listener until the pool stops listening there or the server stops.
+async fn accept_pool_listener(serving: Arc<Serving>, opened: Opened, cancel: CancellationToken) {
+    let route = Route::Pool(Arc::from(opened.pool.as_str()));
+    tracing::info!(pool = %opened.pool, addr = ?opened.listener.local_addr().ok(), "pool listener open");
+    loop {
+        let accepted = tokio::select! {
+            _ = cancel.cancelled() => break,
+            _ = opened.stop.cancelled() => break,
+            accepted = opened.listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, peer)) => serving.serve(stream, peer, route.clone()),
+            Err(e) => accept_failed(e).await,
+        }
+    }
+}
+
+/// Out of file descriptors and the like: back off instead of spinning.
+async fn accept_failed(e: std::io::Error) {
+    tracing::warn!(error = %e, "accept failed");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+}
+
 /// The graceful shutdown: every connection is asked to finish (HTTP/1 after its request in
 /// flight, HTTP/2 with a GOAWAY), no job is accepted and no job or webhook attempt starts, and
 /// the requests and attempts in flight get `shutdown_grace_ms` to finish (an attempt: to have
 /// its result recorded); then the rest is closed down.
-async fn shut_down(state: &AppState, drain: watch::Sender<()>) {
+async fn shut_down(state: &AppState, drain: &watch::Sender<()>) {
     state.draining.store(true, Ordering::Relaxed);
     let attempts = state.jobs.drain.clone();
     attempts.start();
@@ -180,7 +223,7 @@ async fn shut_down(state: &AppState, drain: watch::Sender<()>) {
 impl Serving {
     /// Counts a connection just accepted and spawns its task: served under the limit, answered
     /// `503 overloaded` over it.
-    fn serve(&self, stream: TcpStream, peer: SocketAddr) {
+    fn serve(&self, stream: TcpStream, peer: SocketAddr, route: Route) {
         let (counted, refused) = match self.connections.admit() {
             Admission::Serve(counted) => (counted, false),
             Admission::Refuse(counted) => (counted, true),
@@ -201,11 +244,12 @@ impl Serving {
         let service = hyper::service::service_fn(move |req: Request<Incoming>| {
             let in_flight = requests.begin(req.version());
             let d = d.clone();
+            let route = route.clone();
             async move {
                 let resp = if refused {
                     overloaded(req.version())
                 } else {
-                    d.dispatch(req, peer).await
+                    d.dispatch(req, peer, &route).await
                 };
                 Ok::<_, Infallible>(resp.map(|body| TrackedBody::new(body, in_flight)))
             }

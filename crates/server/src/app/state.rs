@@ -53,6 +53,10 @@ impl From<LoadError> for StartError {
         match e {
             LoadError::Config(e) => StartError::Config(e),
             LoadError::Store(e) => StartError::Store(e),
+            LoadError::Listen { at, addr, source } => StartError::Listen {
+                addr: format!("{addr} ({at})"),
+                source,
+            },
         }
     }
 }

@@ -5,6 +5,7 @@
 //! start-up change the set, one change at a time.
 
 pub mod guard;
+pub mod listeners;
 pub mod ops;
 pub mod registry;
 
@@ -17,6 +18,7 @@ use tokio::sync::{Mutex, Notify};
 
 use crate::access::NonceJournal;
 use crate::core::error::ApiError;
+pub use listeners::Listeners;
 pub use ops::{config_destination_id, invalid_from_config, managed_by_config, LoadError};
 use registry::{PoolRuntime, Registry};
 
@@ -40,6 +42,8 @@ pub struct Pools {
     destinations_changed: Arc<Notify>,
     /// Where every pool's HMAC nonces are recorded (and loaded from at start).
     nonces: NonceJournal,
+    /// Pools' own listeners.
+    pub listeners: Listeners,
 }
 
 /// What [`Pools::new`] is made of.
@@ -68,6 +72,7 @@ impl Pools {
             pool_suffix: format!(".{}", parts.pool_domain.to_ascii_lowercase()),
             destinations_changed: parts.destinations_changed,
             nonces: parts.nonces,
+            listeners: Listeners::default(),
         }
     }
 

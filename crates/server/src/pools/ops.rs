@@ -8,6 +8,7 @@ use arc_swap::ArcSwap;
 use nthbouncer_config::{Config, ConfigError, PoolSpec};
 use nthbouncer_store::{StoredDestination, StoredKey, StoredPool};
 
+use super::listeners::{Bound, Listeners};
 use super::registry::{PoolRuntime, Provenance, Registry};
 use super::Pools;
 use crate::access::keys::KeyIndex;
@@ -21,6 +22,12 @@ pub enum LoadError {
     Config(ConfigError),
     #[error("cannot read the store: {0}")]
     Store(String),
+    #[error("{at}: cannot listen on {addr}: {source}")]
+    Listen {
+        at: String,
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
 }
 
 impl Pools {
@@ -106,6 +113,7 @@ impl Pools {
                     None,
                 )
                 .map_err(LoadError::Config)?;
+            self.listen_config(i, spec)?;
             registry = registry.with_pool(pool);
         }
         for stored in self
@@ -140,7 +148,10 @@ impl Pools {
                     None,
                 )
             }) {
-                Ok(pool) => registry = registry.with_pool(pool),
+                Ok(pool) => {
+                    self.listen_stored(&pool);
+                    registry = registry.with_pool(pool);
+                }
                 Err(e) => {
                     tracing::error!(pool = %stored.name, error = %e, "stored pool invalid; skipped")
                 }
@@ -249,6 +260,7 @@ impl Pools {
             ));
         }
         self.check_domains(&registry, &spec)?;
+        let bound = bind_for(&spec, None)?;
         let spec = spec.with_hashed_keys();
         let now = self.now();
         let pool = self
@@ -273,6 +285,9 @@ impl Pools {
         if let Err(e) = self.store.create_pool(&stored).await {
             pool.gate.close().await;
             return Err(e.into());
+        }
+        if let Some(bound) = bound {
+            self.listeners.serve(&pool.name, bound);
         }
         self.registry
             .store(Arc::new(registry.with_pool(pool.clone())));
@@ -303,6 +318,7 @@ impl Pools {
             return Err(managed_by_config(name));
         }
         self.check_domains(&registry, &spec)?;
+        let bound = bind_for(&spec, previous.spec.listen.as_deref())?;
         let spec = spec.with_hashed_keys();
         let now = self.now();
         // From the store, under the lock key changes take too: a key revoked a moment ago is
@@ -328,6 +344,11 @@ impl Pools {
         pool.gate
             .reconfigure(PoolRuntime::gate_settings(&pool.concurrency))
             .await;
+        match bound {
+            Some(bound) => self.listeners.serve(name, bound),
+            None if pool.spec.listen.is_none() => self.listeners.close(name),
+            None => {} // the same address: the listener stays
+        }
         self.registry
             .store(Arc::new(registry.with_pool(pool.clone())));
         Ok(pool)
@@ -346,6 +367,7 @@ impl Pools {
             return Err(managed_by_config(name));
         }
         self.store.delete_pool(name).await?;
+        self.listeners.close(name);
         self.registry.store(Arc::new(registry.without(name)));
         previous.gate.close().await;
         Ok(())
@@ -398,6 +420,48 @@ impl Pools {
 }
 
 /// A config destination's id: stable across restarts, derived from pool and URL.
+/// Binds the listener `spec` asks for, unless it is `current` (an update that keeps it): a
+/// pool change that cannot listen where it asks fails before anything changes.
+fn bind_for(spec: &PoolSpec, current: Option<&str>) -> Result<Option<Bound>, ApiError> {
+    let Some(addr) = spec.listen_addr("listen").map_err(invalid_from_config)? else {
+        return Ok(None);
+    };
+    if spec.listen.as_deref() == current {
+        return Ok(None);
+    }
+    Listeners::bind(addr)
+        .map(Some)
+        .map_err(|e| ApiError::invalid("listen", format!("cannot listen on {addr}: {e}")))
+}
+
+impl Pools {
+    /// The config file's pool `i` listens where it asks, or the start fails naming the key.
+    fn listen_config(&self, i: usize, spec: &PoolSpec) -> Result<(), LoadError> {
+        let at = format!("pools[{i}].listen");
+        if let Some(addr) = spec.listen_addr(&at).map_err(LoadError::Config)? {
+            let bound =
+                Listeners::bind(addr).map_err(|source| LoadError::Listen { at, addr, source })?;
+            self.listeners.serve(&spec.name, bound);
+        }
+        Ok(())
+    }
+
+    /// A stored pool's own listener, at start: one that cannot bind is logged, and the pool is
+    /// served on its host names only.
+    fn listen_stored(&self, pool: &PoolRuntime) {
+        let Some(addr) = pool.spec.listen.as_deref().and_then(|l| l.parse().ok()) else {
+            return;
+        };
+        match Listeners::bind(addr) {
+            Ok(bound) => self.listeners.serve(&pool.name, bound),
+            Err(e) => tracing::error!(
+                pool = %pool.name, %addr, error = %e,
+                "cannot listen on the pool's own address; it is served on its host names only"
+            ),
+        }
+    }
+}
+
 pub fn config_destination_id(pool: &str, url: &str) -> String {
     use sha2::{Digest, Sha256};
     let digest = Sha256::digest(format!("{pool}\n{url}").as_bytes());

@@ -15,5 +15,6 @@ mod jobs_backlog;
 mod jobs_faults;
 mod key_races;
 mod lock;
+mod pool_listener;
 mod proxy;
 mod webhooks;
