@@ -4,7 +4,8 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, Query, Request, State};
+use crate::core::extract::{epoch_ms, Path, Query};
+use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -238,6 +239,7 @@ pub async fn create_key(
         ));
     }
     let now = state.now();
+    epoch_ms("expiresAt", req.expires_at)?;
     if req.expires_at.is_some_and(|at| at <= now) {
         return Err(ApiError::invalid(
             "expiresAt",
@@ -447,8 +449,8 @@ pub async fn access_log(
     let limit = pagination::page_size(q.limit, 1000);
     let query = AccessLogQuery {
         before: pagination::numeric_cursor(q.cursor.as_deref())?,
-        since: q.since,
-        until: q.until,
+        since: epoch_ms("since", q.since)?,
+        until: epoch_ms("until", q.until)?,
         outcome: q.outcome,
         key_id: q.key_id,
         limit: limit + 1,

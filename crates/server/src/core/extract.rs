@@ -1,8 +1,11 @@
-//! Reading request bodies on the API host: one size bound for the small JSON bodies of the
-//! lock and pool routes, and JSON parsing whose errors name the offending field.
+//! Reading requests on the API host: one size bound for the small JSON bodies of the lock and
+//! pool routes, JSON parsing whose errors name the offending field, and the query and path
+//! extractors every route uses, whose failures are JSON `400 invalid` naming the parameter
+//! (never axum's plain-text rejections).
 
-use axum::extract::{FromRequest, Request};
+use axum::extract::{FromRequest, FromRequestParts, Request};
 use bytes::Bytes;
+use http::request::Parts;
 use http::HeaderMap;
 
 use crate::core::error::ApiError;
@@ -69,6 +72,63 @@ pub fn parse_json<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, Api
         };
         ApiError::invalid(field, format!("invalid JSON body: {}", e.inner()))
     })
+}
+
+/// The latest epoch millisecond a request may name (9999-12-31T23:59:59.999Z): past it a time
+/// is no time the store can keep (it holds signed 64-bit milliseconds), and is refused as
+/// `400 invalid` rather than failing at the store.
+pub const MAX_EPOCH_MS: u64 = 253_402_300_799_999;
+
+/// `value` of `field` as epoch milliseconds, if it is one [`MAX_EPOCH_MS`] allows.
+pub fn epoch_ms(field: &str, value: Option<u64>) -> Result<Option<u64>, ApiError> {
+    match value {
+        Some(ms) if ms > MAX_EPOCH_MS => Err(ApiError::invalid(
+            field,
+            format!("{field} must be epoch milliseconds no later than {MAX_EPOCH_MS} (year 9999)"),
+        )),
+        v => Ok(v),
+    }
+}
+
+/// A query string parsed into `T`: `?limit=abc` or `?limit=-1` is `400 invalid` with
+/// `field: "limit"`.
+pub struct Query<T>(pub T);
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequestParts<S> for Query<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, ApiError> {
+        parse_query(parts.uri.query().unwrap_or("")).map(Query)
+    }
+}
+
+/// Parses a query string, naming the offending parameter on failure.
+pub fn parse_query<T: serde::de::DeserializeOwned>(query: &str) -> Result<T, ApiError> {
+    let de = serde_urlencoded::Deserializer::new(form_urlencoded::parse(query.as_bytes()));
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let field = if path == "." {
+            "query".to_string()
+        } else {
+            path
+        };
+        ApiError::invalid(field, format!("invalid query parameter: {}", e.inner()))
+    })
+}
+
+/// The route's path parameters parsed into `T`; a failure (a segment that is not valid UTF-8
+/// once decoded) is `400 invalid` with `field: "path"`.
+pub struct Path<T>(pub T);
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned + Send> FromRequestParts<S> for Path<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(v)) => Ok(Path(v)),
+            Err(rejection) => Err(ApiError::invalid("path", rejection.body_text())),
+        }
+    }
 }
 
 /// A credential value as `(scheme, token)`: `Bearer abc` → `("Bearer", "abc")`. The one parser

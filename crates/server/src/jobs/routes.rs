@@ -3,7 +3,8 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Extension, Path, Query, State};
+use crate::core::extract::{Path, Query};
+use axum::extract::{Extension, State};
 
 use crate::pools::guard::PoolCaller;
 use axum::http::Method;

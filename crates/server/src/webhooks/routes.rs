@@ -3,7 +3,8 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, Query, State};
+use crate::core::extract::{Path, Query};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
 use nthbouncer_store::{AttemptQuery, DeliveryAttempt, Redeliver, StoredDestination};

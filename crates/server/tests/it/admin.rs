@@ -258,3 +258,44 @@ async fn ops_routes() {
         );
     }
 }
+
+/// Query parameters, path parameters and numbers out of range are `400 invalid` in JSON, naming
+/// the parameter: never axum's plain text, never a store error.
+#[tokio::test]
+async fn bad_parameters_are_json_400s_naming_the_field() {
+    let gw = gateway(&pool_toml("p", NO_UPSTREAM, "limit = 1")).await;
+    for (path, field) in [
+        ("/admin/pools?limit=-817", "limit"),
+        ("/admin/pools?limit=abc", "limit"),
+        ("/admin/pools/p/access-log?limit=99999999999", "limit"),
+        ("/admin/pools/p/access-log?since=99999999999999999999", "since"),
+        ("/admin/pools/p/access-log?until=9223372036854775808", "until"),
+        ("/admin/pools/p/jobs?limit=-1", "limit"),
+        ("/admin/pools/p/deliveries?limit=x", "limit"),
+    ] {
+        let r = gw.api(Method::GET, path).send().await.unwrap();
+        assert_eq!(r.status(), 400, "{path}");
+        let v: Value = r.json().await.unwrap_or_else(|e| panic!("{path}: not JSON: {e}"));
+        assert_eq!(v["error"], "invalid", "{path}: {v}");
+        assert_eq!(v["field"], field, "{path}: {v}");
+        assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()), "{path}: {v}");
+    }
+    // A key expiring past what the store can hold.
+    let (status, v) = gw
+        .admin(
+            Method::POST,
+            "/admin/pools/p/keys",
+            Some(json!({"expiresAt": 9_223_372_036_854_775_808u64})),
+        )
+        .await;
+    assert_eq!((status, v["field"].as_str()), (400, Some("expiresAt")), "{v}");
+    // The largest allowed still works.
+    let (status, v) = gw
+        .admin(
+            Method::POST,
+            "/admin/pools/p/keys",
+            Some(json!({"expiresAt": 253_402_300_799_999u64})),
+        )
+        .await;
+    assert_eq!(status, 201, "{v}");
+}
