@@ -663,19 +663,55 @@ impl PoolSpec {
             }
         }
         out.access = self.access.masked();
-        out.keys = self
-            .keys
-            .iter()
-            .map(|k| {
-                let hash = if k.starts_with("sha256:") {
-                    k.clone()
-                } else {
-                    format!("sha256:{}", keys::hash_hex(k))
-                };
-                format!("{}…", &hash[..hash.len().min(19)])
-            })
-            .collect();
+        out.keys = self.keys.iter().map(|k| mask_key(k)).collect();
         out
+    }
+
+    /// A spec sent back as it was read ([`PoolSpec::masked`]): every value still masked as it
+    /// was shown means "keep the current one" — a key shown as its shortened hash, an upstream
+    /// header's value, a webhook's secret (matched by URL), an HMAC secret. So a GET's body,
+    /// PUT back unchanged, changes nothing. A shortened hash that is none of the current keys
+    /// is refused: it cannot be turned back into a key.
+    pub fn unmasked(mut self, current: &PoolSpec) -> Result<PoolSpec, ConfigError> {
+        for (i, k) in self.keys.iter_mut().enumerate() {
+            if !k.ends_with('…') {
+                continue;
+            }
+            match current.keys.iter().find(|c| mask_key(c) == *k) {
+                Some(c) => *k = c.clone(),
+                None => {
+                    return Err(ConfigError::new(
+                        format!("keys[{i}]"),
+                        "a shortened key hash that matches none of the pool's keys; send the \
+                         key itself or its full sha256: hash",
+                    ))
+                }
+            }
+        }
+        let kept =
+            |shown: &str, current: &str| !current.starts_with("env:") && mask(current) == shown;
+        for (name, v) in self.upstream_headers.iter_mut() {
+            if let Some(c) = current.upstream_headers.get(name).filter(|c| kept(v, c)) {
+                *v = c.clone();
+            }
+        }
+        for w in self.webhooks.iter_mut() {
+            if let Some(c) = current
+                .webhooks
+                .iter()
+                .find(|c| c.url == w.url && kept(&w.secret, &c.secret))
+            {
+                w.secret = c.secret.clone();
+            }
+        }
+        if let (Some(h), Some(c)) = (self.access.hmac.as_mut(), current.access.hmac.as_ref()) {
+            for s in h.secrets.iter_mut() {
+                if let Some(c) = c.secrets.iter().find(|c| kept(s, c)) {
+                    *s = c.clone();
+                }
+            }
+        }
+        Ok(self)
     }
 
     /// The spec as stored: plaintext keys replaced by their `sha256:` hash.
@@ -697,6 +733,16 @@ impl PoolSpec {
 }
 
 /// Shows a secret's first 4 characters at most, never the whole.
+/// A key as shown on read: its `sha256:` hash, shortened, with `…`.
+fn mask_key(key: &str) -> String {
+    let hash = if key.starts_with("sha256:") {
+        key.to_string()
+    } else {
+        format!("sha256:{}", keys::hash_hex(key))
+    };
+    format!("{}…", &hash[..hash.len().min(19)])
+}
+
 pub fn mask(secret: &str) -> String {
     let shown: String = secret.chars().take(4).collect();
     if secret.chars().count() <= 8 {

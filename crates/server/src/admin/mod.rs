@@ -149,11 +149,15 @@ pub async fn put_pool(
     Path(name): Path<String>,
     BodyBytes(body): BodyBytes<MAX_ADMIN_BODY_BYTES>,
 ) -> Result<Json<PoolView>, ApiError> {
-    // The name may be omitted from the body: the path names the pool.
+    // The name may be omitted from the body: the path names the pool. What a GET shows beside
+    // the settings (read-only) may be sent back and is ignored, so a GET's body round-trips.
     let mut value: serde_json::Value = parse_json(&body)?;
     if let Some(obj) = value.as_object_mut() {
         obj.entry("name")
             .or_insert_with(|| serde_json::Value::String(name.clone()));
+        for read_only in ["managedBy", "createdAt", "updatedAt"] {
+            obj.remove(read_only);
+        }
     }
     let spec: PoolSpec = parse_json(&Bytes::from(value.to_string()))?;
     Ok(Json(PoolView::of(

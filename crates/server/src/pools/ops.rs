@@ -306,7 +306,6 @@ impl Pools {
                 "a pool cannot be renamed; the body's name must match the path",
             ));
         }
-        spec.validate("pool").map_err(invalid_from_config)?;
         let _guard = self.changes.lock().await;
         let registry = self.registry.load_full();
         let previous = registry
@@ -317,6 +316,9 @@ impl Pools {
         if previous.managed_by == ManagedBy::Config {
             return Err(managed_by_config(name));
         }
+        // What a GET showed masked, sent back, keeps the current value.
+        let spec = spec.unmasked(&previous.spec).map_err(invalid_from_config)?;
+        spec.validate("pool").map_err(invalid_from_config)?;
         self.check_domains(&registry, &spec)?;
         let bound = bind_for(&spec, previous.spec.listen.as_deref())?;
         let spec = spec.with_hashed_keys();

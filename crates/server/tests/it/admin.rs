@@ -268,17 +268,29 @@ async fn bad_parameters_are_json_400s_naming_the_field() {
         ("/admin/pools?limit=-817", "limit"),
         ("/admin/pools?limit=abc", "limit"),
         ("/admin/pools/p/access-log?limit=99999999999", "limit"),
-        ("/admin/pools/p/access-log?since=99999999999999999999", "since"),
-        ("/admin/pools/p/access-log?until=9223372036854775808", "until"),
+        (
+            "/admin/pools/p/access-log?since=99999999999999999999",
+            "since",
+        ),
+        (
+            "/admin/pools/p/access-log?until=9223372036854775808",
+            "until",
+        ),
         ("/admin/pools/p/jobs?limit=-1", "limit"),
         ("/admin/pools/p/deliveries?limit=x", "limit"),
     ] {
         let r = gw.api(Method::GET, path).send().await.unwrap();
         assert_eq!(r.status(), 400, "{path}");
-        let v: Value = r.json().await.unwrap_or_else(|e| panic!("{path}: not JSON: {e}"));
+        let v: Value = r
+            .json()
+            .await
+            .unwrap_or_else(|e| panic!("{path}: not JSON: {e}"));
         assert_eq!(v["error"], "invalid", "{path}: {v}");
         assert_eq!(v["field"], field, "{path}: {v}");
-        assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()), "{path}: {v}");
+        assert!(
+            v["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{path}: {v}"
+        );
     }
     // A key expiring past what the store can hold.
     let (status, v) = gw
@@ -288,7 +300,11 @@ async fn bad_parameters_are_json_400s_naming_the_field() {
             Some(json!({"expiresAt": 9_223_372_036_854_775_808u64})),
         )
         .await;
-    assert_eq!((status, v["field"].as_str()), (400, Some("expiresAt")), "{v}");
+    assert_eq!(
+        (status, v["field"].as_str()),
+        (400, Some("expiresAt")),
+        "{v}"
+    );
     // The largest allowed still works.
     let (status, v) = gw
         .admin(
@@ -298,4 +314,74 @@ async fn bad_parameters_are_json_400s_naming_the_field() {
         )
         .await;
     assert_eq!(status, 201, "{v}");
+}
+
+/// A pool's GET body, PUT back unchanged, changes nothing: masked values (keys shown as short
+/// hashes, header values, webhook and HMAC secrets) mean "keep", and the read-only fields a GET
+/// adds are ignored. The pool's key and its managed credential still work afterwards.
+#[tokio::test]
+async fn a_pools_get_body_put_back_changes_nothing() {
+    let up = Upstream::start().await;
+    let gw = gateway("").await;
+    let bodies = [
+        json!({"name": "plain", "upstream": up.url(), "keys": [KEY]}),
+        json!({
+            "name": "full", "upstream": format!("{}/v1", up.url()), "keys": [KEY, KEY2],
+            "custom_domains": ["full.example.test"], "listen": "127.0.0.1:0",
+            "upstream_headers": {"authorization": "Bearer sk-managed-credential-123"},
+            "auth": {"accept": ["header", "bearer"]},
+            "concurrency": {"limit": 3, "queue_timeout_ms": 1000},
+            "async": {"enabled": true},
+            "webhooks": [{"url": "https://hooks.example.test/nb", "secret": "whsec_c2VjcmV0LXNlY3JldC1zZWNyZXQtc2VjcmV0"}],
+            "access": {"hmac": {"secrets": ["an-hmac-secret-of-some-length"]}, "ip_allow": ["127.0.0.0/8"]},
+        }),
+    ];
+    for body in bodies {
+        let name = body["name"].as_str().unwrap().to_string();
+        let (status, created) = gw.admin(Method::POST, "/admin/pools", Some(body)).await;
+        assert_eq!(status, 201, "{created}");
+        let path = format!("/admin/pools/{name}");
+        let (_, before) = gw.admin(Method::GET, &path, None).await;
+        let (status, put) = gw.admin(Method::PUT, &path, Some(before.clone())).await;
+        assert_eq!(status, 200, "{name}: {put}");
+        let (_, after) = gw.admin(Method::GET, &path, None).await;
+        let strip = |mut v: Value| {
+            v.as_object_mut().unwrap().remove("updatedAt");
+            v
+        };
+        assert_eq!(
+            strip(after),
+            strip(before),
+            "{name}: the round trip changed the pool"
+        );
+    }
+    // The plain pool's key still opens it; the full pool's origin still gets the credential
+    // (not its mask).
+    let r = gw.get("plain", "/x").send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let (_, full) = gw.admin(Method::GET, "/admin/pools/full", None).await;
+    let mut changed = full.clone();
+    changed["concurrency"]["limit"] = json!(4);
+    changed["access"] = json!({});
+    let (status, v) = gw
+        .admin(Method::PUT, "/admin/pools/full", Some(changed))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let r = gw.get("full", "/echo").send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let auth = up
+        .seen()
+        .last()
+        .and_then(|s| s.headers.get("authorization").cloned());
+    assert_eq!(
+        auth.as_ref().and_then(|v| v.to_str().ok()),
+        Some("Bearer sk-managed-credential-123")
+    );
+    // A shortened hash that is none of the pool's keys cannot be turned back into a key.
+    let mut bogus = full.clone();
+    bogus["keys"] = json!(["sha256:0000000000…"]);
+    let (status, v) = gw
+        .admin(Method::PUT, "/admin/pools/full", Some(bogus))
+        .await;
+    assert_eq!((status, v["field"].as_str()), (400, Some("keys[0]")), "{v}");
 }
