@@ -144,6 +144,8 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         pool_domain: server.pool_domain.clone(),
         destinations_changed: deliveries_pending.clone(),
         nonces: crate::access::NonceJournal::start(store.clone(), clock.clone()),
+        allow_private_webhooks: server.allow_private_webhooks,
+        max_destinations_per_pool: server.max_destinations_per_pool,
     }));
     let jobs = Arc::new(Jobs {
         intake: JobIntake::start(job_store.clone()),

@@ -10,6 +10,58 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::Ipv6Net;
 
+use crate::core::error::ApiError;
+
+/// How long saving a destination waits for its name to resolve.
+const SAVE_RESOLVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Refuses webhook URLs (at `field`) that name or resolve to a private address, unless private webhooks are allowed.
+/// A name that cannot be resolved now is accepted: every delivery attempt resolves it again and
+/// connects only to an address that passes the same check (DNS rebinding).
+pub async fn check_webhook_url(
+    field: &str,
+    url: &str,
+    allow_private: bool,
+) -> Result<(), ApiError> {
+    let uri = nthbouncer_config::parse_http_url(field, url)
+        .map_err(|e| ApiError::invalid(field, e.rule))?;
+    if allow_private {
+        return Ok(());
+    }
+    let host = uri
+        .host()
+        .unwrap_or("")
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_ascii_lowercase();
+    let mut private = host == "localhost"
+        || host.ends_with(".localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| is_private(&ip));
+    if !private && host.parse::<std::net::IpAddr>().is_err() {
+        let port = uri
+            .port_u16()
+            .unwrap_or(if uri.scheme_str() == Some("https") {
+                443
+            } else {
+                80
+            });
+        let lookup = tokio::net::lookup_host((host.as_str(), port));
+        if let Ok(Ok(addrs)) = tokio::time::timeout(SAVE_RESOLVE_TIMEOUT, lookup).await {
+            private = addrs.into_iter().any(|a| is_private(&a.ip()));
+        }
+    }
+    if private {
+        return Err(ApiError::invalid(
+            field,
+            "webhook destinations may not point at loopback, private, link-local or metadata addresses \
+             (set server.allow_private_webhooks = true for local testing)",
+        ));
+    }
+    Ok(())
+}
+
 /// NAT64 well-known prefix (RFC 6052): the last 32 bits are the IPv4 address reached.
 const NAT64: Ipv6Net = Ipv6Net::new_assert(Ipv6Addr::new(0x64, 0xff9b, 0, 0, 0, 0, 0, 0), 96);
 /// NAT64 local-use prefix (RFC 8215): translated by the operator's own gear, to wherever it

@@ -19,7 +19,9 @@ use tokio::sync::{Mutex, Notify};
 use crate::access::NonceJournal;
 use crate::core::error::ApiError;
 pub use listeners::Listeners;
-pub use ops::{config_destination_id, invalid_from_config, managed_by_config, LoadError};
+pub use ops::{
+    config_destination_id, invalid_from_config, managed_by_config, owned_elsewhere, LoadError,
+};
 use registry::{PoolRuntime, Registry};
 
 /// The live pools and what changing them needs.
@@ -44,6 +46,10 @@ pub struct Pools {
     nonces: NonceJournal,
     /// Pools' own listeners.
     pub listeners: Listeners,
+    /// `server.allow_private_webhooks`, for the webhooks an API pool's body declares.
+    allow_private_webhooks: bool,
+    /// `server.max_destinations_per_pool`.
+    max_destinations_per_pool: u32,
 }
 
 /// What [`Pools::new`] is made of.
@@ -56,6 +62,8 @@ pub struct PoolsParts {
     pub pool_domain: String,
     pub destinations_changed: Arc<Notify>,
     pub nonces: NonceJournal,
+    pub allow_private_webhooks: bool,
+    pub max_destinations_per_pool: u32,
 }
 
 impl Pools {
@@ -73,6 +81,8 @@ impl Pools {
             destinations_changed: parts.destinations_changed,
             nonces: parts.nonces,
             listeners: Listeners::default(),
+            allow_private_webhooks: parts.allow_private_webhooks,
+            max_destinations_per_pool: parts.max_destinations_per_pool,
         }
     }
 

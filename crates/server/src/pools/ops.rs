@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use nthbouncer_config::{Config, ConfigError, PoolSpec};
+use nthbouncer_config::{Config, ConfigError, PoolSpec, WebhookSpec};
 use nthbouncer_store::{StoredDestination, StoredKey, StoredPool};
 
 use super::listeners::{Bound, Listeners};
@@ -13,6 +13,7 @@ use super::registry::{PoolRuntime, Provenance, Registry};
 use super::Pools;
 use crate::access::keys::KeyIndex;
 use crate::core::error::{ApiError, ErrorCode};
+use crate::core::netcheck::check_webhook_url;
 use crate::core::ManagedBy;
 
 /// Why the pools could not be loaded at start.
@@ -134,6 +135,10 @@ impl Pools {
                     continue;
                 }
             };
+            let mut spec = spec;
+            self.restore_webhook_secrets(&mut spec)
+                .await
+                .map_err(|e| LoadError::Store(e.to_string()))?;
             let keys = keys_of(&stored.name);
             match spec.validate(&at).and_then(|_| {
                 self.build_pool(
@@ -173,50 +178,141 @@ impl Pools {
     /// active, failure streak) and removes config destinations the file no longer lists.
     async fn sync_config_destinations(&self, config: &Config) -> nthbouncer_store::Result<()> {
         let existing = self.jobs.list_destinations(None).await?;
-        let now = self.now();
         let mut wanted = std::collections::HashSet::new();
         for (i, pool) in config.pools.iter().enumerate() {
             for (j, w) in pool.webhooks.iter().enumerate() {
-                let id = config_destination_id(&pool.name, &w.url);
                 let at = format!("pools[{i}].webhooks[{j}].secret");
                 let secret = nthbouncer_config::resolve_secret(&at, &w.secret)
                     .map_err(|e| nthbouncer_store::StoreError::Backend(e.to_string()))?;
-                wanted.insert(id.clone());
-                match existing.iter().find(|d| d.id == id) {
-                    Some(d) => {
-                        let mut d = d.clone();
-                        d.url = w.url.clone();
-                        d.secret = secret;
-                        d.deactivate_after = w.deactivate_after;
-                        self.jobs.update_destination(&d).await?;
-                    }
-                    None => {
-                        self.jobs
-                            .create_destination(&StoredDestination {
-                                id,
-                                pool: pool.name.clone(),
-                                url: w.url.clone(),
-                                secret,
-                                active: true,
-                                deactivate_after: w.deactivate_after,
-                                consecutive_failures: 0,
-                                deactivated_at: None,
-                                managed_by: "config".into(),
-                                created_at: now,
-                                previous_secret: None,
-                                previous_secret_expires_at: None,
-                            })
-                            .await?;
-                    }
-                }
+                let id = self
+                    .upsert_destination(&existing, &pool.name, w, secret, CONFIG_OWNER)
+                    .await?;
+                wanted.insert(id);
             }
         }
         for d in existing
             .iter()
-            .filter(|d| d.managed_by == "config" && !wanted.contains(&d.id))
+            .filter(|d| d.managed_by == CONFIG_OWNER && !wanted.contains(&d.id))
         {
             self.jobs.delete_destination(&d.pool, &d.id).await?;
         }
+        Ok(())
+    }
+
+    /// Makes the destinations an API pool's body declares exactly `webhooks` (keeping each
+    /// one's runtime state), removing those the body no longer lists.
+    async fn sync_spec_destinations(
+        &self,
+        pool: &str,
+        webhooks: &[WebhookSpec],
+    ) -> nthbouncer_store::Result<()> {
+        let existing = self.jobs.list_destinations(Some(pool)).await?;
+        let mut wanted = std::collections::HashSet::new();
+        for w in webhooks {
+            let id = self
+                .upsert_destination(&existing, pool, w, w.secret.clone(), SPEC_OWNER)
+                .await?;
+            wanted.insert(id);
+        }
+        for d in existing
+            .iter()
+            .filter(|d| d.managed_by == SPEC_OWNER && !wanted.contains(&d.id))
+        {
+            self.jobs.delete_destination(&d.pool, &d.id).await?;
+        }
+        Ok(())
+    }
+
+    /// Creates or updates the destination `w` of `pool` declared by `owner`; its id.
+    async fn upsert_destination(
+        &self,
+        existing: &[StoredDestination],
+        pool: &str,
+        w: &WebhookSpec,
+        secret: String,
+        owner: &str,
+    ) -> nthbouncer_store::Result<String> {
+        let id = config_destination_id(pool, &w.url);
+        match existing.iter().find(|d| d.id == id) {
+            Some(d) => {
+                let mut d = d.clone();
+                d.url = w.url.clone();
+                d.secret = secret;
+                d.deactivate_after = w.deactivate_after;
+                d.managed_by = owner.to_string();
+                self.jobs.update_destination(&d).await?;
+            }
+            None => {
+                self.jobs
+                    .create_destination(&StoredDestination {
+                        id: id.clone(),
+                        pool: pool.to_string(),
+                        url: w.url.clone(),
+                        secret,
+                        active: true,
+                        deactivate_after: w.deactivate_after,
+                        consecutive_failures: 0,
+                        deactivated_at: None,
+                        managed_by: owner.to_string(),
+                        created_at: self.now(),
+                        previous_secret: None,
+                        previous_secret_expires_at: None,
+                    })
+                    .await?;
+            }
+        }
+        Ok(id)
+    }
+
+    /// Checks an API pool body's webhooks before anything is written: URLs the address guard
+    /// allows, and room for them beside the destinations added through the webhooks routes.
+    async fn check_spec_webhooks(&self, spec: &PoolSpec) -> Result<(), ApiError> {
+        for (i, w) in spec.webhooks.iter().enumerate() {
+            let field = format!("webhooks[{i}].url");
+            check_webhook_url(&field, &w.url, self.allow_private_webhooks).await?;
+        }
+        let added = self
+            .jobs
+            .list_destinations(Some(&spec.name))
+            .await?
+            .iter()
+            .filter(|d| d.managed_by == "api")
+            .count();
+        let cap = self.max_destinations_per_pool as usize;
+        if added + spec.webhooks.len() > cap {
+            return Err(ApiError::new(
+                ErrorCode::TooManyDestinations,
+                format!(
+                    "pool {:?} would have {} destinations (server.max_destinations_per_pool = {cap})",
+                    spec.name,
+                    added + spec.webhooks.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A stored API pool's webhooks get their secrets back from their destinations (the stored
+    /// body holds none); one whose destination is gone is dropped.
+    async fn restore_webhook_secrets(&self, spec: &mut PoolSpec) -> nthbouncer_store::Result<()> {
+        if spec.webhooks.is_empty() {
+            return Ok(());
+        }
+        let destinations = self.jobs.list_destinations(Some(&spec.name)).await?;
+        let pool = spec.name.clone();
+        spec.webhooks.retain_mut(|w| {
+            let id = config_destination_id(&pool, &w.url);
+            match destinations.iter().find(|d| d.id == id) {
+                Some(d) => {
+                    w.secret = d.secret.clone();
+                    true
+                }
+                None => {
+                    tracing::warn!(pool = %pool, url = %w.url, "a webhook of the pool's settings has no destination any more; dropped");
+                    false
+                }
+            }
+        });
         Ok(())
     }
 
@@ -260,6 +356,7 @@ impl Pools {
             ));
         }
         self.check_domains(&registry, &spec)?;
+        self.check_spec_webhooks(&spec).await?;
         let bound = bind_for(&spec, None)?;
         let spec = spec.with_hashed_keys();
         let now = self.now();
@@ -278,7 +375,7 @@ impl Pools {
             .map_err(invalid_from_config)?;
         let stored = StoredPool {
             name: spec.name.clone(),
-            spec: serde_json::to_value(&spec).map_err(|e| ApiError::internal(e.to_string()))?,
+            spec: stored_spec(&spec)?,
             created_at: now,
             updated_at: now,
         };
@@ -286,6 +383,9 @@ impl Pools {
             pool.gate.close().await;
             return Err(e.into());
         }
+        self.sync_spec_destinations(&pool.name, &spec.webhooks)
+            .await?;
+        self.refresh_destinations(&pool).await?;
         if let Some(bound) = bound {
             self.listeners.serve(&pool.name, bound);
         }
@@ -320,6 +420,7 @@ impl Pools {
         let spec = spec.unmasked(&previous.spec).map_err(invalid_from_config)?;
         spec.validate("pool").map_err(invalid_from_config)?;
         self.check_domains(&registry, &spec)?;
+        self.check_spec_webhooks(&spec).await?;
         let bound = bind_for(&spec, previous.spec.listen.as_deref())?;
         let spec = spec.with_hashed_keys();
         let now = self.now();
@@ -339,10 +440,15 @@ impl Pools {
                 Some(&previous),
             )
             .map_err(invalid_from_config)?;
-        let value = serde_json::to_value(&spec).map_err(|e| ApiError::internal(e.to_string()))?;
-        if !self.store.update_pool(name, &value, now).await? {
+        if !self
+            .store
+            .update_pool(name, &stored_spec(&spec)?, now)
+            .await?
+        {
             return Err(ApiError::pool_not_found());
         }
+        self.sync_spec_destinations(name, &spec.webhooks).await?;
+        self.refresh_destinations(&pool).await?;
         pool.gate
             .reconfigure(PoolRuntime::gate_settings(&pool.concurrency))
             .await;
@@ -369,6 +475,7 @@ impl Pools {
             return Err(managed_by_config(name));
         }
         self.store.delete_pool(name).await?;
+        self.sync_spec_destinations(name, &[]).await?;
         self.listeners.close(name);
         self.registry.store(Arc::new(registry.without(name)));
         previous.gate.close().await;
@@ -422,6 +529,35 @@ impl Pools {
 }
 
 /// A config destination's id: stable across restarts, derived from pool and URL.
+/// Who owns a destination: the config file's `[[pools.webhooks]]`.
+const CONFIG_OWNER: &str = "config";
+/// Who owns a destination: the `webhooks` of an API pool's body (changed by the pool's PUT).
+const SPEC_OWNER: &str = "pool";
+
+/// An API pool's body as stored: its webhooks' secrets live only in their destinations.
+fn stored_spec(spec: &PoolSpec) -> Result<serde_json::Value, ApiError> {
+    let mut spec = spec.clone();
+    for w in spec.webhooks.iter_mut() {
+        w.secret.clear();
+    }
+    serde_json::to_value(&spec).map_err(|e| ApiError::internal(e.to_string()))
+}
+
+/// A destination the destination routes may not change: it is declared in the config file, or
+/// in the pool's own settings.
+pub fn owned_elsewhere(pool: &str, owner: &str) -> ApiError {
+    if owner == CONFIG_OWNER {
+        return managed_by_config(pool);
+    }
+    ApiError::new(
+        ErrorCode::Conflict,
+        format!(
+            "this destination is declared in pool {pool:?}'s settings; change it with \
+             PUT /admin/pools/{pool}"
+        ),
+    )
+}
+
 /// Binds the listener `spec` asks for, unless it is `current` (an update that keeps it): a
 /// pool change that cannot listen where it asks fails before anything changes.
 fn bind_for(spec: &PoolSpec, current: Option<&str>) -> Result<Option<Bound>, ApiError> {

@@ -88,54 +88,6 @@ pub struct NewDestination {
     pub deactivate_after: Option<u32>,
 }
 
-/// How long saving a destination waits for its name to resolve.
-const SAVE_RESOLVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// Refuses URLs that name or resolve to a private address, unless private webhooks are allowed.
-/// A name that cannot be resolved now is accepted: every delivery attempt resolves it again and
-/// connects only to an address that passes the same check (DNS rebinding).
-async fn check_destination_url(state: &Webhooks, url: &str) -> Result<(), ApiError> {
-    let uri = nthbouncer_config::parse_http_url("url", url)
-        .map_err(|e| ApiError::invalid("url", e.rule))?;
-    if state.server.allow_private_webhooks {
-        return Ok(());
-    }
-    let host = uri
-        .host()
-        .unwrap_or("")
-        .trim_start_matches('[')
-        .trim_end_matches(']')
-        .to_ascii_lowercase();
-    let mut private = host == "localhost"
-        || host.ends_with(".localhost")
-        || host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| crate::core::netcheck::is_private(&ip));
-    if !private && host.parse::<std::net::IpAddr>().is_err() {
-        let port = uri
-            .port_u16()
-            .unwrap_or(if uri.scheme_str() == Some("https") {
-                443
-            } else {
-                80
-            });
-        let lookup = tokio::net::lookup_host((host.as_str(), port));
-        if let Ok(Ok(addrs)) = tokio::time::timeout(SAVE_RESOLVE_TIMEOUT, lookup).await {
-            private = addrs
-                .into_iter()
-                .any(|a| crate::core::netcheck::is_private(&a.ip()));
-        }
-    }
-    if private {
-        return Err(ApiError::invalid(
-            "url",
-            "webhook destinations may not point at loopback, private, link-local or metadata addresses \
-             (set server.allow_private_webhooks = true for local testing)",
-        ));
-    }
-    Ok(())
-}
-
 #[utoipa::path(post, path = "/admin/pools/{pool}/webhooks", tag = "admin", request_body = NewDestination,
     responses((status = 201, body = DestinationView, description = "created; the secret is shown this once"),
               (status = 400, description = "invalid"), (status = 404, description = "pool_not_found"),
@@ -147,7 +99,8 @@ pub async fn create_destination(
 ) -> Result<(StatusCode, Json<DestinationView>), ApiError> {
     let pool = state.pools.get_or_404(&name)?;
     let req: NewDestination = parse_json(&body)?;
-    check_destination_url(&state, &req.url).await?;
+    crate::core::netcheck::check_webhook_url("url", &req.url, state.server.allow_private_webhooks)
+        .await?;
     let secret = match req.secret {
         Some(s) => {
             nthbouncer_config::async_jobs::check_webhook_secret("secret", &s)
@@ -216,11 +169,12 @@ pub async fn patch_destination(
         .find(|d| d.id == id)
         .cloned()
         .ok_or_else(destination_not_found)?;
-    if d.managed_by == "config" && (patch.url.is_some() || patch.deactivate_after.is_some()) {
-        return Err(crate::pools::managed_by_config(&name));
+    if d.managed_by != "api" && (patch.url.is_some() || patch.deactivate_after.is_some()) {
+        return Err(crate::pools::owned_elsewhere(&name, &d.managed_by));
     }
     if let Some(url) = patch.url {
-        check_destination_url(&state, &url).await?;
+        crate::core::netcheck::check_webhook_url("url", &url, state.server.allow_private_webhooks)
+            .await?;
         d.url = url;
     }
     if let Some(n) = patch.deactivate_after {
@@ -264,8 +218,8 @@ pub async fn delete_destination(
         .find(|d| d.id == id)
         .cloned()
         .ok_or_else(destination_not_found)?;
-    if d.managed_by == "config" {
-        return Err(crate::pools::managed_by_config(&name));
+    if d.managed_by != "api" {
+        return Err(crate::pools::owned_elsewhere(&name, &d.managed_by));
     }
     state.jobs.store.delete_destination(&pool.name, &id).await?;
     state.pools.refresh_destinations(&pool).await?;
@@ -331,8 +285,8 @@ pub async fn rotate_secret(
         .find(|d| d.id == id)
         .cloned()
         .ok_or_else(destination_not_found)?;
-    if d.managed_by == "config" {
-        return Err(crate::pools::managed_by_config(&name));
+    if d.managed_by != "api" {
+        return Err(crate::pools::owned_elsewhere(&name, &d.managed_by));
     }
     let secret = nthbouncer_config::keys::generate_webhook_secret();
     let until = (grace_s > 0).then(|| state.jobs.now().saturating_add(grace_s * 1000));

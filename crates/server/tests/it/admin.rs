@@ -385,3 +385,20 @@ async fn a_pools_get_body_put_back_changes_nothing() {
         .await;
     assert_eq!((status, v["field"].as_str()), (400, Some("keys[0]")), "{v}");
 }
+
+/// A pool body's webhooks pass the same address guard as destinations added on their own.
+#[tokio::test]
+async fn a_pool_bodys_private_webhook_is_refused() {
+    let gw = gateway("").await;
+    let body = json!({
+        "name": "p", "upstream": NO_UPSTREAM, "async": {"enabled": true},
+        "webhooks": [{"url": "http://127.0.0.1:9/hook", "secret": WEBHOOK_SECRET}],
+    });
+    let (status, v) = gw.admin(Method::POST, "/admin/pools", Some(body)).await;
+    assert_eq!(
+        (status, v["field"].as_str()),
+        (400, Some("webhooks[0].url")),
+        "{v}"
+    );
+    assert_eq!(gw.admin(Method::GET, "/admin/pools/p", None).await.0, 404);
+}

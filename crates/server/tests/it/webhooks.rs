@@ -851,3 +851,77 @@ async fn private_destinations_are_refused_unless_allowed() {
     let got = rx.wait_received(1).await;
     assert_eq!(got[0].header("webhook-id"), job);
 }
+
+/// `webhooks` in a pool created through the admin API are real destinations, as a config
+/// pool's are: a job is delivered to them, signed with their secret. The secret is not in the
+/// stored body (only in the destination), and the pool keeps its webhooks across a restart.
+/// Before, they were stored (secret in plain text) and never used: async quietly stayed sync.
+#[tokio::test]
+async fn an_api_pools_webhooks_are_real_destinations() {
+    let up = Upstream::start().await;
+    let rx = Receiver::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = format!(
+        "[server]\nallow_private_webhooks = true\ndata_dir = {:?}\n",
+        dir.path().display().to_string()
+    );
+    let gw = gateway(&toml).await;
+    let body = json!({
+        "name": "p", "upstream": up.url(), "keys": [KEY],
+        "async": {"enabled": true},
+        "webhooks": [{"url": rx.url("/hook"), "secret": WEBHOOK_SECRET}],
+    });
+    let (status, v) = gw.admin(Method::POST, "/admin/pools", Some(body)).await;
+    assert_eq!(status, 201, "{v}");
+    let job = submit(&gw).await;
+    let got = rx.wait_received(1).await;
+    assert_eq!(got[0].header("webhook-id"), job);
+    assert!(verify_received(&got[0], WEBHOOK_SECRET, wall_ms()));
+
+    let stored = gw.running.state.store.list_pools().await.unwrap();
+    let stored = serde_json::to_string(&stored[0].spec).unwrap();
+    assert!(
+        !stored.contains(WEBHOOK_SECRET),
+        "the secret is in the stored body: {stored}"
+    );
+    // The destination routes leave it to the pool's settings.
+    let list = gw.admin_json("/admin/pools/p/webhooks").await;
+    let id = list["items"][0]["id"].as_str().unwrap().to_string();
+    let (status, v) = gw
+        .admin(
+            Method::DELETE,
+            &format!("/admin/pools/p/webhooks/{id}"),
+            None,
+        )
+        .await;
+    assert_eq!(
+        (status, v["error"].as_str()),
+        (409, Some("conflict")),
+        "{v}"
+    );
+    gw.running.shutdown().await;
+
+    let gw = gateway(&toml).await;
+    let (_, pool) = gw.admin(Method::GET, "/admin/pools/p", None).await;
+    assert_eq!(pool["webhooks"][0]["url"], rx.url("/hook"), "{pool}");
+    assert_ne!(
+        pool["webhooks"][0]["secret"], WEBHOOK_SECRET,
+        "shown masked"
+    );
+    let job = submit(&gw).await;
+    let got = rx.wait_received(2).await;
+    assert_eq!(got[1].header("webhook-id"), job);
+    assert!(verify_received(&got[1], WEBHOOK_SECRET, wall_ms()));
+
+    // A PUT without them removes them.
+    let (status, v) = gw
+        .admin(
+            Method::PUT,
+            "/admin/pools/p",
+            Some(json!({"name": "p", "upstream": up.url(), "keys": [KEY], "async": {"enabled": true}})),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let list = gw.admin_json("/admin/pools/p/webhooks").await;
+    assert_eq!(list["items"].as_array().map(Vec::len), Some(0), "{list}");
+}
