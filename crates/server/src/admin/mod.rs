@@ -59,7 +59,7 @@ pub async fn require_admin(State(state): AdminRef, req: Request, next: Next) -> 
 }
 
 /// A pool as the admin API shows it: its settings (secrets masked) and who owns them.
-#[derive(Serialize, ToSchema)]
+#[derive(Serialize)]
 pub struct PoolView {
     #[serde(flatten)]
     pub spec: PoolSpec,
@@ -70,6 +70,51 @@ pub struct PoolView {
     #[serde(rename = "updatedAt")]
     pub updated_at: u64,
 }
+
+impl utoipa::PartialSchema for PoolView {
+    /// The settings as written (`PoolSpec`'s properties) beside the read-only fields, in one
+    /// object: an `allOf` with `PoolSpec` would inherit its `additionalProperties: false`,
+    /// which every answer (with `managedBy`, `createdAt`, `updatedAt`) would then violate.
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{ObjectBuilder, Schema, Type};
+        use utoipa::openapi::RefOr;
+        let mut view = match <PoolSpec as utoipa::PartialSchema>::schema() {
+            RefOr::T(Schema::Object(o)) => o,
+            _ => ObjectBuilder::new().build(),
+        };
+        view.additional_properties = None;
+        view.description = Some(
+            "A pool as read: its settings (header values, webhook and HMAC secrets masked, keys \
+             shown as shortened sha256: hashes; sent back unchanged they mean keep) and the \
+             read-only fields."
+                .into(),
+        );
+        let read_only = |t: Type, what: &str| {
+            RefOr::T(Schema::Object(
+                ObjectBuilder::new()
+                    .schema_type(t)
+                    .read_only(Some(true))
+                    .description(Some(what))
+                    .build(),
+            ))
+        };
+        for (name, t, what) in [
+            (
+                "managedBy",
+                Type::String,
+                "config (the file owns it) or api",
+            ),
+            ("createdAt", Type::Integer, "epoch ms"),
+            ("updatedAt", Type::Integer, "epoch ms"),
+        ] {
+            view.properties.insert(name.into(), read_only(t, what));
+            view.required.push(name.into());
+        }
+        RefOr::T(Schema::Object(view))
+    }
+}
+
+impl ToSchema for PoolView {}
 
 impl PoolView {
     fn of(p: &PoolRuntime) -> PoolView {
@@ -97,7 +142,7 @@ pub struct PageQuery {
 #[utoipa::path(get, path = "/admin/pools", tag = "admin",
     params(("limit" = Option<u32>, Query, description = "page size, 1..=500 (default 100)"),
            ("cursor" = Option<String>, Query, description = "the previous page's `next`")),
-    responses((status = 200, body = PoolList), (status = 401, description = "unauthorized")))]
+    responses((status = 200, body = PoolList), (status = 400, description = "invalid (a query parameter)"), (status = 401, description = "unauthorized")))]
 pub async fn list_pools(State(state): AdminRef, Query(q): Query<PageQuery>) -> Json<PoolList> {
     let limit = q.limit.unwrap_or(100).clamp(1, 500) as usize;
     let registry = state.pools.snapshot();
@@ -443,7 +488,7 @@ pub struct AccessLogPage {
            ("until" = Option<u64>, Query, description = "epoch ms, exclusive"),
            ("outcome" = Option<String>, Query, description = "admitted, 401, 429, 504, …"),
            ("keyId" = Option<String>, Query, description = "a key id")),
-    responses((status = 200, body = AccessLogPage), (status = 404, description = "pool_not_found")))]
+    responses((status = 200, body = AccessLogPage), (status = 400, description = "invalid (a query parameter)"), (status = 404, description = "pool_not_found")))]
 pub async fn access_log(
     State(state): AdminRef,
     Path(name): Path<String>,

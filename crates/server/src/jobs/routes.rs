@@ -80,7 +80,7 @@ const STATUSES: [&str; 6] = [
     params(("status" = Option<String>, Query, description = "accepted, queued, running, completed, failed or expired"),
            ("limit" = Option<u32>, Query, description = "1..=500, default 100"),
            ("cursor" = Option<String>, Query, description = "the previous page's next")),
-    responses((status = 200, body = JobPage), (status = 404, description = "pool_not_found")))]
+    responses((status = 200, body = JobPage), (status = 400, description = "invalid (a query parameter)"), (status = 404, description = "pool_not_found")))]
 pub async fn list_jobs(
     State(state): JobsRef,
     Path(name): Path<String>,

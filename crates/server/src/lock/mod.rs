@@ -154,6 +154,7 @@ pub fn acquire_params(
 
 #[utoipa::path(post, path = "/pools/{pool}/lock/acquire", tag = "lock", request_body(content = AcquireBody, description = "optional"),
     responses((status = 200, body = LockGrant, description = "granted, with x-nthpool-* headers"),
+              (status = 400, description = "invalid (the body)"),
               (status = 401, description = "unauthorized"), (status = 403, description = "unauthorized (IP allowlist)"),
               (status = 404, description = "pool_not_found"), (status = 413, description = "payload_too_large"),
               (status = 429, description = "too_many_requests, may carry Retry-After"), (status = 504, description = "queue_timeout")))]
@@ -233,8 +234,9 @@ fn slot_not_found() -> ApiError {
 }
 
 #[utoipa::path(post, path = "/pools/{pool}/lock/{slotId}/renew", tag = "lock",
-    responses((status = 200, body = Renewed), (status = 401, description = "unauthorized"),
-              (status = 404, description = "not_found: released or reclaimed"),
+    responses((status = 200, body = Renewed), (status = 400, description = "invalid (the slot id)"),
+              (status = 401, description = "unauthorized"),
+              (status = 404, description = "not_found: released or reclaimed; pool_not_found"),
               (status = 409, description = "capped: the lease reached requestDeadline; release it")))]
 pub async fn renew(
     Extension(PoolCaller { pool, .. }): Extension<PoolCaller>,
@@ -333,7 +335,7 @@ fn header_pairs<'a>(
 
 #[utoipa::path(post, path = "/pools/{pool}/lock/{slotId}/release", tag = "lock", request_body(content = ReleaseBody, description = "optional outcome report"),
     responses((status = 200, body = Released), (status = 400, description = "invalid"),
-              (status = 401, description = "unauthorized"), (status = 413, description = "payload_too_large")))]
+              (status = 401, description = "unauthorized"), (status = 404, description = "pool_not_found"), (status = 413, description = "payload_too_large")))]
 pub async fn release(
     State(state): State<Arc<LockApi>>,
     Extension(PoolCaller { pool, .. }): Extension<PoolCaller>,

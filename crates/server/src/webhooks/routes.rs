@@ -370,6 +370,7 @@ pub struct AttemptPage {
            ("limit" = Option<u32>, Query, description = "1..=1000, default 100"),
            ("cursor" = Option<String>, Query, description = "the previous page's next")),
     responses((status = 200, body = AttemptPage, description = "delivery attempts, newest first"),
+              (status = 400, description = "invalid (a query parameter)"),
               (status = 400, description = "invalid"), (status = 404, description = "pool_not_found")))]
 pub async fn list_deliveries(
     State(state): WebhooksRef,

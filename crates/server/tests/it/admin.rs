@@ -402,3 +402,32 @@ async fn a_pool_bodys_private_webhook_is_refused() {
     );
     assert_eq!(gw.admin(Method::GET, "/admin/pools/p", None).await.0, 404);
 }
+
+/// What GET /admin/pools/{pool} answers conforms to the schema the document gives it: every
+/// field it shows is a property of `PoolView`, the read-only fields are marked so, and the
+/// schema does not forbid them (before, `PoolView` was `allOf` a `PoolSpec` that forbade any
+/// property but the settings).
+#[tokio::test]
+async fn a_pool_answer_conforms_to_its_documented_schema() {
+    let gw = gateway(&pool_toml("p", NO_UPSTREAM, "limit = 1")).await;
+    let doc = gw.admin_json("/openapi.json").await;
+    let view = &doc["components"]["schemas"]["PoolView"];
+    assert!(view.get("allOf").is_none(), "{view}");
+    assert_ne!(view["additionalProperties"], json!(false), "{view}");
+    let pool = gw.admin_json("/admin/pools/p").await;
+    for field in pool.as_object().unwrap().keys() {
+        assert!(
+            view["properties"].get(field).is_some(),
+            "{field} is shown but not in the PoolView schema: {view}"
+        );
+    }
+    for read_only in ["managedBy", "createdAt", "updatedAt"] {
+        assert_eq!(
+            view["properties"][read_only]["readOnly"], true,
+            "{read_only}"
+        );
+    }
+    // Routes with query parameters document their 400.
+    let list = &doc["paths"]["/admin/pools"]["get"]["responses"];
+    assert!(list.get("400").is_some(), "{list}");
+}
