@@ -42,6 +42,13 @@ impl RequestId {
         extensions.get::<RequestId>().map(|id| id.0.clone())
     }
 
+    /// The id as the dispatcher wrote it into the request's `x-request-id` header: for a
+    /// handler that has the headers at hand and not the extensions.
+    pub fn in_header(headers: &HeaderMap) -> Option<String> {
+        let id = headers.get(&HEADER)?.as_bytes();
+        is_sane(id).then(|| String::from_utf8_lossy(id).into_owned())
+    }
+
     pub fn generate() -> RequestId {
         RequestId(format!("{:032x}", rand::random::<u128>()))
     }

@@ -162,7 +162,6 @@ pub async fn acquire(
     State(state): State<Arc<LockApi>>,
     Extension(PoolCaller { pool, caller }): Extension<PoolCaller>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    request_id: Option<Extension<RequestId>>,
     headers: HeaderMap,
     BodyBytes(bytes): BodyBytes<MAX_LOCK_BODY_BYTES>,
 ) -> Response {
@@ -172,7 +171,7 @@ pub async fn acquire(
         at: state.now(),
         peer,
         route: "lock acquire".into(),
-        request_id: request_id.map(|Extension(id)| id.0),
+        request_id: RequestId::in_header(&headers),
     };
     let parsed = acquire_params(&bytes, &headers, &pool.concurrency);
     let (wait_ms, priority) = match parsed {
