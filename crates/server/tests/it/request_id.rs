@@ -225,7 +225,7 @@ async fn receiver() -> (SocketAddr, Arc<Mutex<Vec<(HeaderMap, Bytes)>>>) {
         async move {
             let (parts, body) = req.into_parts();
             let body = read_body(body).await;
-            kept.lock().push((parts.headers, Bytes::from(body)));
+            kept.lock().push((parts.headers, body));
             Response::new(Full::new(Bytes::from_static(b"ok")))
         }
     })
