@@ -216,6 +216,48 @@ async fn success_answers_on_the_api_host_carry_the_id_too() {
     assert_eq!(rows[0]["requestId"], "lock-1");
 }
 
+/// Governor refusals and upstream failures name the request too: `429` (no slot, no queue) and
+/// `504 upstream_timeout`.
+#[tokio::test]
+async fn governor_refusals_and_upstream_timeouts_carry_the_id() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml(
+        "p",
+        &up.url(),
+        "limit = 1\nrequest_timeout_ms = 300",
+    ))
+    .await;
+    let held = tokio::spawn(
+        gw.get("p", "/hold")
+            .header("x-seq", "h")
+            .header("x-request-id", "holder")
+            .send(),
+    );
+    up.wait_arrivals(1).await;
+    let r = send(
+        gw.no_queue("p", "/echo")
+            .header("x-request-id", "refused-429"),
+    )
+    .await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(header_of(&r), "refused-429");
+    let body = json_of(r).await;
+    assert_eq!(body["error"], "too_many_requests");
+    assert_eq!(body["requestId"], "refused-429");
+    // The held request outlives its request_timeout_ms.
+    let r = held.await.unwrap().unwrap();
+    assert_eq!(r.status(), 504);
+    assert_eq!(header_of(&r), "holder");
+    let body = json_of(r).await;
+    assert_eq!(body["error"], "upstream_timeout");
+    assert_eq!(body["requestId"], "holder");
+    up.release(1);
+    let rows = access_log(&gw, "p").await;
+    for id in ["refused-429", "holder"] {
+        assert!(rows.iter().any(|r| r["requestId"] == id), "{id}: {rows:?}");
+    }
+}
+
 /// A webhook receiver that answers 200 and keeps what it got.
 async fn receiver() -> (SocketAddr, Arc<Mutex<Vec<(HeaderMap, Bytes)>>>) {
     let got: Arc<Mutex<Vec<(HeaderMap, Bytes)>>> = Arc::default();
