@@ -169,6 +169,7 @@ pub async fn run(args: WebhooksArgs) -> Result<(), BoxError> {
                     headers: Vec::new(),
                     body: Vec::new(),
                 },
+                request_id: None,
             });
             if batch.len() == INSERT_BATCH {
                 store.insert_jobs(&batch).await?;

@@ -62,6 +62,8 @@ pub struct NewJob {
     /// Active destinations when it was accepted.
     pub destinations: u32,
     pub request: JobRequest,
+    /// The id of the request the job was taken from (`x-request-id`, #13).
+    pub request_id: Option<String>,
 }
 
 /// A job as stored.
@@ -85,6 +87,9 @@ pub struct StoredJob {
     pub error: Option<String>,
     pub request: JobRequest,
     pub result: Option<JobResult>,
+    /// The id of the request the job was taken from (`x-request-id`, #13); `None` for jobs
+    /// stored before the store knew it.
+    pub request_id: Option<String>,
 }
 
 /// An unfinished job as the resume pages list it: the stored job without its request body,
@@ -264,6 +269,8 @@ pub struct DeliveryState {
     pub last_error: Option<String>,
     pub delivered_at: Option<u64>,
     pub updated_at: u64,
+    /// The job's request id (#13), copied when the delivery was created.
+    pub request_id: Option<String>,
 }
 
 /// The result of asking for a job's redelivery.

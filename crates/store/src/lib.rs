@@ -81,6 +81,10 @@ pub struct AccessLogEntry {
     /// (repeated refusals of one client address, alike but for their path).
     #[serde(default = "one")]
     pub count: u64,
+    /// The request's id (`x-request-id`, #13); a folded row keeps its first request's.
+    /// `None` on rows written before the store knew it.
+    #[serde(default)]
+    pub request_id: Option<String>,
 }
 
 fn one() -> u64 {

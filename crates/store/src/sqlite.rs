@@ -203,6 +203,13 @@ const MIGRATIONS: &[Step] = &[
         column: "count",
         decl: "INTEGER NOT NULL DEFAULT 1",
     },
+    // v7 -> v8 (#13): the request id (`x-request-id`) of the request an access-log row, a job
+    // and each of its deliveries came from. Nullable: rows written before have none.
+    Step::AddColumns(&[
+        ("access_log", "request_id", "TEXT"),
+        ("jobs", "request_id", "TEXT"),
+        ("deliveries", "request_id", "TEXT"),
+    ]),
 ];
 
 /// One migration step.
@@ -216,6 +223,8 @@ enum Step {
         column: &'static str,
         decl: &'static str,
     },
+    /// Several [`Step::AddColumn`]s as one version: `(table, column, decl)`.
+    AddColumns(&'static [(&'static str, &'static str, &'static str)]),
 }
 
 impl Step {
@@ -226,18 +235,28 @@ impl Step {
                 table,
                 column,
                 decl,
-            } => {
-                let mut stmt = tx.prepare("SELECT name FROM pragma_table_info(?1)")?;
-                let columns = stmt
-                    .query_map([table], |row| row.get::<_, String>(0))?
-                    .collect::<rusqlite::Result<Vec<_>>>()?;
-                if columns.is_empty() || columns.iter().any(|c| c == column) {
-                    return Ok(());
-                }
-                tx.execute_batch(&format!("ALTER TABLE {table} ADD COLUMN {column} {decl};"))
-            }
+            } => add_column(tx, table, column, decl),
+            Step::AddColumns(columns) => columns
+                .iter()
+                .try_for_each(|(table, column, decl)| add_column(tx, table, column, decl)),
         }
     }
+}
+
+fn add_column(
+    tx: &rusqlite::Transaction<'_>,
+    table: &str,
+    column: &str,
+    decl: &str,
+) -> rusqlite::Result<()> {
+    let mut stmt = tx.prepare("SELECT name FROM pragma_table_info(?1)")?;
+    let columns = stmt
+        .query_map([table], |row| row.get::<_, String>(0))?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    if columns.is_empty() || columns.iter().any(|c| c == column) {
+        return Ok(());
+    }
+    tx.execute_batch(&format!("ALTER TABLE {table} ADD COLUMN {column} {decl};"))
 }
 
 /// The schema version this build writes (`PRAGMA user_version`).
@@ -257,7 +276,7 @@ const MAX_LIMIT: u32 = 1000;
 const POOL_COLUMNS: &str = "name, spec, created_at, updated_at";
 const KEY_COLUMNS: &str = "id, pool, hash, label, created_at, expires_at, revoked_at";
 const LOG_COLUMNS: &str = "id, pool, at, key_id, client_addr, route, outcome, reason, status, \
-                           queued_ms, upstream_status, upstream_latency_ms, count";
+                           queued_ms, upstream_status, upstream_latency_ms, count, request_id";
 
 /// SQLite-backed [`Store`]. Cheap to clone; clones share the same connections.
 #[derive(Clone)]
@@ -516,6 +535,7 @@ fn log_from_row(row: &Row<'_>) -> rusqlite::Result<AccessLogEntry> {
         upstream_status: row.get(10)?,
         upstream_latency_ms: row.get(11)?,
         count: row.get(12)?,
+        request_id: row.get(13)?,
     })
 }
 
@@ -743,8 +763,9 @@ impl Store for SqliteStore {
                 let mut stmt = tx
                     .prepare_cached(
                         "INSERT INTO access_log (pool, at, key_id, client_addr, route, outcome, \
-                         reason, status, queued_ms, upstream_status, upstream_latency_ms, count) \
-                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+                         reason, status, queued_ms, upstream_status, upstream_latency_ms, count, \
+                         request_id) \
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
                     )
                     .ctx("append_access_log")?;
                 for e in &entries {
@@ -760,7 +781,8 @@ impl Store for SqliteStore {
                         e.queued_ms,
                         e.upstream_status,
                         e.upstream_latency_ms,
-                        clamp_i64(e.count.max(1))
+                        clamp_i64(e.count.max(1)),
+                        e.request_id
                     ])
                     .ctx("append_access_log")?;
                     ids.push(tx.last_insert_rowid() as u64);

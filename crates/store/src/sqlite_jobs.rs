@@ -24,10 +24,11 @@ const JOB_COLUMNS: &str =
           THEN (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id) ELSE destinations END, \
      error, request, request_body, result, result_body, \
      (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id AND +d.status = 'delivered'), \
-     (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id AND +d.status = 'failed')";
+     (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id AND +d.status = 'failed'), \
+     request_id";
 
 /// [`JOB_COLUMNS`] with an empty request body (column 15) and the body's length appended
-/// (column 20): the resume pages leave bodies on disk. Keep the two in step.
+/// (column 21): the resume pages leave bodies on disk. Keep the two in step.
 const JOB_HEAD_COLUMNS: &str =
     "id, pool, status, reason, key_id, fairness, priority, created_at, updated_at, expires_at, \
      retention_ms, attempt, \
@@ -36,7 +37,7 @@ const JOB_HEAD_COLUMNS: &str =
      error, request, X'', result, result_body, \
      (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id AND +d.status = 'delivered'), \
      (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id AND +d.status = 'failed'), \
-     length(request_body)";
+     request_id, length(request_body)";
 
 /// The statuses of a job not yet terminal, as SQL, in the exact text of the partial indexes.
 const UNFINISHED: &str = "status IN ('accepted', 'queued', 'running')";
@@ -46,7 +47,7 @@ const DEST_COLUMNS: &str =
      previous_secret, previous_secret_expires_at";
 
 const DELIVERY_COLUMNS: &str = "id, job_id, destination_id, status, attempts, next_attempt_at, \
-     manual, last_status, last_error, delivered_at, updated_at";
+     manual, last_status, last_error, delivered_at, updated_at, request_id";
 
 const ATTEMPT_COLUMNS: &str = "id, delivery_id, job_id, destination_id, attempt, at, status_code, \
      latency_ms, response_body, error, manual, outcome";
@@ -114,6 +115,7 @@ fn job_from_row(row: &Row<'_>) -> rusqlite::Result<StoredJob> {
         result,
         delivered: row.get(18)?,
         failed: row.get(19)?,
+        request_id: row.get(20)?,
     })
 }
 
@@ -149,6 +151,7 @@ fn delivery_from_row(row: &Row<'_>) -> rusqlite::Result<DeliveryState> {
         last_error: row.get(8)?,
         delivered_at: row.get(9)?,
         updated_at: row.get(10)?,
+        request_id: row.get(11)?,
     })
 }
 
@@ -356,8 +359,9 @@ fn enqueue_deliveries(
 ) -> Result<()> {
     let mut stmt = tx
         .prepare_cached(
-            "INSERT OR IGNORE INTO deliveries (job_id, destination_id, status, attempts, next_attempt_at, created_at, updated_at) \
-             VALUES (?1, ?2, 'pending', 0, ?3, ?3, ?3)",
+            "INSERT OR IGNORE INTO deliveries (job_id, destination_id, status, attempts, next_attempt_at, created_at, updated_at, \
+             request_id) \
+             VALUES (?1, ?2, 'pending', 0, ?3, ?3, ?3, (SELECT request_id FROM jobs WHERE id = ?1))",
         )
         .ctx("outbox")?;
     for d in destination_ids {
@@ -373,8 +377,8 @@ fn insert_batch(conn: &mut Connection, rows: &[(NewJob, String)]) -> Result<()> 
         let mut stmt = tx
             .prepare_cached(
                 "INSERT INTO jobs (id, pool, status, reason, key_id, fairness, priority, created_at, updated_at, \
-                 expires_at, retention_ms, attempt, destinations, request, request_body) \
-                 VALUES (?1, ?2, 'accepted', ?3, ?4, ?5, ?6, ?7, ?7, ?8, ?9, 0, ?10, ?11, ?12)",
+                 expires_at, retention_ms, attempt, destinations, request, request_body, request_id) \
+                 VALUES (?1, ?2, 'accepted', ?3, ?4, ?5, ?6, ?7, ?7, ?8, ?9, 0, ?10, ?11, ?12, ?13)",
             )
             .ctx("insert_jobs")?;
         for (j, head) in rows {
@@ -390,7 +394,8 @@ fn insert_batch(conn: &mut Connection, rows: &[(NewJob, String)]) -> Result<()> 
                 j.retention_ms,
                 j.destinations,
                 head,
-                j.request.body
+                j.request.body,
+                j.request_id
             ])
             .ctx("insert_jobs")?;
             event(
@@ -527,7 +532,7 @@ impl JobStore for SqliteStore {
                 .query_map(params![after_at, after_id, limit], |row| {
                     Ok(UnfinishedJob {
                         job: job_from_row(row)?,
-                        body_len: row.get(20)?,
+                        body_len: row.get(21)?,
                     })
                 })
                 .ctx("unfinished_jobs_page")?;
@@ -1025,8 +1030,9 @@ impl JobStore for SqliteStore {
                 let mut stmt = tx
                     .prepare_cached(
                         "INSERT INTO deliveries (job_id, destination_id, status, attempts, next_attempt_at, \
-                         created_at, updated_at, manual, round, round_attempts) \
-                         VALUES (?1, ?2, 'pending', 0, ?3, ?3, ?3, 1, 0, 0) \
+                         created_at, updated_at, manual, round, round_attempts, request_id) \
+                         VALUES (?1, ?2, 'pending', 0, ?3, ?3, ?3, 1, 0, 0, \
+                         (SELECT request_id FROM jobs WHERE id = ?1)) \
                          ON CONFLICT (job_id, destination_id) DO UPDATE SET status = 'pending', \
                          next_attempt_at = excluded.next_attempt_at, updated_at = excluded.updated_at, \
                          manual = 1, round = round + 1, round_attempts = 0, delivered_at = NULL",

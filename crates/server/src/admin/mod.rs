@@ -454,6 +454,10 @@ pub struct AccessLogView {
     /// Requests this row stands for: 1, or more for authentication refusals of one client
     /// address folded into one row (the first one's route and time).
     pub count: u64,
+    /// The request's `x-request-id` (a folded row: its first request's); absent on rows
+    /// written before request ids were recorded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
 }
 
 impl From<AccessLogEntry> for AccessLogView {
@@ -471,6 +475,7 @@ impl From<AccessLogEntry> for AccessLogView {
             upstream_status: e.upstream_status,
             upstream_latency_ms: e.upstream_latency_ms,
             count: e.count,
+            request_id: e.request_id,
         }
     }
 }

@@ -32,6 +32,7 @@ use self::conn::{
 };
 use crate::app::state::AppState;
 use crate::core::error::{ApiError, ErrorCode};
+use crate::core::request_id::{self, RequestId};
 use crate::pools::listeners::Opened;
 
 pub(super) struct Dispatcher {
@@ -69,7 +70,25 @@ enum Route {
 }
 
 impl Dispatcher {
+    /// Gives the request its id (SPEC §12) before anything else looks at it, and puts the id
+    /// on whatever answer comes back: features never handle it themselves. The request's
+    /// `x-request-id` header is rewritten to the id, so what is forwarded upstream (by the
+    /// proxy, and by every attempt of a job taken from this request) is the same id.
     async fn dispatch(
+        self: Arc<Self>,
+        mut req: Request<Incoming>,
+        peer: SocketAddr,
+        route: &Route,
+    ) -> Response<Body> {
+        let id = RequestId::assign(req.headers());
+        req.headers_mut()
+            .insert(request_id::HEADER, id.header_value());
+        req.extensions_mut().insert(id.clone());
+        let resp = self.route(req, peer, route).await;
+        request_id::stamp(&id, resp).await
+    }
+
+    async fn route(
         self: Arc<Self>,
         mut req: Request<Incoming>,
         peer: SocketAddr,
@@ -247,7 +266,8 @@ impl Serving {
             let route = route.clone();
             async move {
                 let resp = if refused {
-                    overloaded(req.version())
+                    let id = RequestId::assign(req.headers());
+                    request_id::stamp(&id, overloaded(req.version())).await
                 } else {
                     d.dispatch(req, peer, &route).await
                 };

@@ -71,6 +71,7 @@ fn weight(e: &AccessLogEntry) -> usize {
         + e.route.len()
         + e.outcome.len()
         + e.reason.as_ref().map_or(0, String::len)
+        + e.request_id.as_ref().map_or(0, String::len)
 }
 
 /// `text` cut to `max` bytes at most, marker included, on a character boundary.
@@ -311,6 +312,8 @@ pub struct LogLine<'a> {
     pub at: u64,
     pub peer: SocketAddr,
     pub route: String,
+    /// The request's id (`core::request_id`).
+    pub request_id: Option<String>,
 }
 
 impl LogLine<'_> {
@@ -378,6 +381,7 @@ impl LogLine<'_> {
             upstream_status: upstream.status,
             upstream_latency_ms: upstream.latency_ms,
             count: 1,
+            request_id: self.request_id,
         };
         self.log.record(entry, foldable);
     }

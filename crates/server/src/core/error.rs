@@ -12,6 +12,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::core::admission::write_gate_headers;
+use crate::core::request_id::ErrorBodyMark;
 
 /// Every `error` code an answer of ours can carry (SPEC §0 and the sections that name them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, ToSchema)]
@@ -130,9 +131,13 @@ pub struct ErrorBody {
     /// For `invalid`: the offending field.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
+    /// The request's id, as in its `x-request-id` answer header.
+    #[serde(rename = "requestId")]
+    pub request_id: String,
 }
 
-/// An error answer: `{"error": code, "message": …, "field"?: …}`.
+/// An error answer: `{"error": code, "message": …, "field"?: …}`; on its way out the
+/// dispatcher adds `"requestId"` (see `core::request_id`).
 #[derive(Debug, Clone)]
 pub struct ApiError {
     pub status: StatusCode,
@@ -231,6 +236,8 @@ impl IntoResponse for ApiError {
         if let Some(gate) = &self.gate {
             write_gate_headers(headers, gate);
         }
+        // The dispatcher adds `requestId` to bodies so marked (`core::request_id::stamp`).
+        resp.extensions_mut().insert(ErrorBodyMark);
         resp
     }
 }

@@ -10,6 +10,7 @@ pub mod extract;
 pub mod metrics;
 pub mod netcheck;
 pub mod pagination;
+pub mod request_id;
 pub mod time;
 
 /// Who owns a pool's settings.

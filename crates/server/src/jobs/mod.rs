@@ -190,6 +190,8 @@ pub struct Submission {
     pub priority: Priority,
     pub reason: Reason,
     pub pending: backlog::Pending,
+    /// The request's id (`core::request_id`), recorded on the job and its deliveries.
+    pub request_id: Option<String>,
 }
 
 /// Accepts a request as a job: writes it durably, starts its runner (which loads the body from
@@ -206,6 +208,7 @@ pub async fn accept(
         priority,
         reason,
         pending,
+        request_id,
     } = submission;
     let fairness = caller.fairness;
     let headers: Vec<(String, String)> = head
@@ -232,6 +235,7 @@ pub async fn accept(
             headers,
             body: body.to_vec(),
         },
+        request_id,
     };
     state.intake.submit(job.clone()).await.map_err(|e| {
         tracing::error!(error = %e, "job not stored");
@@ -260,6 +264,7 @@ pub async fn accept(
             ..job.request
         },
         result: None,
+        request_id: job.request_id.clone(),
     };
     spawn_runner(state.clone(), stored, pending);
     Ok(Accepted {

@@ -141,6 +141,9 @@ pub struct DeliveryView {
     pub last_error: Option<String>,
     pub delivered_at: Option<u64>,
     pub updated_at: u64,
+    /// The job's request id (`x-request-id` of the request it was taken from).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
 }
 
 impl From<DeliveryState> for DeliveryView {
@@ -156,6 +159,7 @@ impl From<DeliveryState> for DeliveryView {
             last_error: d.last_error,
             delivered_at: d.delivered_at,
             updated_at: d.updated_at,
+            request_id: d.request_id,
         }
     }
 }

@@ -18,6 +18,10 @@ pub struct JobView {
     pub created_at: u64,
     pub updated_at: u64,
     pub expires_at: u64,
+    /// The `x-request-id` of the request the job was taken from: the one its upstream
+    /// attempts carry (absent for jobs stored before request ids were recorded).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub result: Option<ResultView>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -84,6 +88,7 @@ impl JobView {
             created_at: job.created_at,
             updated_at: job.updated_at,
             expires_at: job.expires_at,
+            request_id: job.request_id.clone(),
             result,
             error: job.error.clone().filter(|_| job.status == status::FAILED),
             webhook: (job.destinations > 0).then_some(WebhookView {

@@ -32,6 +32,7 @@ use crate::core::access_log::{LogLine, LogOutcome, UpstreamSeen};
 use crate::core::admission::{self, Caller as AdmissionCaller};
 use crate::core::error::{ApiError, ErrorCode};
 use crate::core::extract::{is_blank, parse_json, BodyBytes};
+use crate::core::request_id::RequestId;
 use crate::pools::guard::PoolCaller;
 
 /// What the lock API needs: the access log (acquire attempts), the clock, the lease book.
@@ -171,6 +172,7 @@ pub async fn acquire(
         at: state.now(),
         peer,
         route: "lock acquire".into(),
+        request_id: RequestId::in_header(&headers),
     };
     let parsed = acquire_params(&bytes, &headers, &pool.concurrency);
     let (wait_ms, priority) = match parsed {

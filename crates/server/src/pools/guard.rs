@@ -19,6 +19,7 @@ use crate::access::keys::Caller;
 use crate::access::{self, BodyState, MAX_SIGNED_API_BODY};
 use crate::core::access_log::{AccessLog, LogLine};
 use crate::core::error::ApiError;
+use crate::core::request_id::RequestId;
 use crate::upstream::UpstreamClient;
 
 /// What the guard needs: the pools, the access checks' client and trusted proxies, the log.
@@ -86,6 +87,7 @@ pub async fn require(
         at: guard.clock.now_ms(),
         peer: SocketAddr::new(client, peer.port()),
         route,
+        request_id: RequestId::of(req.extensions()),
     };
     let (parts, mut body) = req.into_parts();
     let mut bytes = None;

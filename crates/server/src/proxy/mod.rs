@@ -26,6 +26,7 @@ use crate::access::{self, keys::Caller};
 use crate::core::access_log::{AccessLog, LogLine, LogOutcome, UpstreamSeen};
 use crate::core::admission::{self, Caller as AdmissionCaller};
 use crate::core::error::{ApiError, ErrorCode};
+use crate::core::request_id::RequestId;
 use crate::jobs::{Jobs, Reason};
 use crate::pools::registry::PoolRuntime;
 use crate::upstream::prepare::{self, Consumed, Forwarded, Origin};
@@ -94,6 +95,7 @@ pub async fn handle(
         at: state.now(),
         peer: SocketAddr::new(client, peer.port()),
         route: route(&parts.method, parts.uri.path()),
+        request_id: RequestId::of(&parts.extensions),
     };
     // Boxed, like the promotion and `forward`: an `async fn`'s state is as large as its largest
     // await, and a parked waiter should carry only what waiting needs.

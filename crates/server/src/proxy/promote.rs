@@ -52,6 +52,7 @@ pub(super) async fn accept_job(
         priority,
         reason,
         pending,
+        request_id: call.log.request_id.clone(),
     };
     let accepted = jobs::accept(&call.state.jobs, call.pool, &call.caller, submission).await;
     match accepted {

@@ -45,6 +45,7 @@ use tokio::sync::mpsc;
 use tokio::task::{Id as TaskId, JoinSet};
 
 use crate::core::batch::{BatchConfig, Batcher, Commit};
+use crate::core::request_id;
 use crate::jobs::drain::Entered;
 use crate::jobs::JobView;
 use crate::jobs::Jobs;
@@ -322,7 +323,7 @@ async fn send(client: &WebhookClient, due: &DueDelivery, now: u64) -> Result<Ans
         .map_err(|_| "the destination URL cannot be parsed".to_string())?;
     let mut signature = HeaderValue::from_str(&signature).map_err(|e| e.to_string())?;
     signature.set_sensitive(true);
-    let req = Request::post(uri)
+    let mut req = Request::post(uri)
         .header(header::CONTENT_TYPE, "application/json")
         .header(header::USER_AGENT, USER_AGENT)
         .header("webhook-id", due.job.id.as_str())
@@ -330,6 +331,11 @@ async fn send(client: &WebhookClient, due: &DueDelivery, now: u64) -> Result<Ans
         .header("webhook-signature", signature)
         .body(Full::new(Bytes::from(body)))
         .map_err(|e| e.to_string())?;
+    // The job's request id (#13), so a receiver can tie the delivery to the request.
+    let request_id = due.job.request_id.as_deref();
+    if let Some(id) = request_id.and_then(|id| HeaderValue::from_str(id).ok()) {
+        req.headers_mut().insert(request_id::HEADER, id);
+    }
     let deadline = crate::core::time::now() + ATTEMPT_TIMEOUT;
     let resp = match tokio::time::timeout_at(deadline, client.request(req)).await {
         Ok(Ok(resp)) => resp,

@@ -37,13 +37,22 @@ fn uniform() -> Value {
     json!({"error": "unauthorized", "message": "missing or invalid credentials"})
 }
 
+/// The status and the JSON body, less its `requestId` (checked against `x-request-id`: every
+/// refusal names its request, and otherwise says the same whatever failed).
 async fn status_and_body(r: reqwest::Response) -> (u16, Value) {
     let status = r.status().as_u16();
+    let id = r.headers().get("x-request-id").cloned();
     let text = r.text().await.unwrap();
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-    )
+    let mut body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+    if let Some(obj) = body.as_object_mut() {
+        let named = obj.remove("requestId");
+        assert_eq!(
+            named.as_ref().and_then(Value::as_str).map(str::as_bytes),
+            id.as_ref().map(|v| v.as_bytes()),
+            "an error body names its request id"
+        );
+    }
+    (status, body)
 }
 
 /// Access-log reasons of a pool, newest first.

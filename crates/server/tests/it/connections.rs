@@ -354,6 +354,11 @@ async fn past_max_connections_a_new_connection_is_refused_cleanly() {
     assert_eq!(r.status(), 503);
     let body: serde_json::Value = serde_json::from_slice(r.body()).unwrap();
     assert_eq!(body["error"], "overloaded", "{body}");
+    // Even a refused connection's answer names its request (#13).
+    assert_eq!(
+        r.headers()["x-request-id"].as_bytes(),
+        body["requestId"].as_str().unwrap().as_bytes()
+    );
     bounded("the refused HTTP/2 connection to be closed", extra2_conn)
         .await
         .unwrap();

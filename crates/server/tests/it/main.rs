@@ -17,4 +17,5 @@ mod key_races;
 mod lock;
 mod pool_listener;
 mod proxy;
+mod request_id;
 mod webhooks;

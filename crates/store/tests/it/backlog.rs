@@ -22,6 +22,7 @@ fn job(id: &str, pool: &str, created_at: u64, body: &[u8]) -> NewJob {
             headers: vec![("content-type".into(), "application/json".into())],
             body: body.to_vec(),
         },
+        request_id: None,
     }
 }
 

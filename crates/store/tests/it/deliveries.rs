@@ -26,6 +26,7 @@ fn job(id: &str, now: u64) -> NewJob {
             headers: vec![],
             body: vec![],
         },
+        request_id: Some(format!("req-{id}")),
     }
 }
 
@@ -157,7 +158,12 @@ async fn due_record_retry_and_deliver() {
     assert_eq!(destination(&store, "wh_a").await.consecutive_failures, 0);
     let j = store.get_job("p", "job_1").await.unwrap().unwrap();
     assert_eq!((j.destinations, j.delivered, j.failed), (2, 1, 0));
+    assert_eq!(j.request_id.as_deref(), Some("req-job_1"));
     let ds = store.job_deliveries("job_1").await.unwrap();
+    // Each delivery carries its job's request id (#13).
+    assert!(ds
+        .iter()
+        .all(|d| d.request_id.as_deref() == Some("req-job_1")));
     let a = ds.iter().find(|d| d.destination_id == "wh_a").unwrap();
     assert_eq!(
         (

@@ -51,6 +51,7 @@ fn entry(pool: &str, at: u64, outcome: &str, key_id: Option<&str>) -> AccessLogE
         upstream_status: (outcome == "admitted").then_some(200),
         upstream_latency_ms: (outcome == "admitted").then_some(at % 13),
         count: 1,
+        request_id: Some(format!("req-{at}")),
     }
 }
 
@@ -761,4 +762,38 @@ async fn a_v6_store_migrates_to_counted_access_log_rows() {
     assert_eq!(count_of(ids[0]), 3);
     assert_eq!(count_of(old), 3, "1 + 2");
     assert_eq!(rows.iter().map(|r| r.count).sum::<u64>(), 7);
+}
+
+/// A store written by the previous schema (v7, no request ids) migrates on open (#13): old
+/// rows and jobs have no request id, new ones keep theirs.
+#[tokio::test]
+async fn a_v7_store_migrates_to_request_ids() {
+    let tmp = tempfile::tempdir().unwrap();
+    {
+        let store = open(tmp.path());
+        store
+            .append_access_log(&[entry("p", 1, "admitted", Some("k"))])
+            .await
+            .unwrap();
+    }
+    let raw = rusqlite::Connection::open(tmp.path().join(DB_FILE_NAME)).unwrap();
+    raw.execute_batch(
+        "ALTER TABLE access_log DROP COLUMN request_id; ALTER TABLE jobs DROP COLUMN request_id;
+         ALTER TABLE deliveries DROP COLUMN request_id; PRAGMA user_version = 7;",
+    )
+    .unwrap();
+    drop(raw);
+    let store = open(tmp.path());
+    let raw = rusqlite::Connection::open(tmp.path().join(DB_FILE_NAME)).unwrap();
+    let version: u32 = raw
+        .pragma_query_value(None, "user_version", |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, SCHEMA_VERSION);
+    store
+        .append_access_log(&[entry("p", 2, "admitted", Some("k"))])
+        .await
+        .unwrap();
+    let rows = store.query_access_log("p", &q(10)).await.unwrap();
+    let ids: Vec<_> = rows.iter().map(|r| r.request_id.as_deref()).collect();
+    assert_eq!(ids, vec![Some("req-2"), None], "newest first");
 }
