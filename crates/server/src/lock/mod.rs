@@ -154,6 +154,7 @@ pub fn acquire_params(
 }
 
 #[utoipa::path(post, path = "/pools/{pool}/lock/acquire", tag = "lock", request_body(content = AcquireBody, description = "optional"),
+    params(("pool" = String, Path, description = "the pool's name")),
     responses((status = 200, body = LockGrant, description = "granted, with x-nthpool-* headers"),
               (status = 400, description = "invalid (the body)"),
               (status = 401, description = "unauthorized"), (status = 403, description = "unauthorized (IP allowlist)"),
@@ -236,6 +237,8 @@ fn slot_not_found() -> ApiError {
 }
 
 #[utoipa::path(post, path = "/pools/{pool}/lock/{slotId}/renew", tag = "lock",
+    params(("pool" = String, Path, description = "the pool's name"),
+           ("slotId" = String, Path, description = "the grant's slotId")),
     responses((status = 200, body = Renewed), (status = 400, description = "invalid (the slot id)"),
               (status = 401, description = "unauthorized"),
               (status = 404, description = "not_found: released or reclaimed; pool_not_found"),
@@ -336,6 +339,8 @@ fn header_pairs<'a>(
 }
 
 #[utoipa::path(post, path = "/pools/{pool}/lock/{slotId}/release", tag = "lock", request_body(content = ReleaseBody, description = "optional outcome report"),
+    params(("pool" = String, Path, description = "the pool's name"),
+           ("slotId" = String, Path, description = "the grant's slotId")),
     responses((status = 200, body = Released), (status = 400, description = "invalid"),
               (status = 401, description = "unauthorized"), (status = 404, description = "pool_not_found"), (status = 413, description = "payload_too_large")))]
 pub async fn release(
