@@ -94,20 +94,60 @@ pub async fn stamp(id: &RequestId, mut resp: Response<Body>) -> Response<Body> {
         parts.headers.remove(http::header::CONTENT_LENGTH);
         return Response::from_parts(parts, Body::empty());
     };
-    let body = match serde_json::from_slice::<serde_json::Value>(&bytes) {
-        Ok(serde_json::Value::Object(mut obj)) => {
-            obj.insert("requestId".into(), id.as_str().into());
+    let body = match with_request_id(&bytes, id.as_str()) {
+        Some(stamped) => {
             parts.headers.remove(http::header::CONTENT_LENGTH);
-            Body::from(serde_json::Value::Object(obj).to_string())
+            Body::from(stamped)
         }
-        _ => Body::from(bytes),
+        None => Body::from(bytes),
     };
     Response::from_parts(parts, body)
 }
 
+/// `body` (a JSON object, as every `ApiError` body is) with `"requestId": id` added before its
+/// closing brace. No parse: an error answer (a flood of refusals) costs a copy, not a JSON
+/// round trip. `None` if the body is not an object.
+fn with_request_id(body: &[u8], id: &str) -> Option<Vec<u8>> {
+    let end = body.iter().rposition(|b| !b.is_ascii_whitespace())?;
+    if body.first() != Some(&b'{') || body[end] != b'}' {
+        return None;
+    }
+    let id = serde_json::to_string(id).ok()?;
+    let mut out = Vec::with_capacity(end + id.len() + 16);
+    out.extend_from_slice(&body[..end]);
+    if !body[1..end].iter().all(u8::is_ascii_whitespace) {
+        out.push(b',');
+    }
+    out.extend_from_slice(b"\"requestId\":");
+    out.extend_from_slice(id.as_bytes());
+    out.push(b'}');
+    Some(out)
+}
+
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_id_joins_an_error_body_as_valid_json() {
+        let stamped = with_request_id(
+            br#"{"error":"invalid","message":"a \"quoted\" }"}"#,
+            "id\"1",
+        )
+        .map(|b| serde_json::from_slice::<serde_json::Value>(&b).unwrap());
+        assert_eq!(
+            stamped,
+            Some(
+                serde_json::json!({"error": "invalid", "message": "a \"quoted\" }", "requestId": "id\"1"})
+            )
+        );
+        let empty = with_request_id(b"{ }\n", "x")
+            .map(|b| serde_json::from_slice::<serde_json::Value>(&b).unwrap());
+        assert_eq!(empty, Some(serde_json::json!({"requestId": "x"})));
+        assert_eq!(with_request_id(b"[1]", "x"), None);
+        assert_eq!(with_request_id(b"", "x"), None);
+    }
 
     #[test]
     fn sane_ids_are_visible_ascii_up_to_128_bytes() {
