@@ -206,14 +206,15 @@ async fn serve(config_path: Option<PathBuf>, demo: bool) -> Result<(), String> {
 /// pool's own listener.
 type DemoLines = Box<dyn FnOnce(u16, Option<std::net::SocketAddr>)>;
 
-/// Where the demo pool gets its own listener: the port after the server's when that is free
-/// (8081 for the default 8080), else any free port.
+/// Where the demo pool gets its own listener: 8081 beside the default 8080 when it is free,
+/// else any free port the system picks (printed). Only the default pair is predictable: next to
+/// any other port, a guess could take a port someone else is about to bind.
 fn demo_listen(server_listen: &str) -> String {
     let Ok(addr) = server_listen.parse::<std::net::SocketAddr>() else {
         return "127.0.0.1:0".into();
     };
-    let next = std::net::SocketAddr::new(addr.ip(), addr.port().wrapping_add(1));
-    if addr.port() != 0 && next.port() != 0 && std::net::TcpListener::bind(next).is_ok() {
+    let next = std::net::SocketAddr::new(addr.ip(), 8081);
+    if addr.port() == 8080 && std::net::TcpListener::bind(next).is_ok() {
         next.to_string()
     } else {
         std::net::SocketAddr::new(addr.ip(), 0).to_string()
