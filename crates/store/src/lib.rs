@@ -13,6 +13,7 @@
 pub mod jobs;
 pub mod sqlite;
 mod sqlite_jobs;
+mod sqlite_log;
 
 pub use jobs::{
     AttemptApplied, AttemptQuery, AttemptRecord, DeliveryAttempt, DeliveryNext, DeliveryState,

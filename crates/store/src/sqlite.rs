@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
 use std::time::Duration;
 
-use rusqlite::types::{Type, Value};
+use rusqlite::types::Type;
 use rusqlite::{ffi, params, Connection, OptionalExtension, Row, TransactionBehavior};
 
 use crate::{
@@ -210,6 +210,9 @@ const MIGRATIONS: &[Step] = &[
         ("jobs", "request_id", "TEXT"),
         ("deliveries", "request_id", "TEXT"),
     ]),
+    // v8 -> v9: the access log in packed pages, one row per pool and batch instead of one per
+    // request (`sqlite_log`); the old rows move into pages with their ids and counts.
+    Step::Rust(crate::sqlite_log::migrate_rows_to_pages),
 ];
 
 /// One migration step.
@@ -225,6 +228,8 @@ enum Step {
     },
     /// Several [`Step::AddColumn`]s as one version: `(table, column, decl)`.
     AddColumns(&'static [(&'static str, &'static str, &'static str)]),
+    /// A step SQL alone cannot write.
+    Rust(fn(&rusqlite::Transaction<'_>) -> rusqlite::Result<()>),
 }
 
 impl Step {
@@ -239,6 +244,7 @@ impl Step {
             Step::AddColumns(columns) => columns
                 .iter()
                 .try_for_each(|(table, column, decl)| add_column(tx, table, column, decl)),
+            Step::Rust(step) => step(tx),
         }
     }
 }
@@ -269,14 +275,8 @@ const READERS: usize = 4;
 /// How long a connection waits on SQLite's file lock before giving up with `SQLITE_BUSY`.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Hard bounds for `AccessLogQuery::limit`.
-const MIN_LIMIT: u32 = 1;
-const MAX_LIMIT: u32 = 1000;
-
 const POOL_COLUMNS: &str = "name, spec, created_at, updated_at";
 const KEY_COLUMNS: &str = "id, pool, hash, label, created_at, expires_at, revoked_at";
-const LOG_COLUMNS: &str = "id, pool, at, key_id, client_addr, route, outcome, reason, status, \
-                           queued_ms, upstream_status, upstream_latency_ms, count, request_id";
 
 /// SQLite-backed [`Store`]. Cheap to clone; clones share the same connections.
 #[derive(Clone)]
@@ -520,57 +520,6 @@ fn key_from_row(row: &Row<'_>) -> rusqlite::Result<StoredKey> {
     })
 }
 
-fn log_from_row(row: &Row<'_>) -> rusqlite::Result<AccessLogEntry> {
-    Ok(AccessLogEntry {
-        id: row.get(0)?,
-        pool: row.get(1)?,
-        at: row.get(2)?,
-        key_id: row.get(3)?,
-        client_addr: row.get(4)?,
-        route: row.get(5)?,
-        outcome: row.get(6)?,
-        reason: row.get(7)?,
-        status: row.get(8)?,
-        queued_ms: row.get(9)?,
-        upstream_status: row.get(10)?,
-        upstream_latency_ms: row.get(11)?,
-        count: row.get(12)?,
-        request_id: row.get(13)?,
-    })
-}
-
-/// Builds the access-log SELECT for the filters that are set. Only present filters become SQL
-/// terms so the planner can seek the `(pool, id)` index on the `before` cursor instead of
-/// scanning past every newer row on each page.
-fn access_log_sql(pool: &str, q: &AccessLogQuery) -> (String, Vec<Value>) {
-    let mut sql = format!("SELECT {LOG_COLUMNS} FROM access_log WHERE pool = ?");
-    let mut args = vec![Value::Text(pool.to_owned())];
-    if let Some(before) = q.before {
-        sql.push_str(" AND id < ?");
-        args.push(Value::Integer(clamp_i64(before)));
-    }
-    if let Some(since) = q.since {
-        sql.push_str(" AND at >= ?");
-        args.push(Value::Integer(clamp_i64(since)));
-    }
-    if let Some(until) = q.until {
-        sql.push_str(" AND at < ?");
-        args.push(Value::Integer(clamp_i64(until)));
-    }
-    if let Some(outcome) = &q.outcome {
-        sql.push_str(" AND outcome = ?");
-        args.push(Value::Text(outcome.clone()));
-    }
-    if let Some(key_id) = &q.key_id {
-        sql.push_str(" AND key_id = ?");
-        args.push(Value::Text(key_id.clone()));
-    }
-    sql.push_str(" ORDER BY id DESC LIMIT ?");
-    let limit = q.limit.clamp(MIN_LIMIT, MAX_LIMIT);
-    args.push(Value::Integer(i64::from(limit)));
-    (sql, args)
-}
-
 #[async_trait::async_trait]
 impl Store for SqliteStore {
     async fn ping(&self) -> Result<()> {
@@ -658,8 +607,7 @@ impl Store for SqliteStore {
             }
             tx.execute("DELETE FROM keys WHERE pool = ?1", [&name])
                 .ctx("delete_pool: keys")?;
-            tx.execute("DELETE FROM access_log WHERE pool = ?1", [&name])
-                .ctx("delete_pool: access log")?;
+            crate::sqlite_log::delete_pool(&tx, &name)?;
             tx.commit().ctx("delete_pool")?;
             Ok(true)
         })
@@ -753,52 +701,8 @@ impl Store for SqliteStore {
         if entries.is_empty() && bumps.is_empty() {
             return Ok(Vec::new());
         }
-        let (entries, bumps) = (entries.to_vec(), bumps.to_vec());
-        self.write(move |conn| {
-            // One transaction per batch: one WAL commit instead of one per row, and a failed row
-            // leaves none of the batch behind.
-            let tx = conn.transaction().ctx("append_access_log")?;
-            let mut ids = Vec::with_capacity(entries.len());
-            {
-                let mut stmt = tx
-                    .prepare_cached(
-                        "INSERT INTO access_log (pool, at, key_id, client_addr, route, outcome, \
-                         reason, status, queued_ms, upstream_status, upstream_latency_ms, count, \
-                         request_id) \
-                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
-                    )
-                    .ctx("append_access_log")?;
-                for e in &entries {
-                    stmt.execute(params![
-                        e.pool,
-                        e.at,
-                        e.key_id,
-                        e.client_addr,
-                        e.route,
-                        e.outcome,
-                        e.reason,
-                        e.status,
-                        e.queued_ms,
-                        e.upstream_status,
-                        e.upstream_latency_ms,
-                        clamp_i64(e.count.max(1)),
-                        e.request_id
-                    ])
-                    .ctx("append_access_log")?;
-                    ids.push(tx.last_insert_rowid() as u64);
-                }
-                let mut bump = tx
-                    .prepare_cached("UPDATE access_log SET count = count + ?2 WHERE id = ?1")
-                    .ctx("append_access_log")?;
-                for (id, more) in &bumps {
-                    bump.execute(params![clamp_i64(*id), clamp_i64(*more)])
-                        .ctx("append_access_log")?;
-                }
-            }
-            tx.commit().ctx("append_access_log")?;
-            Ok(ids)
-        })
-        .await
+        self.append_log_pages(entries.to_vec(), bumps.to_vec())
+            .await
     }
 
     async fn query_access_log(
@@ -806,37 +710,11 @@ impl Store for SqliteStore {
         pool: &str,
         query: &AccessLogQuery,
     ) -> Result<Vec<AccessLogEntry>> {
-        let (sql, args) = access_log_sql(pool, query);
-        self.read(move |conn| {
-            let mut stmt = conn.prepare_cached(&sql).ctx("query_access_log")?;
-            let rows = stmt
-                .query_map(rusqlite::params_from_iter(args), log_from_row)
-                .ctx("query_access_log")?;
-            rows.collect::<rusqlite::Result<Vec<_>>>()
-                .ctx("query_access_log")
-        })
-        .await
+        self.query_log_pages(pool, query).await
     }
 
     async fn trim_access_log(&self, pool: &str, keep: u64) -> Result<u64> {
-        let pool = pool.to_owned();
-        // A keep beyond i64::MAX keeps everything, as does i64::MAX itself in practice.
-        let keep = clamp_i64(keep);
-        self.write(move |conn| {
-            // The subquery finds the newest row that must go (the one just past the `keep`
-            // newest); everything at or below it goes too. With fewer rows than that it yields
-            // NULL and nothing matches.
-            let mut stmt = conn
-                .prepare_cached(
-                    "DELETE FROM access_log WHERE pool = ?1 AND id <= ( \
-                         SELECT id FROM access_log WHERE pool = ?1 \
-                         ORDER BY id DESC LIMIT 1 OFFSET ?2)",
-                )
-                .ctx("trim_access_log")?;
-            let removed = stmt.execute(params![pool, keep]).ctx("trim_access_log")?;
-            Ok(removed as u64)
-        })
-        .await
+        self.trim_log_pages(pool, keep).await
     }
 
     async fn apply_leases(

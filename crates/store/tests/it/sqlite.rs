@@ -724,24 +724,58 @@ async fn a_v4_store_migrates_to_remember_nonces() {
     );
 }
 
-/// A store written by the previous schema (v6, no access-log `count`) migrates on open: its
-/// rows stand for one request each, and new rows can be folded.
+/// The access log as schema v8 and earlier kept it: one row per request. `columns` beyond
+/// v1's are added as the later schemas did.
+fn old_access_log(raw: &rusqlite::Connection, count: bool, request_id: bool) {
+    raw.execute_batch(
+        "CREATE TABLE access_log (
+            id                  INTEGER PRIMARY KEY AUTOINCREMENT,
+            pool                TEXT NOT NULL,
+            at                  INTEGER NOT NULL,
+            key_id              TEXT,
+            client_addr         TEXT NOT NULL,
+            route               TEXT NOT NULL,
+            outcome             TEXT NOT NULL,
+            reason              TEXT,
+            status              INTEGER NOT NULL,
+            queued_ms           INTEGER NOT NULL,
+            upstream_status     INTEGER,
+            upstream_latency_ms INTEGER
+        );
+        CREATE INDEX access_log_pool_id ON access_log (pool, id);
+        DROP TABLE access_log_pages; DROP TABLE access_log_counts; DROP TABLE store_meta;",
+    )
+    .unwrap();
+    if count {
+        raw.execute_batch("ALTER TABLE access_log ADD COLUMN count INTEGER NOT NULL DEFAULT 1;")
+            .unwrap();
+    }
+    if request_id {
+        raw.execute_batch("ALTER TABLE access_log ADD COLUMN request_id TEXT;")
+            .unwrap();
+    }
+}
+
+fn old_row(raw: &rusqlite::Connection, pool: &str, at: u64, outcome: &str, key: Option<&str>) {
+    raw.execute(
+        "INSERT INTO access_log (pool, at, key_id, client_addr, route, outcome, status, queued_ms) \
+         VALUES (?1, ?2, ?3, '127.0.0.1', 'proxy GET /', ?4, 200, 0)",
+        rusqlite::params![pool, at as i64, key, outcome],
+    )
+    .unwrap();
+}
+
+/// A store written by schema v6 (one row per request, no `count`) migrates on open: its rows
+/// stand for one request each, and new rows can be folded.
 #[tokio::test]
 async fn a_v6_store_migrates_to_counted_access_log_rows() {
     let tmp = tempfile::tempdir().unwrap();
-    {
-        let store = open(tmp.path());
-        store
-            .append_access_log(&[
-                entry("p", 1, "401", None),
-                entry("p", 2, "admitted", Some("k")),
-            ])
-            .await
-            .unwrap();
-    }
+    drop(open(tmp.path()));
     let raw = rusqlite::Connection::open(tmp.path().join(DB_FILE_NAME)).unwrap();
-    raw.execute_batch("ALTER TABLE access_log DROP COLUMN count; PRAGMA user_version = 6;")
-        .unwrap();
+    old_access_log(&raw, false, false);
+    old_row(&raw, "p", 1, "401", None);
+    old_row(&raw, "p", 2, "admitted", Some("k"));
+    raw.execute_batch("PRAGMA user_version = 6;").unwrap();
     drop(raw);
     let store = open(tmp.path());
     let rows = store.query_access_log("p", &q(10)).await.unwrap();
@@ -764,21 +798,96 @@ async fn a_v6_store_migrates_to_counted_access_log_rows() {
     assert_eq!(rows.iter().map(|r| r.count).sum::<u64>(), 7);
 }
 
+/// A store written by schema v8 (one row per request) moves its rows into pages on open:
+/// every column, id and count kept, and no id handed out again, not even those of rows
+/// deleted before the move.
+#[tokio::test]
+async fn a_v8_store_moves_its_access_log_into_pages() {
+    let tmp = tempfile::tempdir().unwrap();
+    drop(open(tmp.path()));
+    let raw = rusqlite::Connection::open(tmp.path().join(DB_FILE_NAME)).unwrap();
+    old_access_log(&raw, true, true);
+    for i in 0..1_100u64 {
+        old_row(
+            &raw,
+            if i % 2 == 0 { "p" } else { "o" },
+            i,
+            "admitted",
+            Some("k"),
+        );
+    }
+    raw.execute_batch(
+        "UPDATE access_log SET count = 4, request_id = 'req-x', reason = 'why', \
+             upstream_status = 201, upstream_latency_ms = 7 WHERE id = 3;
+         INSERT INTO access_log (pool, at, client_addr, route, outcome, status, queued_ms) \
+             VALUES ('p', 5000, 'a', 'r', 'admitted', 200, 0);
+         DELETE FROM access_log WHERE at = 5000;
+         PRAGMA user_version = 8;",
+    )
+    .unwrap();
+    drop(raw);
+
+    let store = open(tmp.path());
+    let mut p = Vec::new();
+    let mut before = None;
+    loop {
+        let page = store
+            .query_access_log("p", &AccessLogQuery { before, ..q(1000) })
+            .await
+            .unwrap();
+        let Some(last) = page.last() else { break };
+        before = Some(last.id);
+        p.extend(page);
+    }
+    assert_eq!(p.len(), 550);
+    assert!(p.windows(2).all(|w| w[0].id > w[1].id), "newest first");
+    assert_eq!(p.last().unwrap().id, 1);
+    let third = p.iter().find(|e| e.id == 3).unwrap();
+    assert_eq!(
+        (
+            third.count,
+            third.request_id.as_deref(),
+            third.reason.as_deref()
+        ),
+        (4, Some("req-x"), Some("why"))
+    );
+    assert_eq!(
+        (third.upstream_status, third.upstream_latency_ms, third.at),
+        (Some(201), Some(7), 2)
+    );
+    assert_eq!(
+        store.query_access_log("o", &q(1000)).await.unwrap().len(),
+        550
+    );
+    let raw = rusqlite::Connection::open(tmp.path().join(DB_FILE_NAME)).unwrap();
+    let old_table: i64 = raw
+        .query_row(
+            "SELECT COUNT(*) FROM sqlite_master WHERE name = 'access_log'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(old_table, 0, "the old table is gone");
+
+    store
+        .append_access_log(&[entry("p", 6000, "admitted", None)])
+        .await
+        .unwrap();
+    let newest = store.query_access_log("p", &q(1)).await.unwrap();
+    assert_eq!(newest[0].id, 1_102, "past the deleted row's id 1101");
+}
+
 /// A store written by the previous schema (v7, no request ids) migrates on open (#13): old
 /// rows and jobs have no request id, new ones keep theirs.
 #[tokio::test]
 async fn a_v7_store_migrates_to_request_ids() {
     let tmp = tempfile::tempdir().unwrap();
-    {
-        let store = open(tmp.path());
-        store
-            .append_access_log(&[entry("p", 1, "admitted", Some("k"))])
-            .await
-            .unwrap();
-    }
+    drop(open(tmp.path()));
     let raw = rusqlite::Connection::open(tmp.path().join(DB_FILE_NAME)).unwrap();
+    old_access_log(&raw, true, false);
+    old_row(&raw, "p", 1, "admitted", Some("k"));
     raw.execute_batch(
-        "ALTER TABLE access_log DROP COLUMN request_id; ALTER TABLE jobs DROP COLUMN request_id;
+        "ALTER TABLE jobs DROP COLUMN request_id;
          ALTER TABLE deliveries DROP COLUMN request_id; PRAGMA user_version = 7;",
     )
     .unwrap();
@@ -796,4 +905,72 @@ async fn a_v7_store_migrates_to_request_ids() {
     let rows = store.query_access_log("p", &q(10)).await.unwrap();
     let ids: Vec<_> = rows.iter().map(|r| r.request_id.as_deref()).collect();
     assert_eq!(ids, vec![Some("req-2"), None], "newest first");
+}
+
+/// Entries span many pages (batches of several sizes, one larger than a page): reads page
+/// through them newest first, and a trim keeps exactly the newest, wherever the boundary falls.
+#[tokio::test]
+async fn access_log_pages_trim_and_read_across_batches() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(tmp.path());
+    let mut at = 0;
+    for size in [1usize, 700, 3, 1200, 50] {
+        let batch: Vec<_> = (0..size)
+            .map(|_| {
+                at += 1;
+                let outcome = if at % 7 == 0 { "429" } else { "admitted" };
+                entry("p", at, outcome, None)
+            })
+            .collect();
+        store.append_access_log(&batch).await.unwrap();
+    }
+    let total = 1 + 700 + 3 + 1200 + 50;
+    let all = |store: SqliteStore| async move {
+        let mut seen = Vec::new();
+        let mut before = None;
+        loop {
+            let page = store
+                .query_access_log("p", &AccessLogQuery { before, ..q(333) })
+                .await
+                .unwrap();
+            let Some(last) = page.last() else { break };
+            before = Some(last.id);
+            seen.extend(page);
+        }
+        seen
+    };
+    let seen = all(store.clone()).await;
+    assert_eq!(seen.len(), total);
+    let ats: Vec<u64> = seen.iter().map(|e| e.at).collect();
+    assert_eq!(ats, (1..=total as u64).rev().collect::<Vec<_>>());
+    let refused = store
+        .query_access_log(
+            "p",
+            &AccessLogQuery {
+                outcome: Some("429".into()),
+                since: Some(100),
+                until: Some(1_000),
+                ..q(1000)
+            },
+        )
+        .await
+        .unwrap();
+    let expect: Vec<u64> = (100..1_000).rev().filter(|a| a % 7 == 0).collect();
+    assert_eq!(refused.iter().map(|e| e.at).collect::<Vec<_>>(), expect);
+
+    for keep in [1_500u64, 1_253, 1_250, 600, 1] {
+        let before = all(store.clone()).await.len() as u64;
+        let removed = store.trim_access_log("p", keep).await.unwrap();
+        assert_eq!(removed, before.saturating_sub(keep), "keep {keep}");
+        let after = all(store.clone()).await;
+        assert_eq!(after.len() as u64, keep.min(before));
+        let ats: Vec<u64> = after.iter().map(|e| e.at).collect();
+        let newest = total as u64;
+        assert_eq!(
+            ats,
+            (newest + 1 - ats.len() as u64..=newest)
+                .rev()
+                .collect::<Vec<_>>()
+        );
+    }
 }
