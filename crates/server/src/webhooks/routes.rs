@@ -82,9 +82,14 @@ pub async fn list_destinations(
 #[derive(Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct NewDestination {
+    /// `http://` or `https://`, a host, an optional port and path.
+    #[schema(pattern = "^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~%/-]*)?$")]
     pub url: String,
-    /// `whsec_…`; generated when absent. Shown once in the answer.
+    /// `whsec_…` (at least 24 bytes in standard base64); generated when absent. Shown once in
+    /// the answer.
+    #[schema(pattern = "^whsec_([A-Za-z0-9+/]{4}){8,}([A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$")]
     pub secret: Option<String>,
+    #[schema(minimum = 1)]
     pub deactivate_after: Option<u32>,
 }
 
@@ -147,7 +152,9 @@ pub async fn create_destination(
 pub struct DestinationPatch {
     /// `true` re-enables a deactivated destination (and clears its failure streak).
     pub active: Option<bool>,
+    #[schema(pattern = "^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~%/-]*)?$")]
     pub url: Option<String>,
+    #[schema(minimum = 1)]
     pub deactivate_after: Option<u32>,
 }
 
