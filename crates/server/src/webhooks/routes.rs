@@ -96,7 +96,7 @@ pub struct NewDestination {
 #[utoipa::path(post, path = "/admin/pools/{pool}/webhooks", tag = "admin", request_body = NewDestination,
     responses((status = 201, body = DestinationView, description = "created; the secret is shown this once"),
               (status = 400, description = "invalid"), (status = 404, description = "pool_not_found"),
-              (status = 409, description = "too many destinations")))]
+              (status = 409, description = "too_many_destinations")))]
 pub async fn create_destination(
     State(state): WebhooksRef,
     Path(name): Path<String>,
@@ -160,7 +160,8 @@ pub struct DestinationPatch {
 
 #[utoipa::path(patch, path = "/admin/pools/{pool}/webhooks/{id}", tag = "admin", request_body = DestinationPatch,
     responses((status = 200, body = DestinationView), (status = 400, description = "invalid"),
-              (status = 404, description = "destination_not_found"), (status = 409, description = "managed_by_config")))]
+              (status = 404, description = "destination_not_found"),
+              (status = 409, description = "managed_by_config (declared in the config file), or conflict (declared in the pool's settings: change it with PUT /admin/pools/{pool})")))]
 pub async fn patch_destination(
     State(state): WebhooksRef,
     Path((name, id)): Path<(String, String)>,
@@ -211,7 +212,7 @@ pub async fn patch_destination(
 
 #[utoipa::path(delete, path = "/admin/pools/{pool}/webhooks/{id}", tag = "admin",
     responses((status = 204, description = "deleted"), (status = 404, description = "destination_not_found"),
-              (status = 409, description = "managed_by_config")))]
+              (status = 409, description = "managed_by_config (declared in the config file), or conflict (declared in the pool's settings: change it with PUT /admin/pools/{pool})")))]
 pub async fn delete_destination(
     State(state): WebhooksRef,
     Path((name, id)): Path<(String, String)>,
@@ -265,7 +266,7 @@ pub struct RotatedSecret {
 #[utoipa::path(post, path = "/admin/pools/{pool}/webhooks/{id}/rotate", tag = "admin", request_body = RotateSecret,
     responses((status = 200, body = RotatedSecret, description = "rotated; the new secret is shown this once"),
               (status = 400, description = "invalid"), (status = 404, description = "destination_not_found"),
-              (status = 409, description = "managed_by_config (the secret lives in the config file)")))]
+              (status = 409, description = "managed_by_config (the secret lives in the config file), or conflict (in the pool's settings)")))]
 pub async fn rotate_secret(
     State(state): WebhooksRef,
     Path((name, id)): Path<(String, String)>,
@@ -377,8 +378,7 @@ pub struct AttemptPage {
            ("limit" = Option<u32>, Query, description = "1..=1000, default 100"),
            ("cursor" = Option<String>, Query, description = "the previous page's next")),
     responses((status = 200, body = AttemptPage, description = "delivery attempts, newest first"),
-              (status = 400, description = "invalid (a query parameter)"),
-              (status = 400, description = "invalid"), (status = 404, description = "pool_not_found")))]
+              (status = 400, description = "invalid (a query parameter)"), (status = 404, description = "pool_not_found")))]
 pub async fn list_deliveries(
     State(state): WebhooksRef,
     Path(name): Path<String>,
