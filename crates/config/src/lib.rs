@@ -129,9 +129,12 @@ pub enum PoolKind {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PoolSpec {
+    #[schema(pattern = "^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")]
     pub name: String,
     #[serde(default)]
     pub kind: PoolKind,
+    /// `http://` or `https://`, a host, an optional port and path.
+    #[schema(pattern = "^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~%/-]*)?$")]
     pub upstream: String,
     #[serde(default)]
     pub custom_domains: Vec<String>,

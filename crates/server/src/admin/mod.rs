@@ -167,7 +167,8 @@ pub async fn list_pools(State(state): AdminRef, Query(q): Query<PageQuery>) -> J
 }
 
 #[utoipa::path(post, path = "/admin/pools", tag = "admin", request_body = PoolSpec,
-    responses((status = 201, body = PoolView), (status = 400, description = "invalid"), (status = 409, description = "conflict")))]
+    responses((status = 201, body = PoolView), (status = 400, description = "invalid"),
+              (status = 409, description = "conflict (the name or a custom domain is taken), or too_many_destinations")))]
 pub async fn create_pool(
     State(state): AdminRef,
     BodyBytes(body): BodyBytes<MAX_ADMIN_BODY_BYTES>,
@@ -188,7 +189,8 @@ pub async fn get_pool(
 
 #[utoipa::path(put, path = "/admin/pools/{pool}", tag = "admin", request_body = PoolSpec,
     responses((status = 200, body = PoolView), (status = 400, description = "invalid"),
-              (status = 404, description = "pool_not_found"), (status = 409, description = "managed_by_config")))]
+              (status = 404, description = "pool_not_found"),
+              (status = 409, description = "managed_by_config, conflict (a custom domain is taken), or too_many_destinations")))]
 pub async fn put_pool(
     State(state): AdminRef,
     Path(name): Path<String>,

@@ -8,7 +8,6 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
-use utoipa::OpenApi;
 
 use crate::admin;
 use crate::app::state::AppState;
@@ -91,7 +90,7 @@ pub fn router(state: &Arc<AppState>) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .route("/openapi.json", get(openapi))
+        .route("/openapi.json", get(crate::app::openapi::openapi_json))
         .with_state(state.clone())
         .merge(pool_routes)
         .merge(admin)
@@ -105,13 +104,13 @@ pub fn router(state: &Arc<AppState>) -> Router {
 }
 
 #[utoipa::path(get, path = "/healthz", tag = "ops", responses((status = 200, description = "the process is alive")))]
-async fn healthz() -> Json<serde_json::Value> {
+pub async fn healthz() -> Json<serde_json::Value> {
     Json(serde_json::json!({ "status": "ok" }))
 }
 
 #[utoipa::path(get, path = "/readyz", tag = "ops",
     responses((status = 200, description = "ready to serve"), (status = 503, description = "draining or storage down")))]
-async fn readyz(State(state): State<Arc<AppState>>) -> Response {
+pub async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     if state.draining.load(Ordering::Relaxed) {
         return ApiError::new(ErrorCode::Draining, "shutting down").into_response();
     }
@@ -122,7 +121,7 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
 }
 
 #[utoipa::path(get, path = "/metrics", tag = "ops", responses((status = 200, description = "Prometheus text format")))]
-async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let pools: Vec<_> = state.pools.snapshot().pools.values().cloned().collect();
     for pool in pools {
         let snap = pool.gate.snapshot().await;
@@ -135,78 +134,95 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-async fn openapi() -> Json<utoipa::openapi::OpenApi> {
-    Json(ApiDoc::openapi())
-}
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::collections::BTreeSet;
 
-#[derive(OpenApi)]
-#[openapi(
-    info(
-        title = "nthbouncer",
-        description = "A self-hosted concurrency governor for upstream APIs. These are the API host's routes. \
-            On a pool host (`{pool}.{pool_domain}` or a custom domain) every request is proxied to the \
-            pool's upstream after pool-key authentication and admission (SPEC §4)."
-    ),
-    paths(
-        healthz,
-        readyz,
-        metrics,
-        crate::lock::acquire,
-        crate::lock::renew,
-        crate::lock::release,
-        admin::list_pools,
-        admin::create_pool,
-        admin::get_pool,
-        admin::put_pool,
-        admin::delete_pool,
-        jobs_api::poll,
-        jobs_api::list_jobs,
-        jobs_api::get_job,
-        webhooks_api::list_destinations,
-        webhooks_api::create_destination,
-        webhooks_api::patch_destination,
-        webhooks_api::delete_destination,
-        webhooks_api::rotate_secret,
-        webhooks_api::list_deliveries,
-        webhooks_api::redeliver,
-        admin::create_key,
-        admin::list_keys,
-        admin::revoke_key,
-        admin::pool_state,
-        admin::access_log,
-    ),
-    components(schemas(
-        nthbouncer_config::PoolSpec,
-        admin::PoolView,
-        admin::PoolList,
-        admin::NewKey,
-        admin::CreatedKey,
-        crate::lock::AcquireBody,
-        crate::lock::LockGrant,
-        crate::lock::Renewed,
-        crate::lock::ReleaseBody,
-        crate::lock::Released,
-        crate::jobs::Accepted,
-        crate::jobs::JobView,
-        crate::core::error::ErrorBody,
-        crate::core::error::ErrorCode,
-        jobs_api::JobPage,
-        jobs_api::JobDetail,
-        webhooks_api::DestinationView,
-        webhooks_api::DestinationList,
-        webhooks_api::NewDestination,
-        webhooks_api::DestinationPatch,
-        jobs_api::DeliveryView,
-        webhooks_api::RotateSecret,
-        webhooks_api::RotatedSecret,
-        webhooks_api::AttemptView,
-        webhooks_api::AttemptPage,
-        webhooks_api::Redelivery,
-        admin::KeyView,
-        admin::KeyList,
-        admin::Revoked,
-        admin::PoolState,
-        admin::AccessLogPage,
-    ))
-)]
-pub struct ApiDoc;
+    /// `(METHOD, path)` with path parameters unnamed (`/pools/{}/lock/{}/renew`): the router
+    /// and the document name them differently (`{slot}`, `{slotId}`).
+    fn normalised(method: &str, path: &str) -> (String, String) {
+        let mut out = String::new();
+        let mut in_param = false;
+        for c in path.chars() {
+            match c {
+                '{' => {
+                    in_param = true;
+                    out.push_str("{}");
+                }
+                '}' => in_param = false,
+                _ if in_param => {}
+                _ => out.push(c),
+            }
+        }
+        (method.to_uppercase(), out)
+    }
+
+    /// Every `.route("path", method(handler)...)` of this file's router, read from its source:
+    /// axum's `Router` cannot list its routes, and this keeps the check free of a second table
+    /// that could drift like the document did.
+    fn served_routes() -> BTreeSet<(String, String)> {
+        let source = include_str!("router.rs");
+        let source = source.split("#[cfg(test)]").next().unwrap();
+        let mut routes = BTreeSet::new();
+        for (at, _) in source.match_indices(".route(") {
+            let rest = &source[at + ".route(".len()..];
+            let rest = rest.trim_start().strip_prefix('"').unwrap();
+            let (path, rest) = rest.split_once('"').unwrap();
+            // The route's arguments: up to the parenthesis that closes `.route(`.
+            let mut depth = 1;
+            let end = rest
+                .char_indices()
+                .find(|&(_, c)| {
+                    match c {
+                        '(' => depth += 1,
+                        ')' => depth -= 1,
+                        _ => {}
+                    }
+                    depth == 0
+                })
+                .unwrap()
+                .0;
+            let args = &rest[..end];
+            for method in ["get", "post", "put", "delete", "patch", "head"] {
+                let call = format!("{method}(");
+                let called = args.match_indices(&call).any(|(i, _)| {
+                    !args[..i]
+                        .chars()
+                        .next_back()
+                        .is_some_and(|c| c.is_alphanumeric() || c == '_')
+                });
+                if called {
+                    routes.insert(normalised(method, path));
+                }
+            }
+        }
+        routes
+    }
+
+    /// Every route the router serves, with every method it takes, is an operation of
+    /// `/openapi.json`, and the document lists nothing that is not served.
+    #[test]
+    fn every_served_route_is_documented_and_nothing_else() {
+        let served = served_routes();
+        assert!(
+            served.contains(&normalised("post", "/pools/{pool}/lock/acquire")),
+            "{served:?}"
+        );
+        assert!(served.len() >= 27, "{served:?}");
+        let doc = crate::app::openapi::document();
+        let mut documented = BTreeSet::new();
+        for (path, item) in doc["paths"].as_object().unwrap() {
+            for method in item.as_object().unwrap().keys() {
+                documented.insert(normalised(method, path));
+            }
+        }
+        let undocumented: Vec<_> = served.difference(&documented).collect();
+        assert!(
+            undocumented.is_empty(),
+            "served, not documented: {undocumented:?}"
+        );
+        let unserved: Vec<_> = documented.difference(&served).collect();
+        assert!(unserved.is_empty(), "documented, not served: {unserved:?}");
+    }
+}

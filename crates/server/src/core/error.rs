@@ -56,6 +56,36 @@ pub enum ErrorCode {
 }
 
 impl ErrorCode {
+    /// Every code, in declaration order (the OpenAPI document narrows error bodies by status
+    /// with it; a test holds it to the enum).
+    pub const ALL: [ErrorCode; 25] = [
+        ErrorCode::NotFound,
+        ErrorCode::PoolNotFound,
+        ErrorCode::Unauthorized,
+        ErrorCode::Invalid,
+        ErrorCode::PayloadTooLarge,
+        ErrorCode::MethodNotAllowed,
+        ErrorCode::TooManyRequests,
+        ErrorCode::QueueTimeout,
+        ErrorCode::UpstreamUnreachable,
+        ErrorCode::UpstreamTimeout,
+        ErrorCode::AsyncDisabled,
+        ErrorCode::Capped,
+        ErrorCode::Conflict,
+        ErrorCode::ManagedByConfig,
+        ErrorCode::KeyNotFound,
+        ErrorCode::JobNotFound,
+        ErrorCode::JobNotTerminal,
+        ErrorCode::DestinationNotFound,
+        ErrorCode::NoActiveDestination,
+        ErrorCode::TooManyDestinations,
+        ErrorCode::StoreUnavailable,
+        ErrorCode::CoordinationUnavailable,
+        ErrorCode::Draining,
+        ErrorCode::Overloaded,
+        ErrorCode::Internal,
+    ];
+
     /// The code as it appears in JSON.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -261,6 +291,19 @@ impl From<nthbouncer_store::StoreError> for ApiError {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn all_lists_every_code_of_the_enum() {
+        let schema = serde_json::to_value(<ErrorCode as utoipa::PartialSchema>::schema()).unwrap();
+        let documented: Vec<&str> = schema["enum"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap())
+            .collect();
+        let listed: Vec<&str> = ErrorCode::ALL.iter().map(|c| c.as_str()).collect();
+        assert_eq!(documented, listed);
+    }
 
     #[test]
     fn codes_serialise_as_their_names() {

@@ -82,16 +82,21 @@ pub async fn list_destinations(
 #[derive(Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct NewDestination {
+    /// `http://` or `https://`, a host, an optional port and path.
+    #[schema(pattern = "^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~%/-]*)?$")]
     pub url: String,
-    /// `whsec_…`; generated when absent. Shown once in the answer.
+    /// `whsec_…` (at least 24 bytes in standard base64); generated when absent. Shown once in
+    /// the answer.
+    #[schema(pattern = "^whsec_([A-Za-z0-9+/]{4}){8,}([A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$")]
     pub secret: Option<String>,
+    #[schema(minimum = 1)]
     pub deactivate_after: Option<u32>,
 }
 
 #[utoipa::path(post, path = "/admin/pools/{pool}/webhooks", tag = "admin", request_body = NewDestination,
     responses((status = 201, body = DestinationView, description = "created; the secret is shown this once"),
               (status = 400, description = "invalid"), (status = 404, description = "pool_not_found"),
-              (status = 409, description = "too many destinations")))]
+              (status = 409, description = "too_many_destinations")))]
 pub async fn create_destination(
     State(state): WebhooksRef,
     Path(name): Path<String>,
@@ -147,13 +152,16 @@ pub async fn create_destination(
 pub struct DestinationPatch {
     /// `true` re-enables a deactivated destination (and clears its failure streak).
     pub active: Option<bool>,
+    #[schema(pattern = "^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~%/-]*)?$")]
     pub url: Option<String>,
+    #[schema(minimum = 1)]
     pub deactivate_after: Option<u32>,
 }
 
 #[utoipa::path(patch, path = "/admin/pools/{pool}/webhooks/{id}", tag = "admin", request_body = DestinationPatch,
     responses((status = 200, body = DestinationView), (status = 400, description = "invalid"),
-              (status = 404, description = "destination_not_found"), (status = 409, description = "managed_by_config")))]
+              (status = 404, description = "destination_not_found"),
+              (status = 409, description = "managed_by_config (declared in the config file), or conflict (declared in the pool's settings: change it with PUT /admin/pools/{pool})")))]
 pub async fn patch_destination(
     State(state): WebhooksRef,
     Path((name, id)): Path<(String, String)>,
@@ -204,7 +212,7 @@ pub async fn patch_destination(
 
 #[utoipa::path(delete, path = "/admin/pools/{pool}/webhooks/{id}", tag = "admin",
     responses((status = 204, description = "deleted"), (status = 404, description = "destination_not_found"),
-              (status = 409, description = "managed_by_config")))]
+              (status = 409, description = "managed_by_config (declared in the config file), or conflict (declared in the pool's settings: change it with PUT /admin/pools/{pool})")))]
 pub async fn delete_destination(
     State(state): WebhooksRef,
     Path((name, id)): Path<(String, String)>,
@@ -258,7 +266,7 @@ pub struct RotatedSecret {
 #[utoipa::path(post, path = "/admin/pools/{pool}/webhooks/{id}/rotate", tag = "admin", request_body = RotateSecret,
     responses((status = 200, body = RotatedSecret, description = "rotated; the new secret is shown this once"),
               (status = 400, description = "invalid"), (status = 404, description = "destination_not_found"),
-              (status = 409, description = "managed_by_config (the secret lives in the config file)")))]
+              (status = 409, description = "managed_by_config (the secret lives in the config file), or conflict (in the pool's settings)")))]
 pub async fn rotate_secret(
     State(state): WebhooksRef,
     Path((name, id)): Path<(String, String)>,
@@ -370,8 +378,7 @@ pub struct AttemptPage {
            ("limit" = Option<u32>, Query, description = "1..=1000, default 100"),
            ("cursor" = Option<String>, Query, description = "the previous page's next")),
     responses((status = 200, body = AttemptPage, description = "delivery attempts, newest first"),
-              (status = 400, description = "invalid (a query parameter)"),
-              (status = 400, description = "invalid"), (status = 404, description = "pool_not_found")))]
+              (status = 400, description = "invalid (a query parameter)"), (status = 404, description = "pool_not_found")))]
 pub async fn list_deliveries(
     State(state): WebhooksRef,
     Path(name): Path<String>,
