@@ -144,8 +144,12 @@ async fn openapi() -> Json<utoipa::openapi::OpenApi> {
     info(
         title = "nthbouncer",
         description = "A self-hosted concurrency governor for upstream APIs. These are the API host's routes. \
-            On a pool host (`{pool}.{pool_domain}` or a custom domain) every request is proxied to the \
-            pool's upstream after pool-key authentication and admission (SPEC §4)."
+            On a proxy pool's host (`{pool}.{pool_domain}`, a custom domain, or the pool's own listener) \
+            every request is proxied to the pool's upstream after pool-key authentication and admission \
+            (SPEC §4). On a database pool's host, `POST /sql` runs SQL on the pool's PostgreSQL in Neon's \
+            SQL-over-HTTP wire format (the `@neondatabase/serverless` driver's; `400 sql_error` with \
+            PostgreSQL's fields, `507 response_too_large`), and `GET|HEAD /jobs/{jobId}` polls the handles \
+            of SQL taken as async jobs (SPEC §8)."
     ),
     paths(
         healthz,
