@@ -200,18 +200,28 @@ pub fn open_database(at: &str, spec: &PoolSpec) -> Result<Database, ConfigError>
         connect_timeout: std::time::Duration::from_millis(settings.connect_timeout_ms),
     };
     let opened = match &settings.ca_file {
-        Some(path) => {
-            let pem = std::fs::read(path).map_err(|e| {
-                ConfigError::new(
-                    format!("{at}.database.ca_file"),
-                    format!("cannot read {}: {e}", path.display()),
-                )
-            })?;
-            Database::with_ca(&url, limits, &pem)
-        }
+        Some(path) => Database::with_ca(&url, limits, &read_ca_file(at, path)?),
         None => Database::new(&url, limits),
     };
     opened.map_err(|e| ConfigError::new(format!("{at}.upstream"), e.to_string()))
+}
+
+/// Most bytes a `database.ca_file` may have: a bundle of CA certificates, not anything else.
+const MAX_CA_FILE_BYTES: u64 = 1024 * 1024;
+
+/// Reads `database.ca_file`: a regular file of at most [`MAX_CA_FILE_BYTES`] (an admin API body
+/// names it too, so a device or a huge file is refused rather than read).
+fn read_ca_file(at: &str, path: &std::path::Path) -> Result<Vec<u8>, ConfigError> {
+    let key = format!("{at}.database.ca_file");
+    let unreadable = |e: std::io::Error| ConfigError::new(&key, format!("cannot read it: {e}"));
+    let meta = std::fs::metadata(path).map_err(unreadable)?;
+    if !meta.is_file() || meta.len() > MAX_CA_FILE_BYTES {
+        return Err(ConfigError::new(
+            &key,
+            format!("must be a PEM file of at most {MAX_CA_FILE_BYTES} bytes"),
+        ));
+    }
+    std::fs::read(path).map_err(unreadable)
 }
 
 /// An immutable snapshot of every pool.

@@ -430,6 +430,32 @@ async fn past_max_response_bytes_the_answer_is_507_and_an_unreachable_database_5
         (502, Some("upstream_unreachable")),
         "{v}"
     );
+
+    // Bad settings through the admin API name the field, and never echo the URL.
+    for (extra, field) in [
+        (
+            json!({"database": {"ca_file": "/dev/zero"}}),
+            "database.ca_file",
+        ),
+        (
+            json!({"database": {"max_response_bytes": 0}}),
+            "database.max_response_bytes",
+        ),
+        (
+            json!({"upstream": format!("mysql://app:{PASSWORD}@h/db")}),
+            "upstream",
+        ),
+        (json!({"upstream_headers": {"x": "y"}}), "upstream_headers"),
+    ] {
+        let mut body = json!({"name": "bad", "kind": "database", "keys": [KEY],
+            "upstream": format!("postgres://app:{PASSWORD}@127.0.0.1:5432/test")});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (status, v) = gw.admin(Method::POST, "/admin/pools", Some(body)).await;
+        seen.keep(status, &Default::default(), &v.to_string());
+        assert_eq!((status, v["field"].as_str()), (400, Some(field)), "{v}");
+    }
     seen.assert_no_password();
 }
 
