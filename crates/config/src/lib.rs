@@ -10,10 +10,12 @@
 
 pub mod access;
 pub mod async_jobs;
+pub mod database;
 pub mod keys;
 
 pub use access::{AccessSpec, CloudflareAccessSpec, HmacSpec, JwtSpec};
 pub use async_jobs::{AsyncSpec, WebhookSpec};
+pub use database::DatabaseSpec;
 
 use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
@@ -120,8 +122,10 @@ impl Default for ServerSpec {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum PoolKind {
+    /// Every request on the pool host is proxied to an HTTP upstream (SPEC §4).
     #[default]
     Proxy,
+    /// SQL over HTTP (Neon's wire format) in front of PostgreSQL (SPEC §8).
     Database,
 }
 
@@ -133,8 +137,11 @@ pub struct PoolSpec {
     pub name: String,
     #[serde(default)]
     pub kind: PoolKind,
-    /// `http://` or `https://`, a host, an optional port and path.
-    #[schema(pattern = "^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~%/-]*)?$")]
+    /// `http(s)://…` for a proxy pool; `postgres://user:password@host/db` (or `env:NAME`) for a
+    /// database pool, whose password is a managed credential shown masked on read.
+    #[schema(
+        pattern = "^(https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~%/-]*)?|postgres(ql)?://.+|env:[A-Za-z_][A-Za-z0-9_]*)$"
+    )]
     pub upstream: String,
     #[serde(default)]
     pub custom_domains: Vec<String>,
@@ -144,8 +151,10 @@ pub struct PoolSpec {
     /// Plaintext keys or `sha256:<hex>` hashes.
     #[serde(default)]
     pub keys: Vec<String>,
-    #[serde(default)]
-    pub auth: AuthSpec,
+    /// Unset: `["header"]`, and `["header", "bearer"]` on database pools (the Neon driver's
+    /// `authToken` arrives as `Authorization: Bearer`). See [`PoolSpec::auth_methods`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth: Option<AuthSpec>,
     #[serde(default)]
     pub concurrency: ConcurrencySpec,
     #[serde(default, rename = "async")]
@@ -160,6 +169,9 @@ pub struct PoolSpec {
     /// host whatever its `Host` header, for clients that cannot set `Host`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub listen: Option<String>,
+    /// `[pools.database]`, for `kind = "database"` only (defaults when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub database: Option<DatabaseSpec>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
@@ -554,13 +566,7 @@ impl PoolSpec {
                 ),
             ));
         }
-        if self.kind == PoolKind::Database {
-            return Err(ConfigError::new(
-                format!("{at}.kind"),
-                "database pools are not available in this version",
-            ));
-        }
-        parse_http_url(&format!("{at}.upstream"), &self.upstream)?;
+        self.validate_kind(at)?;
         for (i, d) in self.custom_domains.iter().enumerate() {
             check_hostname(&format!("{at}.custom_domains[{i}]"), d)?;
         }
@@ -581,7 +587,7 @@ impl PoolSpec {
         for i in 0..self.keys.len() {
             self.key_digest(at, i)?;
         }
-        if self.auth.accept.is_empty() {
+        if self.auth.as_ref().is_some_and(|a| a.accept.is_empty()) {
             return Err(ConfigError::new(
                 format!("{at}.auth.accept"),
                 "must name at least one of header, bearer, nthbouncer",
@@ -594,6 +600,53 @@ impl PoolSpec {
         }
         self.access.validate(&format!("{at}.access"))?;
         Ok(())
+    }
+
+    /// The upstream and the tables that belong to the pool's kind.
+    fn validate_kind(&self, at: &str) -> Result<(), ConfigError> {
+        let upstream = format!("{at}.upstream");
+        match self.kind {
+            PoolKind::Proxy => {
+                parse_http_url(&upstream, &self.upstream)?;
+                if self.database.is_some() {
+                    return Err(ConfigError::new(
+                        format!("{at}.database"),
+                        "is only for kind = \"database\"",
+                    ));
+                }
+            }
+            PoolKind::Database => {
+                database::check_database_url(&upstream, &self.upstream)?;
+                if !self.upstream_headers.is_empty() {
+                    return Err(ConfigError::new(
+                        format!("{at}.upstream_headers"),
+                        "is only for proxy pools (a database pool's credential is in upstream)",
+                    ));
+                }
+                self.database_settings()
+                    .validate(&format!("{at}.database"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The forms of the pool key the pool accepts (`auth.accept`, or the kind's default).
+    pub fn auth_methods(&self) -> Vec<AuthMethod> {
+        match (&self.auth, self.kind) {
+            (Some(auth), _) => auth.accept.clone(),
+            (None, PoolKind::Proxy) => vec![AuthMethod::Header],
+            (None, PoolKind::Database) => vec![AuthMethod::Header, AuthMethod::Bearer],
+        }
+    }
+
+    /// `[pools.database]`, or its defaults.
+    pub fn database_settings(&self) -> DatabaseSpec {
+        self.database.clone().unwrap_or_default()
+    }
+
+    /// A database pool's upstream URL with `env:` resolved.
+    pub fn database_url(&self, at: &str) -> Result<String, ConfigError> {
+        database::check_database_url(&format!("{at}.upstream"), &self.upstream)
     }
 
     /// The digest of key `i` (plaintext hashed, `sha256:` parsed, `env:` resolved).
@@ -655,6 +708,9 @@ impl PoolSpec {
     /// keys replaced by a shortened hash.
     pub fn masked(&self) -> PoolSpec {
         let mut out = self.clone();
+        if self.kind == PoolKind::Database && !self.upstream.starts_with("env:") {
+            out.upstream = database::mask_database_url(&self.upstream);
+        }
         for v in out.upstream_headers.values_mut() {
             if !v.starts_with("env:") {
                 *v = mask(v);
@@ -693,6 +749,13 @@ impl PoolSpec {
         }
         let kept =
             |shown: &str, current: &str| !current.starts_with("env:") && mask(current) == shown;
+        if self.kind == PoolKind::Database
+            && current.kind == PoolKind::Database
+            && !current.upstream.starts_with("env:")
+            && database::mask_database_url(&current.upstream) == self.upstream
+        {
+            self.upstream = current.upstream.clone();
+        }
         for (name, v) in self.upstream_headers.iter_mut() {
             if let Some(c) = current.upstream_headers.get(name).filter(|c| kept(v, c)) {
                 *v = c.clone();
@@ -875,7 +938,7 @@ mod tests {
         let p = &c.pools[0];
         assert_eq!(p.concurrency.limit, 3);
         assert_eq!(p.concurrency.queue_size, 1000);
-        assert_eq!(p.auth.accept, vec![AuthMethod::Header]);
+        assert_eq!(p.auth_methods(), vec![AuthMethod::Header]);
         assert_eq!(p.key_digests("pools[0]").unwrap().len(), 1);
     }
 
@@ -1004,7 +1067,7 @@ mod tests {
             )]
             .into(),
             keys: vec!["legacy-key-0123456789".into()],
-            auth: AuthSpec::default(),
+            auth: None,
             concurrency: ConcurrencySpec::default(),
             async_jobs: AsyncSpec::default(),
             webhooks: vec![WebhookSpec {
@@ -1014,6 +1077,7 @@ mod tests {
             }],
             access: Default::default(),
             listen: None,
+            database: None,
         };
         let m = spec.masked();
         let shown = serde_json::to_string(&m).unwrap();
@@ -1043,6 +1107,63 @@ mod tests {
         let c = Config::from_toml_str(&ok).unwrap();
         assert!(c.pools[0].async_jobs.enabled);
         assert_eq!(c.pools[0].webhooks[0].deactivate_after, 20);
+    }
+
+    #[test]
+    fn database_pools_parse_check_and_mask() {
+        let db = |extra: &str| {
+            format!(
+                "[[pools]]\nname = \"db\"\nkind = \"database\"\nupstream = \"postgres://app:hunter2@127.0.0.1:5432/shop\"\n{extra}"
+            )
+        };
+        let c = Config::from_toml_str(&db("")).unwrap();
+        let p = &c.pools[0];
+        assert_eq!(p.kind, PoolKind::Database);
+        assert_eq!(
+            p.auth_methods(),
+            vec![AuthMethod::Header, AuthMethod::Bearer]
+        );
+        assert_eq!(p.database_settings().max_response_bytes, 10 * 1024 * 1024);
+        let shown = serde_json::to_string(&p.masked()).unwrap();
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("postgres://app:****@127.0.0.1:5432/shop"));
+        // The masked body sent back keeps the password.
+        let back: PoolSpec = serde_json::from_str(&shown).unwrap();
+        assert_eq!(back.unmasked(p).unwrap().upstream, p.upstream);
+
+        let c = Config::from_toml_str(&db(
+            "[pools.auth]\naccept = [\"bearer\"]\n[pools.database]\nmax_response_bytes = 100\nstatement_timeout_ms = 5000\n",
+        ))
+        .unwrap();
+        assert_eq!(c.pools[0].auth_methods(), vec![AuthMethod::Bearer]);
+        assert_eq!(c.pools[0].database_settings().statement_timeout_ms, 5000);
+
+        for (extra, key) in [
+            (
+                "[pools.database]\nmax_response_bytes = 0\n",
+                "pools[0].database.max_response_bytes",
+            ),
+            (
+                "[pools.database]\nconnect_timeout_ms = 0\n",
+                "pools[0].database.connect_timeout_ms",
+            ),
+            ("[pools.database]\nbogus = 1\n", "pools[0].database.bogus"),
+            (
+                "[pools.upstream_headers]\nx = \"y\"\n",
+                "pools[0].upstream_headers",
+            ),
+        ] {
+            let e = err(&db(extra));
+            assert_eq!(e.key, key, "{extra}: {e}");
+            assert!(!e.to_string().contains("hunter2"), "{e}");
+        }
+        let e = err(
+            "[[pools]]\nname = \"db\"\nkind = \"database\"\nupstream = \"http://app:hunter2@h\"\n",
+        );
+        assert_eq!(e.key, "pools[0].upstream");
+        assert!(!e.to_string().contains("hunter2"), "{e}");
+        let e = err("[[pools]]\nname = \"p\"\nupstream = \"http://h\"\n[pools.database]\n");
+        assert_eq!(e.key, "pools[0].database");
     }
 
     #[test]

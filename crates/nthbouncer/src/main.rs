@@ -5,6 +5,7 @@
 
 mod lock;
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -186,9 +187,11 @@ async fn serve(config_path: Option<PathBuf>, demo: bool) -> Result<(), String> {
         .await
         .map_err(|e| e.to_string())?;
     if let Some(print) = demo_lines {
+        let listeners = &running.state.pools.listeners;
         print(
             running.addr.port(),
-            running.state.pools.listeners.addr("demo"),
+            listeners.addr("demo"),
+            listeners.addr(DEMO_DB),
         );
     }
     let token = running.shutdown_token();
@@ -203,22 +206,95 @@ async fn serve(config_path: Option<PathBuf>, demo: bool) -> Result<(), String> {
 }
 
 /// The printer of the demo's ready-to-paste commands: it needs the bound port and the demo
-/// pool's own listener.
-type DemoLines = Box<dyn FnOnce(u16, Option<std::net::SocketAddr>)>;
+/// pools' own listeners (`demo`, then `demo-db`).
+type DemoLines = Box<dyn FnOnce(u16, Option<SocketAddr>, Option<SocketAddr>)>;
 
-/// Where the demo pool gets its own listener: 8081 beside the default 8080 when it is free,
-/// else any free port the system picks (printed). Only the default pair is predictable: next to
-/// any other port, a guess could take a port someone else is about to bind.
-fn demo_listen(server_listen: &str) -> String {
-    let Ok(addr) = server_listen.parse::<std::net::SocketAddr>() else {
+/// The demo's database pool, added when a local PostgreSQL answers.
+const DEMO_DB: &str = "demo-db";
+
+/// Where a demo pool gets its own listener: `beside` (8081, 8082) next to the default 8080 when
+/// it is free, else any free port the system picks (printed). Only the default ports are
+/// predictable: next to any other port, a guess could take a port someone else is about to bind.
+fn demo_listen(server_listen: &str, beside: u16) -> String {
+    let Ok(addr) = server_listen.parse::<SocketAddr>() else {
         return "127.0.0.1:0".into();
     };
-    let next = std::net::SocketAddr::new(addr.ip(), 8081);
+    let next = SocketAddr::new(addr.ip(), beside);
     if addr.port() == 8080 && std::net::TcpListener::bind(next).is_ok() {
         next.to_string()
     } else {
-        std::net::SocketAddr::new(addr.ip(), 0).to_string()
+        SocketAddr::new(addr.ip(), 0).to_string()
     }
+}
+
+/// Where the demo looks for PostgreSQL: `NTHBOUNCER_DEMO_DATABASE_URL`, else the local server's
+/// `postgres` database as the `postgres` user.
+fn demo_database_url() -> String {
+    std::env::var("NTHBOUNCER_DEMO_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+/// Adds the `demo-db` database pool when PostgreSQL answers at [`demo_database_url`] within a
+/// second or two; its address as logs may show it (no password), or why not.
+async fn add_demo_database(config: &mut Config, key: &str) -> Result<String, String> {
+    let url = demo_database_url();
+    let limits = nthbouncer_sqlhttp::Limits {
+        max_connections: 1,
+        connect_timeout: std::time::Duration::from_secs(1),
+        ..Default::default()
+    };
+    let db = nthbouncer_sqlhttp::Database::new(&url, limits).map_err(|e| e.to_string())?;
+    let checked = tokio::time::timeout(std::time::Duration::from_secs(2), db.check()).await;
+    db.close();
+    match checked {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return Err(e.to_string()),
+        Err(_) => return Err("no answer within 2 s".into()),
+    }
+    if config.pools.iter().any(|p| p.name == DEMO_DB) {
+        return Err(format!("the config already has a pool named {DEMO_DB:?}"));
+    }
+    let mut spec: PoolSpec = serde_json::from_value(serde_json::json!({
+        "name": DEMO_DB,
+        "kind": "database",
+        "upstream": url,
+        "keys": [key],
+        "listen": demo_listen(&config.server.listen, 8082),
+        "async": { "enabled": true },
+    }))
+    .map_err(|e| e.to_string())?;
+    spec.concurrency.limit = 4;
+    config.pools.push(spec);
+    Ok(db.redacted_url())
+}
+
+/// The demo's database lines: the pool's commands, or how to get one.
+fn print_demo_database(database: &Result<String, String>, pool: &str, own: Option<SocketAddr>) {
+    match database {
+        Ok(target) => {
+            println!("  # pool `{DEMO_DB}` (limit 4): SQL over HTTP in front of {target}, Neon's wire format:");
+            println!("  curl -s {pool}/sql -H \"X-Nthpool-Key: $KEY\" -d '{{\"query\":\"SELECT $1::int + 1 AS n, now()\",\"params\":[41]}}'");
+            println!("  curl -s {pool}/sql -H \"X-Nthpool-Key: $KEY\" -H 'X-Nthpool-Async: 1' -d '{{\"query\":\"SELECT pg_sleep(1)\"}}'");
+            if let Some(own) = own {
+                println!("  # the @neondatabase/serverless driver, on the pool's own listener:");
+                println!("  #   neonConfig.fetchEndpoint = 'http://{own}/sql'");
+                println!("  #   const sql = neon('postgresql://any:thing@localhost/db', {{ authToken: KEY }})");
+            }
+        }
+        Err(why) => {
+            println!(
+                "  # no database pool: PostgreSQL did not answer at {} ({why});",
+                redact(&demo_database_url())
+            );
+            println!("  # set NTHBOUNCER_DEMO_DATABASE_URL=postgres://user:password@host/db, or add to the config:");
+            println!("  #   [[pools]] name = \"db\", kind = \"database\", upstream = \"env:DATABASE_URL\", keys = [...]");
+        }
+    }
+}
+
+/// A URL as the demo may print it: the password, if any, masked.
+fn redact(url: &str) -> String {
+    nthbouncer_config::database::mask_database_url(url)
 }
 
 /// Starts an in-process sandbox and adds a `demo` pool in front of it, with its own listener
@@ -250,12 +326,13 @@ async fn add_demo(config: &mut Config) -> Result<DemoLines, String> {
         "upstream": format!("http://{sandbox_addr}"),
         "keys": [key.clone()],
         "upstream_headers": { "authorization": "Bearer sandbox-managed-credential" },
-        "listen": demo_listen(&config.server.listen),
+        "listen": demo_listen(&config.server.listen, 8081),
     }))
     .map_err(|e| e.to_string())?;
     spec.concurrency.limit = 4;
     spec.concurrency.queue_timeout_ms = 10_000;
     config.pools.push(spec);
+    let database = add_demo_database(config, &key).await;
     let token = match config.server.admin_token().map_err(|e| e.to_string())? {
         Some(t) => t,
         None => {
@@ -267,7 +344,7 @@ async fn add_demo(config: &mut Config) -> Result<DemoLines, String> {
     let api_host = config.server.api_host.clone();
     let pool_domain = config.server.pool_domain.clone();
     Ok(Box::new(
-        move |port: u16, own: Option<std::net::SocketAddr>| {
+        move |port: u16, own: Option<SocketAddr>, db_own: Option<SocketAddr>| {
             let pool = format!("http://demo.{pool_domain}:{port}");
             let api = format!("http://{api_host}:{port}");
             println!();
@@ -300,6 +377,8 @@ async fn add_demo(config: &mut Config) -> Result<DemoLines, String> {
                 println!("  # default_headers={{\"X-Nthpool-Key\": KEY}}):");
                 println!("  curl -s http://{own}/v1/chat/completions -H \"X-Nthpool-Key: $KEY\" -d '{{}}'");
             }
+            let db_pool = format!("http://{DEMO_DB}.{pool_domain}:{port}");
+            print_demo_database(&database, &db_pool, db_own);
             println!();
         },
     ))

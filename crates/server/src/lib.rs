@@ -8,6 +8,7 @@
 //! - [`auth`]: pool-key authentication. [`admission`]: wait budgets, priorities, `x-nthpool-*`.
 //! - [`access`]: the pool's access policies (HMAC, JWT, Cloudflare Access, IP allowlist, failure
 //!   throttling), checked together with the pool key on every pool route.
+//! - [`database`]: a database pool's host (`POST /sql` in Neon's wire format, job polls).
 //! - [`proxy`]: the proxy and upstream client. [`outcome`]: upstream answers → governor outcomes.
 //! - [`api`], [`admin`]: the API host's routes. [`access_log`], [`metrics`]: observability.
 //! - [`jobs`], [`jobs_api`]: async jobs and their routes. [`webhooks`]: the delivery outbox's
@@ -23,6 +24,7 @@ pub mod access;
 pub mod admin;
 pub mod app;
 pub mod core;
+pub mod database;
 pub mod jobs;
 pub mod lock;
 pub mod pools;

@@ -1,9 +1,12 @@
-//! Real clients against the real binary in front of a real `sandbox` process: the OpenAI Python
-//! SDK (a plain `base_url` on the pool's own listener; sync and streaming), Node's `fetch` (which
-//! cannot set `Host`) and the lock API from Python `httpx` — the README's examples, run.
+//! Real clients against the real binary: the official Neon serverless driver (npm, pinned)
+//! against a database pool in front of the machine's PostgreSQL; and, in front of a real
+//! `sandbox` process, the OpenAI Python SDK (a plain `base_url` on the pool's own listener; sync
+//! and streaming), Node's `fetch` (which cannot set `Host`) and the lock API from Python `httpx`
+//! — the README's examples, run.
 //!
 //! The Python packages (`tests/sdk/requirements.txt`, pinned) go into a virtualenv under the
-//! target directory, made once; Node must be on the machine (`.ci/run` installs both).
+//! target directory, made once; the Neon driver (`tests/sdk/neon/package-lock.json`) is
+//! installed with `npm ci`. Node and npm must be on the machine (`.ci/run` installs them).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -143,6 +146,60 @@ fn the_lock_api_works_from_python_httpx() {
     assert_eq!(
         lines.get(1..),
         Some(&["renewed 200", "released 200 True"][..]),
+        "{out}"
+    );
+}
+
+/// The Neon driver's packages (`tests/sdk/neon/package-lock.json`), installed with `npm ci` once
+/// per checkout when `.ci/run` has not done it already.
+fn neon_driver() -> PathBuf {
+    static READY: Mutex<bool> = Mutex::new(false);
+    let mut ready = READY.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = Path::new(SDK_DIR).join("neon");
+    let installed = dir.join("node_modules/@neondatabase/serverless/package.json");
+    if !*ready && !installed.exists() {
+        run(Command::new("npm")
+            .args(["ci", "--no-audit", "--no-fund", "--silent"])
+            .current_dir(&dir));
+    }
+    *ready = true;
+    dir.join("neon.mjs")
+}
+
+/// The machine's PostgreSQL (trust auth), with a password it ignores: the pool's managed
+/// credential, which the driver never sees.
+fn database_url() -> String {
+    let base = std::env::var("NTHBOUNCER_TEST_PG_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    base.replacen('@', ":driver-test-password@", 1)
+}
+
+#[test]
+fn the_neon_serverless_driver_works_on_a_database_pools_own_listener() {
+    let script = neon_driver();
+    let (port, pool_port) = (free_port(), free_port());
+    let dir = tempfile::tempdir().unwrap();
+    let toml = format!(
+        "{}[[pools]]\nname = \"db\"\nkind = \"database\"\nupstream = \"{}\"\n\
+         keys = [\"{KEY}\"]\nlisten = \"127.0.0.1:{pool_port}\"\n[pools.concurrency]\nlimit = 2\n",
+        server_toml(port, dir.path()),
+        database_url()
+    );
+    let path = write_config(dir.path(), &toml);
+    let _server = spawn(BIN, &["serve", "--config", path.to_str().unwrap()], None);
+    wait_listening(port);
+    wait_listening(pool_port);
+    let out = run(Command::new("node")
+        .arg(script)
+        .arg(format!("http://127.0.0.1:{pool_port}/sql"))
+        .arg(KEY));
+    let checks: serde_json::Value = serde_json::from_str(out.trim())
+        .unwrap_or_else(|e| panic!("the driver script printed {out:?}: {e}"));
+    assert_eq!(
+        checks,
+        serde_json::json!({
+            "query": true, "params": true, "transaction": true, "rollback": true, "error": true
+        }),
         "{out}"
     );
 }

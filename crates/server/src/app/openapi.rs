@@ -31,8 +31,12 @@ use crate::webhooks::routes as webhooks_api;
     info(
         title = "nthbouncer",
         description = "A self-hosted concurrency governor for upstream APIs. These are the API host's routes. \
-            On a pool host (`{pool}.{pool_domain}` or a custom domain) every request is proxied to the \
-            pool's upstream after pool-key authentication and admission (SPEC §4).\n\n\
+            On a proxy pool's host (`{pool}.{pool_domain}`, a custom domain, or the pool's own listener) \
+            every request is proxied to the pool's upstream after pool-key authentication and admission \
+            (SPEC §4). On a database pool's host, `POST /sql` runs SQL on the pool's PostgreSQL in Neon's \
+            SQL-over-HTTP wire format (the `@neondatabase/serverless` driver's; `400 sql_error` with \
+            PostgreSQL's fields, `507 response_too_large`), and `GET|HEAD /jobs/{jobId}` polls the handles \
+            of SQL taken as async jobs (SPEC §8).\n\n\
             Every refusal is JSON `{\"error\": code, \"message\": …, \"field\"?: …, \"requestId\": …}` \
             with a code of `ErrorCode`. Besides the answers listed per operation, any route answers \
             `405 method_not_allowed` to a method it does not take, an unknown path `404 not_found`, \

@@ -34,6 +34,8 @@ use crate::app::state::AppState;
 use crate::core::error::{ApiError, ErrorCode};
 use crate::core::request_id::{self, RequestId};
 use crate::pools::listeners::Opened;
+use crate::pools::registry::PoolRuntime;
+use nthbouncer_config::PoolKind;
 
 pub(super) struct Dispatcher {
     pub(super) state: Arc<AppState>,
@@ -99,9 +101,7 @@ impl Dispatcher {
             let Some(pool) = self.state.pools.get(name) else {
                 return ApiError::pool_not_found().into_response();
             };
-            let original_host = req.headers().get(http::header::HOST).cloned();
-            let proxy = self.state.proxy.clone();
-            return crate::proxy::handle(proxy, pool, req, peer, original_host).await;
+            return self.pool_host(pool, req, peer).await;
         }
         let Some(host) = request_host(&req) else {
             return ApiError::pool_not_found().into_response();
@@ -114,12 +114,28 @@ impl Dispatcher {
             };
         }
         match self.state.pools.by_host(&host) {
-            Some(pool) => {
+            Some(pool) => self.pool_host(pool, req, peer).await,
+            None => ApiError::pool_not_found().into_response(),
+        }
+    }
+
+    /// A request for a pool's host: the proxy's, or on a database pool the SQL routes'.
+    async fn pool_host(
+        &self,
+        pool: Arc<PoolRuntime>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Response<Body> {
+        match pool.spec.kind {
+            PoolKind::Proxy => {
                 let original_host = req.headers().get(http::header::HOST).cloned();
                 let proxy = self.state.proxy.clone();
                 crate::proxy::handle(proxy, pool, req, peer, original_host).await
             }
-            None => ApiError::pool_not_found().into_response(),
+            PoolKind::Database => {
+                let database = self.state.database.clone();
+                crate::database::handle(database, pool, req, peer).await
+            }
         }
     }
 }

@@ -18,6 +18,7 @@ use crate::access::keys::Accept;
 use crate::admin::Admin;
 use crate::app::state::{AppState, StartError};
 use crate::core::access_log::AccessLog;
+use crate::database::DatabaseApi;
 use crate::jobs::{JobIntake, Jobs};
 use crate::lock::leases::LeaseBook;
 use crate::lock::LockApi;
@@ -132,6 +133,12 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
     let admin_token = server.admin_token().map_err(StartError::Config)?;
     let client = crate::upstream::build_client(&server).map_err(StartError::Client)?;
     let deliveries_pending = Arc::new(Notify::new());
+    // The scheme of a database pool's `pollUrl`s: a deployment behind TLS says so here.
+    let scheme = if public_url.starts_with("https://") {
+        "https"
+    } else {
+        "http"
+    };
     let coordination = Arc::new(nthbouncer_coord::in_process::InProcessCoordination::new(
         clock.clone(),
     ));
@@ -161,6 +168,16 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
     });
     let trusted_proxies: Arc<[ipnet::IpNet]> = server.trusted_proxy_nets().into();
     Ok(Arc::new(AppState {
+        database: Arc::new(DatabaseApi {
+            http: client.clone(),
+            trusted_proxies: trusted_proxies.clone(),
+            access_log: access_log.clone(),
+            clock: clock.clone(),
+            jobs: jobs.clone(),
+            max_body_bytes: server.max_body_bytes,
+            body_read_timeout: std::time::Duration::from_millis(server.header_read_timeout_ms),
+            scheme,
+        }),
         proxy: Arc::new(Proxy {
             client: client.clone(),
             trusted_proxies: trusted_proxies.clone(),
@@ -234,11 +251,19 @@ pub fn check_config(config: &Config) -> Result<(), ConfigError> {
     config.validate()?;
     for (i, p) in config.pools.iter().enumerate() {
         let at = format!("pools[{i}]");
-        crate::upstream::Target::parse(&at, &p.upstream)?;
+        match p.kind {
+            nthbouncer_config::PoolKind::Proxy => {
+                crate::upstream::Target::parse(&at, &p.upstream)?;
+            }
+            // Opens nothing: the URL, the limits and the CA file are checked.
+            nthbouncer_config::PoolKind::Database => {
+                crate::pools::registry::open_database(&at, p)?;
+            }
+        }
         p.resolved_upstream_headers(&at)?;
         p.key_digests(&at)?;
         let keys = Arc::default();
-        let accept = Accept::of(&p.auth.accept);
+        let accept = Accept::of(&p.auth_methods());
         crate::access::AccessPolicy::build(&format!("{at}.access"), &p.access, accept, keys)?;
     }
     Ok(())

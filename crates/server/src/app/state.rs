@@ -10,6 +10,7 @@ use nthbouncer_store::Store;
 
 use crate::admin::Admin;
 use crate::core::access_log::AccessLog;
+use crate::database::DatabaseApi;
 use crate::jobs::Jobs;
 use crate::lock::LockApi;
 use crate::pools::guard::Guard;
@@ -24,6 +25,7 @@ pub struct AppState {
     pub pools: Arc<Pools>,
     pub jobs: Arc<Jobs>,
     pub proxy: Arc<Proxy>,
+    pub database: Arc<DatabaseApi>,
     pub lock: Arc<LockApi>,
     pub admin: Arc<Admin>,
     pub webhooks: Arc<Webhooks>,

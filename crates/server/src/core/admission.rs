@@ -14,6 +14,7 @@ use crate::core::metrics::PoolMetrics;
 pub const QUEUE_TIMEOUT_HEADER: &str = "x-nthpool-queue-timeout-ms";
 pub const NO_QUEUE_HEADER: &str = "x-nthpool-no-queue";
 pub const PRIORITY_HEADER: &str = "x-nthpool-priority";
+pub const ASYNC_HEADER: &str = "x-nthpool-async";
 
 static REMAINING_SLOTS: HeaderName = HeaderName::from_static("x-nthpool-remaining-slots");
 static EFFECTIVE_LIMIT: HeaderName = HeaderName::from_static("x-nthpool-effective-limit");
@@ -158,6 +159,19 @@ pub fn refuse(
         _ => metrics.refused_429.increment(1),
     }
     log.refuse(Some(key_id), e)
+}
+
+/// `X-Nthpool-Async`: `1`/`true` asks for a job; `0`/`false` (or absent) does not.
+pub fn async_requested(headers: &HeaderMap) -> Result<bool, ApiError> {
+    match headers.get(ASYNC_HEADER).map(|v| v.to_str().map(str::trim)) {
+        None => Ok(false),
+        Some(Ok("1")) | Some(Ok("true")) => Ok(true),
+        Some(Ok("0")) | Some(Ok("false")) => Ok(false),
+        Some(_) => Err(ApiError::invalid(
+            "X-Nthpool-Async",
+            "X-Nthpool-Async must be 1 (or 0)",
+        )),
+    }
 }
 
 #[cfg(test)]

@@ -52,13 +52,18 @@ pub enum ErrorCode {
     Draining,
     /// Past `server.max_connections`: a new connection is answered this and closed.
     Overloaded,
+    /// PostgreSQL rejected a statement on a database pool (`400`, with Neon's fields: `code`
+    /// (SQLSTATE), `detail`, `hint`, `position`, …; built by `nthbouncer-sqlhttp`).
+    SqlError,
+    /// A database pool's answer grew past `database.max_response_bytes` (`507`).
+    ResponseTooLarge,
     Internal,
 }
 
 impl ErrorCode {
     /// Every code, in declaration order (the OpenAPI document narrows error bodies by status
     /// with it; a test holds it to the enum).
-    pub const ALL: [ErrorCode; 25] = [
+    pub const ALL: [ErrorCode; 27] = [
         ErrorCode::NotFound,
         ErrorCode::PoolNotFound,
         ErrorCode::Unauthorized,
@@ -83,6 +88,8 @@ impl ErrorCode {
         ErrorCode::CoordinationUnavailable,
         ErrorCode::Draining,
         ErrorCode::Overloaded,
+        ErrorCode::SqlError,
+        ErrorCode::ResponseTooLarge,
         ErrorCode::Internal,
     ];
 
@@ -113,6 +120,8 @@ impl ErrorCode {
             ErrorCode::CoordinationUnavailable => "coordination_unavailable",
             ErrorCode::Draining => "draining",
             ErrorCode::Overloaded => "overloaded",
+            ErrorCode::SqlError => "sql_error",
+            ErrorCode::ResponseTooLarge => "response_too_large",
             ErrorCode::Internal => "internal",
         }
     }
@@ -126,7 +135,10 @@ impl ErrorCode {
             | ErrorCode::JobNotFound
             | ErrorCode::DestinationNotFound => StatusCode::NOT_FOUND,
             ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
-            ErrorCode::Invalid | ErrorCode::AsyncDisabled => StatusCode::BAD_REQUEST,
+            ErrorCode::Invalid | ErrorCode::AsyncDisabled | ErrorCode::SqlError => {
+                StatusCode::BAD_REQUEST
+            }
+            ErrorCode::ResponseTooLarge => StatusCode::INSUFFICIENT_STORAGE,
             ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorCode::TooManyRequests => StatusCode::TOO_MANY_REQUESTS,

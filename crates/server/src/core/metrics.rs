@@ -35,6 +35,7 @@ pub fn handle() -> &'static PrometheusHandle {
 pub struct PoolMetrics {
     pub admitted_proxy: Counter,
     pub admitted_lock: Counter,
+    pub admitted_sql: Counter,
     pub refused_429: Counter,
     pub refused_504: Counter,
     pub unauthorized: Counter,
@@ -50,6 +51,7 @@ impl PoolMetrics {
         PoolMetrics {
             admitted_proxy: metrics::counter!("nthbouncer_admitted_total", "pool" => p.clone(), "route" => "proxy"),
             admitted_lock: metrics::counter!("nthbouncer_admitted_total", "pool" => p.clone(), "route" => "lock"),
+            admitted_sql: metrics::counter!("nthbouncer_admitted_total", "pool" => p.clone(), "route" => "sql"),
             refused_429: metrics::counter!("nthbouncer_refused_total", "pool" => p.clone(), "reason" => "too_many_requests"),
             refused_504: metrics::counter!("nthbouncer_refused_total", "pool" => p.clone(), "reason" => "queue_timeout"),
             unauthorized: metrics::counter!("nthbouncer_refused_total", "pool" => p.clone(), "reason" => "unauthorized"),

@@ -192,6 +192,9 @@ pub struct Submission {
     pub pending: backlog::Pending,
     /// The request's id (`core::request_id`), recorded on the job and its deliveries.
     pub request_id: Option<String>,
+    /// Where the job is polled, when not `{public_url}/pools/{pool}`: a database pool's host
+    /// as the request reached it (`{scheme}://{host}`, SPEC §8).
+    pub poll_base: Option<String>,
 }
 
 /// Accepts a request as a job: writes it durably, starts its runner (which loads the body from
@@ -209,6 +212,7 @@ pub async fn accept(
         reason,
         pending,
         request_id,
+        poll_base,
     } = submission;
     let fairness = caller.fairness;
     let headers: Vec<(String, String)> = head
@@ -268,7 +272,10 @@ pub async fn accept(
     };
     spawn_runner(state.clone(), stored, pending);
     Ok(Accepted {
-        poll_url: format!("{}/pools/{}/jobs/{}", state.public_url, pool.name, job.id),
+        poll_url: match poll_base {
+            Some(base) => format!("{base}/jobs/{}", job.id),
+            None => format!("{}/pools/{}/jobs/{}", state.public_url, pool.name, job.id),
+        },
         job_id: job.id,
         status: "accepted",
         webhook: WebhookCount {

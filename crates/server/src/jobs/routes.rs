@@ -17,6 +17,7 @@ use utoipa::ToSchema;
 use crate::core::error::{ApiError, ErrorCode};
 use crate::core::pagination;
 use crate::jobs::{JobView, Jobs};
+use crate::pools::registry::PoolRuntime;
 
 type JobsRef = State<Arc<Jobs>>;
 
@@ -33,12 +34,23 @@ pub async fn poll(
     method: Method,
     Path((_pool, job_id)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
-    if !valid_job_id(&job_id) {
+    poll_job(&state, &pool, &job_id, &method).await
+}
+
+/// The poll answer of `pool`'s job `job_id` (the caller is authenticated already): on the API
+/// host, and on a database pool's host (`/jobs/{jobId}`, SPEC §8).
+pub async fn poll_job(
+    state: &Jobs,
+    pool: &PoolRuntime,
+    job_id: &str,
+    method: &Method,
+) -> Result<Response, ApiError> {
+    if !valid_job_id(job_id) {
         return Err(job_not_found());
     }
     let job = state
         .store
-        .get_job(&pool.name, &job_id)
+        .get_job(&pool.name, job_id)
         .await?
         .ok_or_else(job_not_found)?;
     let mut resp = Json(JobView::of(&job, state.now())).into_response();

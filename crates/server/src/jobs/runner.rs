@@ -134,6 +134,9 @@ async fn pass(state: &Arc<Jobs>, job: &StoredJob, priority: Priority, tries: &mu
         Err(refusal) => return Pass::Again(retry_hint(&refusal)),
     };
     let guard = SlotGuard::new(pool.gate.clone(), grant.slot_id);
+    if let Some(db) = pool.upstream.database() {
+        upstream::sql::cap(db, grant.headers.effective_limit);
+    }
     // Counted in flight until its result is recorded: a stopping server waits for it. Once
     // stopping, the slot goes back unused and the job waits for the next start.
     let Some(entered) = state.drain.enter() else {
@@ -244,8 +247,12 @@ fn origin_request(
     }
     // The body is sent whole: its length is the body's, not what the caller declared.
     headers.remove(http::header::CONTENT_LENGTH);
+    let target = pool
+        .upstream
+        .http()
+        .ok_or_else(|| invalid("the pool is not a proxy pool"))?;
     let origin = Origin {
-        target: &pool.upstream,
+        target,
         managed: &pool.upstream_headers,
         idempotency_key: Some(&job.id),
     };
@@ -263,6 +270,9 @@ async fn fetch(
     body: Vec<u8>,
     guard: SlotGuard,
 ) -> Result<(JobResult, Outcome, SlotGuard), UpstreamError> {
+    if let Some(db) = pool.upstream.database() {
+        return fetch_sql(pool, db, job, body, guard).await;
+    }
     let req = origin_request(pool, job, body)?;
     let deadline = crate::core::time::deadline_in(pool.concurrency.request_timeout_ms);
     let (resp, guard) = upstream::exchange(&state.client, req, guard, deadline).await?;
@@ -281,6 +291,64 @@ async fn fetch(
         headers,
         body: collected.body,
         truncated: collected.truncated,
+    };
+    Ok((result, outcome, guard))
+}
+
+/// A database pool's job: the stored SQL request (its `Neon-*` headers and body) run on the
+/// pool's PostgreSQL, holding the slot. An answer, a SQL error or a `507` included, is the
+/// job's result; no connection (nothing was sent) is a failed connect, retried like one.
+async fn fetch_sql(
+    pool: &PoolRuntime,
+    db: &nthbouncer_sqlhttp::Database,
+    job: &StoredJob,
+    body: Vec<u8>,
+    mut guard: SlotGuard,
+) -> Result<(JobResult, Outcome, SlotGuard), UpstreamError> {
+    let mut headers = HeaderMap::new();
+    for (k, v) in &job.request.headers {
+        if let (Ok(k), Ok(v)) = (
+            HeaderName::from_bytes(k.as_bytes()),
+            HeaderValue::from_str(v),
+        ) {
+            headers.append(k, v);
+        }
+    }
+    let deadline = crate::core::time::deadline_in(pool.concurrency.request_timeout_ms);
+    let request_id = job.request_id.as_deref();
+    let answer = upstream::sql::run(db, &headers, &body, deadline, request_id).await;
+    let outcome = upstream::sql::outcome(&answer);
+    // A SQL error or a `507` is an answer (the job's result); these are not.
+    let failed = answer.error.as_ref().and_then(|e| {
+        if e.timed_out {
+            Some(UpstreamError::deadline(upstream::Stage::ResponseHead))
+        } else if e.retry_safe {
+            Some(UpstreamError::new(
+                upstream::Stage::Connect,
+                e.message.clone(),
+            ))
+        } else if e.code == "upstream_unreachable" {
+            Some(UpstreamError::new(upstream::Stage::Send, e.message.clone()))
+        } else {
+            None
+        }
+    });
+    if let Some(err) = failed {
+        // The slot goes back with what the gate should learn (a `53300` is a throttle).
+        guard.outcome = Some(outcome);
+        return Err(err);
+    }
+    let max = pool.spec.async_jobs.max_body_bytes as usize;
+    let truncated = answer.body.len() > max;
+    let mut result_headers = vec![("content-type".to_string(), "application/json".to_string())];
+    for (k, v) in &answer.headers {
+        result_headers.push((k.to_ascii_lowercase(), (*v).to_string()));
+    }
+    let result = JobResult {
+        status: answer.status.as_u16(),
+        headers: result_headers,
+        body: answer.body[..answer.body.len().min(max)].to_vec(),
+        truncated,
     };
     Ok((result, outcome, guard))
 }

@@ -9,7 +9,7 @@ use nthbouncer_config::{Config, ConfigError, PoolSpec, WebhookSpec};
 use nthbouncer_store::{StoredDestination, StoredKey, StoredPool};
 
 use super::listeners::{Bound, Listeners};
-use super::registry::{PoolRuntime, Provenance, Registry};
+use super::registry::{same_database, PoolRuntime, Provenance, Registry, Shared};
 use super::Pools;
 use crate::access::keys::KeyIndex;
 use crate::core::error::{ApiError, ErrorCode};
@@ -56,7 +56,15 @@ impl Pools {
                 Arc::new(ArcSwap::from_pointee(Vec::new())),
             ),
         };
-        let mut runtime = PoolRuntime::build(at, spec, provenance, gate, keys, destinations)?;
+        let database = previous
+            .filter(|p| same_database(&p.spec, &spec))
+            .and_then(|p| p.upstream.database().cloned());
+        let shared = Shared {
+            gate,
+            keys,
+            destinations,
+        };
+        let mut runtime = PoolRuntime::build(at, spec, provenance, shared, database)?;
         match previous {
             // Seen nonces and failure counts survive a settings change (a replay window must
             // not reopen because an admin edited the pool).
@@ -459,6 +467,12 @@ impl Pools {
         }
         self.registry
             .store(Arc::new(registry.with_pool(pool.clone())));
+        if !same_database(&previous.spec, &pool.spec) {
+            // Idle sessions close now, busy ones as their requests end.
+            if let Some(db) = previous.upstream.database() {
+                db.close();
+            }
+        }
         Ok(pool)
     }
 
@@ -479,6 +493,9 @@ impl Pools {
         self.listeners.close(name);
         self.registry.store(Arc::new(registry.without(name)));
         previous.gate.close().await;
+        if let Some(db) = previous.upstream.database() {
+            db.close();
+        }
         Ok(())
     }
 

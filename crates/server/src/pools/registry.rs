@@ -9,8 +9,9 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use http::{HeaderName, HeaderValue};
-use nthbouncer_config::{ConcurrencySpec, ConfigError, PoolSpec};
+use nthbouncer_config::{ConcurrencySpec, ConfigError, PoolKind, PoolSpec};
 use nthbouncer_coord::{PoolGate, PoolSettings};
+use nthbouncer_sqlhttp::{Database, Limits};
 use nthbouncer_store::StoredDestination;
 
 use crate::access::keys::{Accept, KeyIndex};
@@ -27,6 +28,30 @@ pub struct Provenance {
     pub updated_at: u64,
 }
 
+/// Where a pool's calls go: an HTTP origin (proxy pools) or PostgreSQL (database pools).
+pub enum Upstream {
+    Http(Target),
+    /// The pool's PostgreSQL sessions, capped at the pool's limit. Shared by every settings
+    /// version of the pool whose upstream and `[pools.database]` did not change.
+    Database(Database),
+}
+
+impl Upstream {
+    pub fn http(&self) -> Option<&Target> {
+        match self {
+            Upstream::Http(t) => Some(t),
+            Upstream::Database(_) => None,
+        }
+    }
+
+    pub fn database(&self) -> Option<&Database> {
+        match self {
+            Upstream::Database(d) => Some(d),
+            Upstream::Http(_) => None,
+        }
+    }
+}
+
 /// A pool as the serving path sees it: immutable; a settings change builds a new one that
 /// shares the same gate and key index.
 pub struct PoolRuntime {
@@ -35,7 +60,7 @@ pub struct PoolRuntime {
     pub managed_by: ManagedBy,
     pub created_at: u64,
     pub updated_at: u64,
-    pub upstream: Target,
+    pub upstream: Upstream,
     pub upstream_headers: Vec<(HeaderName, HeaderValue)>,
     pub concurrency: ConcurrencySpec,
     /// Digests of the keys the spec itself lists (config file, or the API body).
@@ -50,15 +75,27 @@ pub struct PoolRuntime {
 
 impl PoolRuntime {
     /// Resolves a validated spec into runtime form. `at` names the spec's origin in errors.
+    /// A database pool uses `database` (the previous version's sessions) when given.
     pub fn build(
         at: &str,
         spec: PoolSpec,
         provenance: Provenance,
-        gate: Arc<dyn PoolGate>,
-        keys: Arc<ArcSwap<KeyIndex>>,
-        destinations: Arc<ArcSwap<Vec<StoredDestination>>>,
+        shared: Shared,
+        database: Option<Database>,
     ) -> Result<PoolRuntime, ConfigError> {
-        let upstream = Target::parse(at, &spec.upstream)?;
+        let Shared {
+            gate,
+            keys,
+            destinations,
+        } = shared;
+        let upstream = match (spec.kind, database) {
+            (PoolKind::Proxy, _) => Upstream::Http(Target::parse(at, &spec.upstream)?),
+            (PoolKind::Database, Some(db)) => {
+                db.set_max_connections(spec.concurrency.limit as usize);
+                Upstream::Database(db)
+            }
+            (PoolKind::Database, None) => Upstream::Database(open_database(at, &spec)?),
+        };
         let mut upstream_headers = Vec::new();
         for (name, value) in spec.resolved_upstream_headers(at)? {
             let key = format!("{at}.upstream_headers.{name}");
@@ -71,7 +108,7 @@ impl PoolRuntime {
             upstream_headers.push((name, value));
         }
         let spec_key_digests = spec.key_digests(at)?;
-        let accept = Accept::of(&spec.auth.accept);
+        let accept = Accept::of(&spec.auth_methods());
         let access = AccessPolicy::build(&format!("{at}.access"), &spec.access, accept, keys)?;
         Ok(PoolRuntime {
             name: spec.name.clone(),
@@ -101,9 +138,12 @@ impl PoolRuntime {
     }
 
     /// Async is live: enabled, and (on proxy pools) at least one active destination. Otherwise
-    /// the pool behaves exactly as with async off (SPEC §6 fallback).
+    /// the pool behaves exactly as with async off (SPEC §6 fallback). Database pools take jobs
+    /// with `async.enabled` alone (SPEC §8): their handles are polled on the pool host.
     pub fn async_live(&self) -> bool {
-        self.spec.async_jobs.enabled && self.destinations.load().iter().any(|d| d.active)
+        self.spec.async_jobs.enabled
+            && (self.spec.kind == PoolKind::Database
+                || self.destinations.load().iter().any(|d| d.active))
     }
 
     /// The governor's view of the settings.
@@ -129,6 +169,59 @@ impl PoolRuntime {
             .iter()
             .map(|d| d.to_ascii_lowercase())
     }
+}
+
+/// What every settings version of a pool shares: its gate, its key index, its destinations.
+pub struct Shared {
+    pub gate: Arc<dyn PoolGate>,
+    pub keys: Arc<ArcSwap<KeyIndex>>,
+    pub destinations: Arc<ArcSwap<Vec<StoredDestination>>>,
+}
+
+/// Whether a settings change keeps a database pool's sessions: same upstream, same
+/// `[pools.database]` (a new limit only resizes them).
+pub fn same_database(previous: &PoolSpec, next: &PoolSpec) -> bool {
+    previous.kind == PoolKind::Database
+        && next.kind == PoolKind::Database
+        && previous.upstream == next.upstream
+        && previous.database_settings() == next.database_settings()
+}
+
+/// A database pool's sessions, opened on demand, at most `concurrency.limit` at once (the gate
+/// lowers the cap to the effective limit as it learns). Errors never quote the URL.
+pub fn open_database(at: &str, spec: &PoolSpec) -> Result<Database, ConfigError> {
+    let url = spec.database_url(at)?;
+    let settings = spec.database_settings();
+    let limits = Limits {
+        max_connections: spec.concurrency.limit.max(1) as usize,
+        statement_timeout: (settings.statement_timeout_ms > 0)
+            .then(|| std::time::Duration::from_millis(settings.statement_timeout_ms)),
+        max_response_bytes: settings.max_response_bytes as usize,
+        connect_timeout: std::time::Duration::from_millis(settings.connect_timeout_ms),
+    };
+    let opened = match &settings.ca_file {
+        Some(path) => Database::with_ca(&url, limits, &read_ca_file(at, path)?),
+        None => Database::new(&url, limits),
+    };
+    opened.map_err(|e| ConfigError::new(format!("{at}.upstream"), e.to_string()))
+}
+
+/// Most bytes a `database.ca_file` may have: a bundle of CA certificates, not anything else.
+const MAX_CA_FILE_BYTES: u64 = 1024 * 1024;
+
+/// Reads `database.ca_file`: a regular file of at most [`MAX_CA_FILE_BYTES`] (an admin API body
+/// names it too, so a device or a huge file is refused rather than read).
+fn read_ca_file(at: &str, path: &std::path::Path) -> Result<Vec<u8>, ConfigError> {
+    let key = format!("{at}.database.ca_file");
+    let unreadable = |e: std::io::Error| ConfigError::new(&key, format!("cannot read it: {e}"));
+    let meta = std::fs::metadata(path).map_err(unreadable)?;
+    if !meta.is_file() || meta.len() > MAX_CA_FILE_BYTES {
+        return Err(ConfigError::new(
+            &key,
+            format!("must be a PEM file of at most {MAX_CA_FILE_BYTES} bytes"),
+        ));
+    }
+    std::fs::read(path).map_err(unreadable)
 }
 
 /// An immutable snapshot of every pool.

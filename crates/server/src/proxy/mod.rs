@@ -32,7 +32,7 @@ use crate::pools::registry::PoolRuntime;
 use crate::upstream::prepare::{self, Consumed, Forwarded, Origin};
 use crate::upstream::{self, SlotBody, SlotGuard, UpstreamClient, UpstreamError};
 
-pub const ASYNC_HEADER: &str = "x-nthpool-async";
+pub use crate::core::admission::ASYNC_HEADER;
 
 /// What the proxy needs: the upstream client (also for JWKS), the trusted proxies, the access
 /// log, the clock, the jobs a request may be handed to, and the body bound.
@@ -213,7 +213,7 @@ fn plan(call: &Call<'_>) -> Result<Plan, ApiError> {
         None,
     )?;
     let priority = admission::priority_from_headers(headers)?;
-    let asked_async = async_header(headers)?;
+    let asked_async = admission::async_requested(headers)?;
     if asked_async && !call.pool.spec.async_jobs.enabled {
         return Err(ApiError::new(
             ErrorCode::AsyncDisabled,
@@ -340,8 +340,14 @@ fn upstream_request(
     body: Body,
 ) -> Result<Request<Body>, upstream::PathRefused> {
     prepare::caller_headers(&mut headers, &consumed(call), forwarded(call));
+    // The dispatcher sends only proxy pools here (a database pool's host is `database`'s).
+    let target = call
+        .pool
+        .upstream
+        .http()
+        .ok_or(upstream::PathRefused::Unparseable)?;
     let origin = Origin {
-        target: &call.pool.upstream,
+        target,
         managed: &call.pool.upstream_headers,
         idempotency_key: None,
     };
@@ -438,19 +444,6 @@ fn route(method: &http::Method, path: &str) -> String {
     route
 }
 
-/// `X-Nthpool-Async`: `1`/`true` asks for a job; `0`/`false` (or absent) does not.
-fn async_header(headers: &HeaderMap) -> Result<bool, ApiError> {
-    match headers.get(ASYNC_HEADER).map(|v| v.to_str().map(str::trim)) {
-        None => Ok(false),
-        Some(Ok("1")) | Some(Ok("true")) => Ok(true),
-        Some(Ok("0")) | Some(Ok("false")) => Ok(false),
-        Some(_) => Err(ApiError::invalid(
-            "X-Nthpool-Async",
-            "X-Nthpool-Async must be 1 (or 0)",
-        )),
-    }
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -460,12 +453,12 @@ mod tests {
     fn routes_and_async_headers() {
         assert_eq!(route(&http::Method::POST, "/x/y"), "proxy POST /x/y");
         let mut h = HeaderMap::new();
-        assert!(!async_header(&h).unwrap());
+        assert!(!admission::async_requested(&h).unwrap());
         h.insert(ASYNC_HEADER, HeaderValue::from_static("1"));
-        assert!(async_header(&h).unwrap());
+        assert!(admission::async_requested(&h).unwrap());
         h.insert(ASYNC_HEADER, HeaderValue::from_static("yes"));
         assert_eq!(
-            async_header(&h).unwrap_err().field.as_deref(),
+            admission::async_requested(&h).unwrap_err().field.as_deref(),
             Some("X-Nthpool-Async")
         );
     }

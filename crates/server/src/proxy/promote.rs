@@ -53,6 +53,7 @@ pub(super) async fn accept_job(
         reason,
         pending,
         request_id: call.log.request_id.clone(),
+        poll_base: None,
     };
     let accepted = jobs::accept(&call.state.jobs, call.pool, &call.caller, submission).await;
     match accepted {

@@ -2,7 +2,8 @@
 //! is to pingora: the one client, the one way a request for the origin is prepared
 //! ([`prepare`]), what holds the slot while the origin works ([`slot`]), and one error that
 //! knows where a call failed and whether a retry is safe ([`error`]). Upstream answers become
-//! governor outcomes in [`outcome`].
+//! governor outcomes in [`outcome`]. A database pool's origin is PostgreSQL: [`sql`] runs one
+//! SQL-over-HTTP request on it.
 //!
 //! It must not know pools, keys or features: callers hand it a target, headers and a slot.
 
@@ -12,6 +13,7 @@ pub mod error;
 pub mod outcome;
 pub mod prepare;
 pub mod slot;
+pub mod sql;
 pub mod target;
 
 use axum::body::Body;

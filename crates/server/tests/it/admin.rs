@@ -335,6 +335,15 @@ async fn a_pools_get_body_put_back_changes_nothing() {
             "webhooks": [{"url": "https://hooks.example.test/nb", "secret": "whsec_c2VjcmV0LXNlY3JldC1zZWNyZXQtc2VjcmV0"}],
             "access": {"hmac": {"secrets": ["an-hmac-secret-of-some-length"]}, "ip_allow": ["127.0.0.0/8"]},
         }),
+        // A database pool: its upstream's password is shown masked and kept on the way back.
+        json!({
+            "name": "db", "kind": "database", "keys": [KEY],
+            "upstream": "postgres://app:db-password-never-shown@127.0.0.1:5432/test?sslmode=disable",
+            "listen": "127.0.0.1:0",
+            "concurrency": {"limit": 2},
+            "async": {"enabled": true},
+            "database": {"max_response_bytes": 4096, "statement_timeout_ms": 5000},
+        }),
     ];
     for body in bodies {
         let name = body["name"].as_str().unwrap().to_string();
@@ -342,6 +351,10 @@ async fn a_pools_get_body_put_back_changes_nothing() {
         assert_eq!(status, 201, "{created}");
         let path = format!("/admin/pools/{name}");
         let (_, before) = gw.admin(Method::GET, &path, None).await;
+        assert!(
+            !before.to_string().contains("db-password-never-shown"),
+            "{before}"
+        );
         let (status, put) = gw.admin(Method::PUT, &path, Some(before.clone())).await;
         assert_eq!(status, 200, "{name}: {put}");
         let (_, after) = gw.admin(Method::GET, &path, None).await;
@@ -377,6 +390,9 @@ async fn a_pools_get_body_put_back_changes_nothing() {
         auth.as_ref().and_then(|v| v.to_str().ok()),
         Some("Bearer sk-managed-credential-123")
     );
+    // The database pool kept its password (the mask was not taken for a new one).
+    let db = gw.running.state.pools.get("db").unwrap();
+    assert!(db.spec.upstream.contains(":db-password-never-shown@"));
     // A shortened hash that is none of the pool's keys cannot be turned back into a key.
     let mut bogus = full.clone();
     bogus["keys"] = json!(["sha256:0000000000…"]);

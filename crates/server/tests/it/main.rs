@@ -7,6 +7,7 @@ mod access;
 mod access_log_flood;
 mod admin;
 mod connections;
+mod database;
 mod fuzz_regressions;
 mod governor;
 mod job_upstream;
