@@ -10,10 +10,12 @@
 
 pub mod access;
 pub mod async_jobs;
+pub mod cache;
 pub mod keys;
 
 pub use access::{AccessSpec, CloudflareAccessSpec, HmacSpec, JwtSpec};
 pub use async_jobs::{AsyncSpec, WebhookSpec};
+pub use cache::CacheSpec;
 
 use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
@@ -157,6 +159,9 @@ pub struct PoolSpec {
     /// host whatever its `Host` header, for clients that cannot set `Host`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub listen: Option<String>,
+    /// The shared response cache (SPEC §4); absent, the pool has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<CacheSpec>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
@@ -590,6 +595,9 @@ impl PoolSpec {
             w.validate(&format!("{at}.webhooks[{i}]"))?;
         }
         self.access.validate(&format!("{at}.access"))?;
+        if let Some(cache) = &self.cache {
+            cache.validate(&format!("{at}.cache"))?;
+        }
         Ok(())
     }
 
@@ -1011,6 +1019,7 @@ mod tests {
             }],
             access: Default::default(),
             listen: None,
+            cache: None,
         };
         let m = spec.masked();
         let shown = serde_json::to_string(&m).unwrap();
