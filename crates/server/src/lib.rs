@@ -22,6 +22,7 @@
 pub mod access;
 pub mod admin;
 pub mod app;
+pub mod cache;
 pub mod core;
 pub mod jobs;
 pub mod lock;

@@ -13,10 +13,15 @@ use std::path::{Path, PathBuf};
 /// The longest a production function may be.
 const MAX_FN_LINES: usize = 100;
 
-const FEATURES: [&str; 5] = ["proxy", "lock", "jobs", "webhooks", "admin"];
+const FEATURES: [&str; 6] = ["proxy", "lock", "jobs", "webhooks", "admin", "cache"];
 
 /// The real hand-offs between features (ARCHITECTURE.md names them).
-const HAND_OFFS: [(&str, &str); 2] = [("proxy", "jobs"), ("webhooks", "jobs")];
+const HAND_OFFS: [(&str, &str); 4] = [
+    ("proxy", "jobs"),
+    ("webhooks", "jobs"),
+    ("proxy", "cache"),
+    ("admin", "cache"),
+];
 
 fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
     let Ok(entries) = fs::read_dir(dir) else {

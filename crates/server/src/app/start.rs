@@ -17,6 +17,7 @@ use super::serve::{accept_loop, Dispatcher};
 use crate::access::keys::Accept;
 use crate::admin::Admin;
 use crate::app::state::{AppState, StartError};
+use crate::cache::Caches;
 use crate::core::access_log::AccessLog;
 use crate::jobs::{JobIntake, Jobs};
 use crate::lock::leases::LeaseBook;
@@ -160,6 +161,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         backlog: crate::jobs::backlog::Backlog::new(),
     });
     let trusted_proxies: Arc<[ipnet::IpNet]> = server.trusted_proxy_nets().into();
+    let cache = Arc::new(Caches::new(pools.clone(), clock.clone()));
     Ok(Arc::new(AppState {
         proxy: Arc::new(Proxy {
             client: client.clone(),
@@ -169,6 +171,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
             jobs: jobs.clone(),
             max_body_bytes: server.max_body_bytes,
             header_read_timeout: std::time::Duration::from_millis(server.header_read_timeout_ms),
+            cache: cache.clone(),
         }),
         lock: Arc::new(LockApi {
             pools: pools.clone(),
@@ -181,6 +184,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
             store: store.clone(),
             clock: clock.clone(),
             admin_token,
+            cache: cache.clone(),
         }),
         webhooks: Arc::new(Webhooks {
             jobs: jobs.clone(),
@@ -198,6 +202,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         store,
         pools,
         jobs,
+        cache,
         access_log,
         draining: AtomicBool::new(false),
         server,
