@@ -409,6 +409,8 @@ pub struct CacheState {
     pub hits: u64,
     pub misses: u64,
     pub bypasses: u64,
+    /// Requests waiting now for an identical request's call to the origin (coalesced).
+    pub waiting: u64,
     /// hits / (hits + misses); 0 before any lookup.
     pub hit_ratio: f64,
 }
@@ -422,6 +424,7 @@ impl CacheState {
             hits: s.hits,
             misses: s.misses,
             bypasses: s.bypasses,
+            waiting: s.waiting,
             hit_ratio: s.hit_ratio(),
         }
     }

@@ -154,6 +154,24 @@ struct Counts {
     hits: AtomicU64,
     misses: AtomicU64,
     bypasses: AtomicU64,
+    /// Requests waiting for another's call to the origin now.
+    waiting: AtomicU64,
+}
+
+/// A request counted in `Counts::waiting` while it waits (a cancelled wait included).
+struct Waiting<'a>(&'a AtomicU64);
+
+impl<'a> Waiting<'a> {
+    fn on(count: &'a AtomicU64) -> Waiting<'a> {
+        count.fetch_add(1, Ordering::Relaxed);
+        Waiting(count)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 struct Counters {
@@ -196,6 +214,8 @@ pub struct Stats {
     pub hits: u64,
     pub misses: u64,
     pub bypasses: u64,
+    /// Requests waiting now for an identical request's call to the origin (coalesced).
+    pub waiting: u64,
 }
 
 impl Stats {
@@ -271,11 +291,14 @@ impl PoolCache {
             }
         };
         let landed = match waiting {
-            Some(mut rx) => match rx.wait_for(Option::is_some).await {
-                Ok(v) => v.clone().flatten(),
-                // The leader's side went away without a word: nothing landed.
-                Err(_) => None,
-            },
+            Some(mut rx) => {
+                let _waiting = Waiting::on(&self.counts.waiting);
+                match rx.wait_for(Option::is_some).await {
+                    Ok(v) => v.clone().flatten(),
+                    // The leader's side went away without a word: nothing landed.
+                    Err(_) => None,
+                }
+            }
             None => None,
         };
         match landed {
@@ -338,6 +361,7 @@ impl PoolCache {
             hits: self.counts.hits.load(Ordering::Relaxed),
             misses: self.counts.misses.load(Ordering::Relaxed),
             bypasses: self.counts.bypasses.load(Ordering::Relaxed),
+            waiting: self.counts.waiting.load(Ordering::Relaxed),
         }
     }
 }
