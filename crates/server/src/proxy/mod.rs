@@ -70,8 +70,9 @@ struct Call<'a> {
     peer: SocketAddr,
     original_host: Option<HeaderValue>,
     caller: Caller,
-    /// A cache miss that leads: its answer is stored as it streams (see `cache`).
-    cache: Option<cache::Fill>,
+    /// A cache miss that leads: its answer is stored as it streams (see `cache`). Boxed: a
+    /// call parked in the queue should not grow by what storing needs.
+    cache: Option<Box<cache::Fill>>,
 }
 
 /// A request's body as the phases carry it: still streaming, or read whole (a signed request's:
@@ -160,7 +161,7 @@ async fn serve(
     let mark = match Box::pin(cache_lookup(&call, &body, &plan)).await {
         cache::Lookup::Hit(resp) => return cache_hit(call, resp),
         cache::Lookup::Miss(fill) => {
-            call.cache = fill;
+            call.cache = fill.map(Box::new);
             cache::Mark::Miss
         }
         cache::Lookup::Bypass => cache::Mark::Bypass,
