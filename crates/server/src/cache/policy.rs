@@ -102,34 +102,34 @@ impl Prepared {
     }
 }
 
-/// The cache key: method, path and query as received, the `cache.vary` headers' values, and
-/// the caller's key id (unless `shared_across_keys`). Fields are separated by `\n`, which
-/// neither a request target nor a header value can hold, so two requests never share a key
-/// by accident.
+/// The cache key: method, path and query as received, the `cache.vary` headers' values (as
+/// bytes: two values are one key only if they are the same bytes), and the caller's key id
+/// (unless `shared_across_keys`). Fields are separated by `\n`, which neither a request target
+/// nor a header value can hold, so two requests never share a key by accident.
 pub fn key(
     spec: &Prepared,
     key_id: &str,
     method: &Method,
     uri: &Uri,
     headers: &HeaderMap,
-) -> String {
+) -> Vec<u8> {
     let target = uri.path_and_query().map_or("/", |pq| pq.as_str());
-    let mut key = String::with_capacity(16 + target.len() + key_id.len());
-    key.push_str(method.as_str());
-    key.push('\n');
-    key.push_str(target);
+    let mut key = Vec::with_capacity(16 + target.len() + key_id.len());
+    key.extend_from_slice(method.as_str().as_bytes());
+    key.push(b'\n');
+    key.extend_from_slice(target.as_bytes());
     for name in &spec.vary {
-        key.push('\n');
-        key.push_str(name.as_str());
-        key.push(':');
-        key.push_str(&String::from_utf8_lossy(&joined(headers, name)));
+        key.push(b'\n');
+        key.extend_from_slice(name.as_str().as_bytes());
+        key.push(b':');
+        key.extend_from_slice(&joined(headers, name));
     }
-    key.push('\n');
+    key.push(b'\n');
     if spec.shared_across_keys {
-        key.push('*');
+        key.push(b'*');
     } else {
-        key.push_str("key:");
-        key.push_str(key_id);
+        key.extend_from_slice(b"key:");
+        key.extend_from_slice(key_id.as_bytes());
     }
     key
 }
@@ -363,7 +363,14 @@ mod tests {
         let uri: Uri = "/a?b=1".parse().unwrap();
         let h = headers(&[("accept-language", "fr"), ("accept", "x")]);
         let k = key(&s, "k1", &Method::GET, &uri, &h);
-        assert_eq!(k, "GET\n/a?b=1\naccept-language:fr\nkey:k1");
+        assert_eq!(k, b"GET\n/a?b=1\naccept-language:fr\nkey:k1");
+        // Values that are not UTF-8 are told apart byte for byte.
+        let odd = |b: &'static [u8]| {
+            let mut h = HeaderMap::new();
+            h.insert("accept-language", HeaderValue::from_bytes(b).unwrap());
+            key(&s, "k1", &Method::GET, &uri, &h)
+        };
+        assert_ne!(odd(b"\xff"), odd(b"\xfe"));
         assert_ne!(k, key(&s, "k2", &Method::GET, &uri, &h));
         assert_ne!(k, key(&s, "k1", &Method::HEAD, &uri, &h));
         let shared = Prepared {

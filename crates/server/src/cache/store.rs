@@ -46,7 +46,7 @@ pub struct Entry {
 
 impl Entry {
     /// The bytes an entry of this body, these headers and this key is counted for.
-    pub fn weigh(key: &str, headers: &HeaderMap, body: &Bytes, path: &str) -> u32 {
+    pub fn weigh(key: &[u8], headers: &HeaderMap, body: &Bytes, path: &str) -> u32 {
         let headers: usize = headers
             .iter()
             .map(|(n, v)| n.as_str().len() + v.len() + 16)
@@ -98,7 +98,7 @@ pub enum Found {
 /// to the origin themselves.
 pub struct Ticket {
     cache: Arc<PoolCache>,
-    key: Arc<str>,
+    key: Arc<[u8]>,
     flight: u64,
     /// `PoolCache::purges` when the call started: a purge since then keeps its answer out.
     purges: u64,
@@ -106,7 +106,7 @@ pub struct Ticket {
 }
 
 impl Ticket {
-    pub fn key(&self) -> &str {
+    pub fn key(&self) -> &[u8] {
         &self.key
     }
 
@@ -196,8 +196,8 @@ pub struct PoolCache {
     pub pool: String,
     pub spec: Prepared,
     pub max_bytes: u64,
-    entries: moka::sync::Cache<Arc<str>, Arc<Entry>>,
-    flights: Mutex<HashMap<Arc<str>, Flight>>,
+    entries: moka::sync::Cache<Arc<[u8]>, Arc<Entry>>,
+    flights: Mutex<HashMap<Arc<[u8]>, Flight>>,
     next_flight: AtomicU64,
     purges: AtomicU64,
     counts: Counts,
@@ -234,7 +234,7 @@ impl PoolCache {
     pub fn new(pool: &str, spec: &CacheSpec, clock: Arc<dyn Clock>) -> PoolCache {
         let entries = moka::sync::Cache::builder()
             .max_capacity(spec.max_bytes)
-            .weigher(|_: &Arc<str>, e: &Arc<Entry>| e.weight)
+            .weigher(|_: &Arc<[u8]>, e: &Arc<Entry>| e.weight)
             // Memory hygiene only: no entry is fresh for longer than ttl_s (checked by us).
             .time_to_live(std::time::Duration::from_secs(spec.ttl_s.saturating_add(1)))
             .build();
@@ -260,8 +260,8 @@ impl PoolCache {
     /// the flight in progress for it (waited for), else the lead of a new flight. `read`
     /// false (the request's `no-cache`): no stored entry and no flight is used, but the
     /// answer is stored.
-    pub async fn find(self: &Arc<Self>, key: String, read: bool, request: &HeaderMap) -> Found {
-        let key: Arc<str> = key.into();
+    pub async fn find(self: &Arc<Self>, key: Vec<u8>, read: bool, request: &HeaderMap) -> Found {
+        let key: Arc<[u8]> = key.into();
         if let Some(entry) = self.fresh(&key, read, request) {
             return Found::Hit(entry);
         }
@@ -314,7 +314,7 @@ impl PoolCache {
     }
 
     /// A fresh stored entry for the key that the request matches (counted as a hit).
-    fn fresh(&self, key: &Arc<str>, read: bool, request: &HeaderMap) -> Option<Arc<Entry>> {
+    fn fresh(&self, key: &Arc<[u8]>, read: bool, request: &HeaderMap) -> Option<Arc<Entry>> {
         if !read {
             return None;
         }
