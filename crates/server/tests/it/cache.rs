@@ -260,7 +260,10 @@ async fn a_hit_spends_no_slot_and_no_rpm_token() {
         + &cache_pool("rpm", &up.url(), "rpm = 1", "");
     let gw = gateway(&toml).await;
     assert_eq!(fetch(gw.get("slot", "/respond/x")).await.1, "miss");
-    let held = gw.lock_client("slot").acquire(None).await.unwrap();
+    // Waits: the miss's slot is freed once its body was handed over, which may trail the
+    // client's read by a moment.
+    let wait = Some(std::time::Duration::from_secs(10));
+    let held = gw.lock_client("slot").acquire(wait).await.unwrap();
     assert_eq!(gw.in_flight("slot").await, 1);
     let (status, mark, _, _) = fetch(gw.no_queue("slot", "/respond/x")).await;
     assert_eq!((status, mark.as_str()), (200, "hit"));
