@@ -10,11 +10,13 @@
 
 pub mod access;
 pub mod async_jobs;
+pub mod cache;
 pub mod database;
 pub mod keys;
 
 pub use access::{AccessSpec, CloudflareAccessSpec, HmacSpec, JwtSpec};
 pub use async_jobs::{AsyncSpec, WebhookSpec};
+pub use cache::CacheSpec;
 pub use database::DatabaseSpec;
 
 use std::collections::{BTreeMap, HashSet};
@@ -172,6 +174,9 @@ pub struct PoolSpec {
     /// `[pools.database]`, for `kind = "database"` only (defaults when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub database: Option<DatabaseSpec>,
+    /// The shared response cache (SPEC §4); absent, the pool has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<CacheSpec>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
@@ -599,6 +604,9 @@ impl PoolSpec {
             w.validate(&format!("{at}.webhooks[{i}]"))?;
         }
         self.access.validate(&format!("{at}.access"))?;
+        if let Some(cache) = &self.cache {
+            cache.validate(&format!("{at}.cache"))?;
+        }
         Ok(())
     }
 
@@ -1078,6 +1086,7 @@ mod tests {
             access: Default::default(),
             listen: None,
             database: None,
+            cache: None,
         };
         let m = spec.masked();
         let shown = serde_json::to_string(&m).unwrap();

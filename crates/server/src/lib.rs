@@ -23,6 +23,7 @@
 pub mod access;
 pub mod admin;
 pub mod app;
+pub mod cache;
 pub mod core;
 pub mod database;
 pub mod jobs;

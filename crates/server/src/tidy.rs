@@ -13,13 +13,17 @@ use std::path::{Path, PathBuf};
 /// The longest a production function may be.
 const MAX_FN_LINES: usize = 100;
 
-const FEATURES: [&str; 6] = ["proxy", "lock", "jobs", "webhooks", "admin", "database"];
+const FEATURES: [&str; 7] = [
+    "proxy", "lock", "jobs", "webhooks", "admin", "database", "cache",
+];
 
 /// The real hand-offs between features (ARCHITECTURE.md names them).
-const HAND_OFFS: [(&str, &str); 3] = [
+const HAND_OFFS: [(&str, &str); 5] = [
     ("proxy", "jobs"),
     ("webhooks", "jobs"),
     ("database", "jobs"),
+    ("proxy", "cache"),
+    ("admin", "cache"),
 ];
 
 fn sources(dir: &Path, out: &mut Vec<PathBuf>) {

@@ -5,7 +5,9 @@
 //! Routes: `/hold` (and each `/sse` event) waits for a [`Upstream::release`] permit;
 //! `/sleep?ms=N` answers after N ms (50 without a query); `/hang` never answers; `/echo`
 //! answers the request as JSON; `/body` counts request body chunks as they arrive;
-//! `/status/N?retry_after=S` answers status N; anything else answers `ok`.
+//! `/status/N?retry_after=S` answers status N; `/respond…` answers the status and headers its
+//! request names (`x-respond-status`, `x-respond-h-NAME`) and a body naming the request's
+//! number; anything else answers `ok`.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -216,6 +218,34 @@ async fn handle(state: Arc<UpstreamState>, req: Request<Incoming>) -> Response<B
                     })
                 });
             Response::new(StreamBody::new(stream).boxed())
+        }
+        p if p.starts_with("/respond") => {
+            // Answers with what the request asks for: `x-respond-status` and, for each
+            // `x-respond-h-NAME: value`, the header `NAME: value`. The body names this
+            // request's number, so a test tells an origin's answer from a cached copy.
+            let number = state.requests.load(Ordering::SeqCst);
+            drop(guard);
+            let status = req
+                .headers()
+                .get("x-respond-status")
+                .and_then(|v| v.to_str().ok()?.parse().ok())
+                .and_then(|c| StatusCode::from_u16(c).ok())
+                .unwrap_or(StatusCode::OK);
+            let body = if status == StatusCode::NO_CONTENT {
+                String::new()
+            } else {
+                format!("answer {number} for {}", req.uri())
+            };
+            let mut r = full(status, body);
+            for (name, value) in req.headers() {
+                if let Some(n) = name.as_str().strip_prefix("x-respond-h-") {
+                    r.headers_mut().append(
+                        http::HeaderName::from_bytes(n.as_bytes()).unwrap(),
+                        value.clone(),
+                    );
+                }
+            }
+            r
         }
         p if p.starts_with("/status/") => {
             let code: u16 = p.trim_start_matches("/status/").parse().unwrap_or(500);

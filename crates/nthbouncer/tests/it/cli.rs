@@ -20,6 +20,8 @@ fn invalid_configs_exit_non_zero_naming_the_key() {
         ("[server]\nlisten = \"where?\"\n", "server.listen"),
         ("[[pools]]\nname = \"p\"\nupstream = \"http://127.0.0.1:1\"\nlisten = \"here\"\n", "pools[0].listen"),
         ("[server]\nbogus = 1\n", "bogus"),
+        ("[[pools]]\nname = \"p\"\nupstream = \"http://127.0.0.1:1\"\n[pools.cache]\nttl_s = 0\n", "pools[0].cache.ttl_s"),
+        ("[[pools]]\nname = \"p\"\nupstream = \"http://127.0.0.1:1\"\n[pools.cache]\nttl = 5\n", "pools[0].cache.ttl"),
         ("this is not toml", "(file)"),
     ];
     for (text, key) in cases {
@@ -70,7 +72,7 @@ fn check_config_prints_resolved_pools_with_secrets_masked() {
     let dir = tempfile::tempdir().unwrap();
     let path = write_config(
         dir.path(),
-        "[[pools]]\nname = \"p\"\nupstream = \"http://127.0.0.1:1\"\nkeys = [\"legacy-key-0123456789\"]\n[pools.upstream_headers]\nauthorization = \"Bearer sk-do-not-print\"\n",
+        "[[pools]]\nname = \"p\"\nupstream = \"http://127.0.0.1:1\"\nkeys = [\"legacy-key-0123456789\"]\n[pools.upstream_headers]\nauthorization = \"Bearer sk-do-not-print\"\n[pools.cache]\nttl_s = 30\n",
     );
     let out = Command::new(BIN)
         .args(["check-config", path.to_str().unwrap()])
@@ -84,6 +86,10 @@ fn check_config_prints_resolved_pools_with_secrets_masked() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("\"name\":\"p\""), "{text}");
     assert!(text.contains("\"limit\":10"), "defaults resolved: {text}");
+    assert!(
+        text.contains("\"max_entry_bytes\":1048576"),
+        "cache defaults resolved: {text}"
+    );
     assert!(!text.contains("sk-do-not-print"));
     assert!(!text.contains("legacy-key-0123456789"));
 }

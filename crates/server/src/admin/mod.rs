@@ -32,6 +32,8 @@ pub struct Admin {
     pub store: Arc<dyn Store>,
     pub clock: Arc<dyn Clock>,
     pub admin_token: Option<String>,
+    /// The proxy's response caches, for the pool state.
+    pub cache: Arc<crate::cache::Caches>,
 }
 
 impl Admin {
@@ -393,6 +395,41 @@ pub struct PoolState {
     pub last_throttle: Option<LastThrottle>,
     pub admitted_total: u64,
     pub refused_total: u64,
+    /// The shared response cache on this node; absent for a pool without one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache: Option<CacheState>,
+}
+
+/// A pool's response cache on this node (counts since its settings last changed).
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CacheState {
+    pub entries: u64,
+    /// What the entries weigh (bodies, headers, keys), against `maxBytes`.
+    pub bytes: u64,
+    pub max_bytes: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub bypasses: u64,
+    /// Requests waiting now for an identical request's call to the origin (coalesced).
+    pub waiting: u64,
+    /// hits / (hits + misses); 0 before any lookup.
+    pub hit_ratio: f64,
+}
+
+impl CacheState {
+    fn of(s: crate::cache::Stats) -> CacheState {
+        CacheState {
+            entries: s.entries,
+            bytes: s.bytes,
+            max_bytes: s.max_bytes,
+            hits: s.hits,
+            misses: s.misses,
+            bypasses: s.bypasses,
+            waiting: s.waiting,
+            hit_ratio: s.hit_ratio(),
+        }
+    }
 }
 
 #[utoipa::path(get, path = "/admin/pools/{pool}/state", tag = "admin",
@@ -424,6 +461,7 @@ pub async fn pool_state(
         }),
         admitted_total: s.admitted_total,
         refused_total: s.refused_total,
+        cache: state.cache.stats(&pool).map(CacheState::of),
     }))
 }
 

@@ -70,6 +70,7 @@ use crate::webhooks::routes as webhooks_api;
         admin::revoke_key,
         admin::pool_state,
         admin::access_log,
+        crate::cache::routes::purge,
     ),
     components(schemas(
         nthbouncer_config::PoolSpec,
@@ -103,6 +104,10 @@ use crate::webhooks::routes as webhooks_api;
         admin::Revoked,
         admin::PoolState,
         admin::AccessLogPage,
+        admin::CacheState,
+        crate::cache::routes::Purge,
+        crate::cache::routes::Purged,
+        nthbouncer_config::CacheSpec,
     ))
 )]
 struct ApiDoc;

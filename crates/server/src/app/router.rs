@@ -62,9 +62,20 @@ pub fn router(state: &Arc<AppState>) -> Router {
             post(webhooks_api::rotate_secret),
         )
         .with_state(state.webhooks.clone());
-    let admin = admin.merge(admin_jobs).merge(admin_webhooks).route_layer(
-        axum::middleware::from_fn_with_state(state.admin.clone(), admin::require_admin),
-    );
+    let admin_cache = Router::new()
+        .route(
+            "/admin/pools/{pool}/cache/purge",
+            post(crate::cache::routes::purge),
+        )
+        .with_state(state.cache.clone());
+    let admin = admin
+        .merge(admin_jobs)
+        .merge(admin_webhooks)
+        .merge(admin_cache)
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.admin.clone(),
+            admin::require_admin,
+        ));
     // A pool's routes on the API host pass its access policies like the proxy (SPEC §2, §9),
     // once per request: the guard hands the caller to the handlers.
     let lock = Router::new()
@@ -126,6 +137,7 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     for pool in pools {
         let snap = pool.gate.snapshot().await;
         crate::core::metrics::set_pool_gauges(&pool.name, &snap);
+        state.cache.set_gauges(&pool);
     }
     (
         [(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],

@@ -17,6 +17,7 @@ use super::serve::{accept_loop, Dispatcher};
 use crate::access::keys::Accept;
 use crate::admin::Admin;
 use crate::app::state::{AppState, StartError};
+use crate::cache::Caches;
 use crate::core::access_log::AccessLog;
 use crate::database::DatabaseApi;
 use crate::jobs::{JobIntake, Jobs};
@@ -121,6 +122,15 @@ struct Parts {
 }
 
 /// Builds every feature's state from the shared parts: the one place that sees them all.
+/// The scheme of a database pool's `pollUrl`s: a deployment behind TLS says so in its public URL.
+fn poll_scheme(public_url: &str) -> &'static str {
+    if public_url.starts_with("https://") {
+        "https"
+    } else {
+        "http"
+    }
+}
+
 fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
     let Parts {
         server,
@@ -133,12 +143,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
     let admin_token = server.admin_token().map_err(StartError::Config)?;
     let client = crate::upstream::build_client(&server).map_err(StartError::Client)?;
     let deliveries_pending = Arc::new(Notify::new());
-    // The scheme of a database pool's `pollUrl`s: a deployment behind TLS says so here.
-    let scheme = if public_url.starts_with("https://") {
-        "https"
-    } else {
-        "http"
-    };
+    let scheme = poll_scheme(&public_url);
     let coordination = Arc::new(nthbouncer_coord::in_process::InProcessCoordination::new(
         clock.clone(),
     ));
@@ -167,6 +172,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         backlog: crate::jobs::backlog::Backlog::new(),
     });
     let trusted_proxies: Arc<[ipnet::IpNet]> = server.trusted_proxy_nets().into();
+    let cache = Arc::new(Caches::new(pools.clone(), clock.clone()));
     Ok(Arc::new(AppState {
         database: Arc::new(DatabaseApi {
             http: client.clone(),
@@ -186,6 +192,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
             jobs: jobs.clone(),
             max_body_bytes: server.max_body_bytes,
             header_read_timeout: std::time::Duration::from_millis(server.header_read_timeout_ms),
+            cache: cache.clone(),
         }),
         lock: Arc::new(LockApi {
             pools: pools.clone(),
@@ -198,6 +205,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
             store: store.clone(),
             clock: clock.clone(),
             admin_token,
+            cache: cache.clone(),
         }),
         webhooks: Arc::new(Webhooks {
             jobs: jobs.clone(),
@@ -215,6 +223,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         store,
         pools,
         jobs,
+        cache,
         access_log,
         draining: AtomicBool::new(false),
         server,

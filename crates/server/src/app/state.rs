@@ -9,6 +9,7 @@ use nthbouncer_coord::Clock;
 use nthbouncer_store::Store;
 
 use crate::admin::Admin;
+use crate::cache::Caches;
 use crate::core::access_log::AccessLog;
 use crate::database::DatabaseApi;
 use crate::jobs::Jobs;
@@ -30,6 +31,7 @@ pub struct AppState {
     pub admin: Arc<Admin>,
     pub webhooks: Arc<Webhooks>,
     pub guard: Arc<Guard>,
+    pub cache: Arc<Caches>,
     pub access_log: AccessLog,
     /// Set on SIGTERM: `/readyz` fails so load balancers stop sending traffic.
     pub draining: AtomicBool,

@@ -282,6 +282,8 @@ pub enum LogOutcome {
     Admitted,
     /// Taken as an async job: `202`.
     Accepted,
+    /// Answered from the proxy's shared response cache, without a slot: `cache_hit`.
+    CacheHit,
     /// Answered by us with this status, never reaching the upstream or failing on the way:
     /// `401`, `429`, `502`, `504`, ….
     Refused(http::StatusCode),
@@ -292,6 +294,7 @@ impl LogOutcome {
         match self {
             LogOutcome::Admitted => "admitted",
             LogOutcome::Accepted => "202",
+            LogOutcome::CacheHit => "cache_hit",
             LogOutcome::Refused(status) => status.as_str(),
         }
     }

@@ -6,6 +6,10 @@
 //! gate, or a promotion to a job, [`promote`]) → forward (the upstream layer prepares and sends
 //! it; the answer streams back holding the slot). It must not make admission decisions (the
 //! gate does), parse keys (access does) nor build upstream requests itself (upstream does).
+//!
+//! A pool with `[pools.cache]` adds one step between plan and admit: the shared response
+//! cache's lookup (`crate::cache`), which may answer a hit without the gate; elsewhere the
+//! proxy only hands the cache a miss's answer (`Call::cache`) and marks answers.
 
 mod promote;
 
@@ -23,6 +27,7 @@ use hyper::body::Incoming;
 use nthbouncer_coord::{AcquireRequest, Clock, Grant, Priority, Refusal, SlotKind};
 
 use crate::access::{self, keys::Caller};
+use crate::cache;
 use crate::core::access_log::{AccessLog, LogLine, LogOutcome, UpstreamSeen};
 use crate::core::admission::{self, Caller as AdmissionCaller};
 use crate::core::error::{ApiError, ErrorCode};
@@ -46,6 +51,8 @@ pub struct Proxy {
     pub max_body_bytes: u64,
     /// `server.header_read_timeout_ms`: also the budget for reading a signed body whole.
     pub header_read_timeout: std::time::Duration,
+    /// The shared response cache of the pools that have one.
+    pub cache: Arc<cache::Caches>,
 }
 
 impl Proxy {
@@ -63,6 +70,9 @@ struct Call<'a> {
     peer: SocketAddr,
     original_host: Option<HeaderValue>,
     caller: Caller,
+    /// A cache miss that leads: its answer is stored as it streams (see `cache`). Boxed: a
+    /// call parked in the queue should not grow by what storing needs.
+    cache: Option<Box<cache::Fill>>,
 }
 
 /// A request's body as the phases carry it: still streaming, or read whole (a signed request's:
@@ -81,6 +91,22 @@ struct Plan {
 
 /// Serves one request on a proxy pool's host.
 pub async fn handle(
+    state: Arc<Proxy>,
+    pool: Arc<PoolRuntime>,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+    original_host: Option<HeaderValue>,
+) -> Response<Body> {
+    if pool.spec.cache.is_none() {
+        return serve(state, pool, req, peer, original_host).await;
+    }
+    // Every answer of a cache-enabled pool says what the cache did (SPEC §12).
+    let mut resp = serve(state, pool, req, peer, original_host).await;
+    cache::mark_unmarked(&mut resp);
+    resp
+}
+
+async fn serve(
     state: Arc<Proxy>,
     pool: Arc<PoolRuntime>,
     req: Request<Incoming>,
@@ -115,7 +141,7 @@ pub async fn handle(
             }
         },
     };
-    let call = Call {
+    let mut call = Call {
         state: &state,
         pool: &pool,
         log,
@@ -123,12 +149,55 @@ pub async fn handle(
         peer,
         original_host,
         caller,
+        cache: None,
     };
     let plan = match plan(&call) {
         Ok(p) => p,
         Err(e) => return call.log.refuse(Some(&call.caller.key_id), e),
     };
-    admit(call, body, plan).await
+    if pool.spec.cache.is_none() {
+        return admit(call, body, plan).await;
+    }
+    let mark = match Box::pin(cache_lookup(&call, &body, &plan)).await {
+        cache::Lookup::Hit(resp) => return cache_hit(call, resp),
+        cache::Lookup::Miss(fill) => {
+            call.cache = fill.map(Box::new);
+            cache::Mark::Miss
+        }
+        cache::Lookup::Bypass => cache::Mark::Bypass,
+    };
+    let mut resp = admit(call, body, plan).await;
+    cache::mark(&mut resp, mark);
+    resp
+}
+
+/// The shared response cache's lookup (SPEC §4): after authentication and every access
+/// policy, before admission.
+async fn cache_lookup(call: &Call<'_>, body: &CallBody, plan: &Plan) -> cache::Lookup {
+    let has_body = match body {
+        CallBody::Streamed(b) => !http_body::Body::is_end_stream(b),
+        CallBody::Whole(b) => !b.is_empty(),
+    };
+    let head = cache::RequestHead {
+        method: &call.parts.method,
+        uri: &call.parts.uri,
+        headers: &call.parts.headers,
+        has_body,
+        asked_async: plan.asked_async,
+        authorization_consumed: call.caller.used_authorization,
+    };
+    let key_id = &call.caller.key_id;
+    call.state.cache.lookup(call.pool, &head, key_id).await
+}
+
+/// A hit: answered from the cache, without a slot or an RPM token; logged as a hit.
+fn cache_hit(call: Call<'_>, resp: Response<Body>) -> Response<Body> {
+    let status = resp.status();
+    let key_id = Some(&*call.caller.key_id);
+    let upstream = UpstreamSeen::default();
+    call.log
+        .write(key_id, LogOutcome::CacheHit, None, status, 0, upstream);
+    resp
 }
 
 /// Pool key and access policies (SPEC §2, §9). A signed request with a body comes back with a
@@ -327,10 +396,12 @@ async fn forward(mut call: Call<'_>, body: CallBody, grant: Grant) -> Response<B
         queued_ms,
         upstream,
     );
-    Response::from_parts(
-        rparts,
-        Body::new(SlotBody::new(rbody, guard, deadline, closed)),
-    )
+    let body = Body::new(SlotBody::new(rbody, guard, deadline, closed));
+    let body = match call.cache.take() {
+        None => body,
+        Some(fill) => fill.answer(status, &rparts.headers, body),
+    };
+    Response::from_parts(rparts, body)
 }
 
 /// The request for the origin: the caller's side, then the origin's (the upstream layer).

@@ -334,6 +334,7 @@ async fn a_pools_get_body_put_back_changes_nothing() {
             "async": {"enabled": true},
             "webhooks": [{"url": "https://hooks.example.test/nb", "secret": "whsec_c2VjcmV0LXNlY3JldC1zZWNyZXQtc2VjcmV0"}],
             "access": {"hmac": {"secrets": ["an-hmac-secret-of-some-length"]}, "ip_allow": ["127.0.0.0/8"]},
+            "cache": {"ttl_s": 30, "vary": ["accept-language"], "shared_across_keys": true},
         }),
         // A database pool: its upstream's password is shown masked and kept on the way back.
         json!({

@@ -6,6 +6,7 @@
 mod access;
 mod access_log_flood;
 mod admin;
+mod cache;
 mod connections;
 mod database;
 mod fuzz_regressions;
