@@ -174,6 +174,23 @@ async fn shutdown_signal() {
     tokio::select! { _ = ctrl_c => {}, _ = term => {} }
 }
 
+/// Reloads the configuration at each SIGHUP (`systemctl reload`); the outcome is logged.
+#[cfg(unix)]
+async fn reload_on_sighup(state: Arc<nthbouncer_server::app::state::AppState>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut hangups = match signal(SignalKind::hangup()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot listen for SIGHUP; reload with POST /admin/reload");
+            return;
+        }
+    };
+    while hangups.recv().await.is_some() {
+        // The outcome is logged and in /metrics; nobody waits for it here.
+        let _ = nthbouncer_server::app::reload::reload(&state, "SIGHUP").await;
+    }
+}
+
 async fn serve(config_path: Option<PathBuf>, demo: bool) -> Result<(), String> {
     let mut config = match &config_path {
         Some(path) => Config::load(path).map_err(|e| format!("{}: {e}", path.display()))?,
@@ -183,7 +200,12 @@ async fn serve(config_path: Option<PathBuf>, demo: bool) -> Result<(), String> {
     if demo {
         demo_lines = Some(add_demo(&mut config).await?);
     }
-    let running = nthbouncer_server::start(config, nthbouncer_server::Options::default())
+    // The demo's pools are not in the file: a reload would remove them, so `--demo` has none.
+    let options = nthbouncer_server::Options {
+        config_path: config_path.filter(|_| !demo),
+        ..Default::default()
+    };
+    let running = nthbouncer_server::start(config, options)
         .await
         .map_err(|e| e.to_string())?;
     if let Some(print) = demo_lines {
@@ -194,6 +216,8 @@ async fn serve(config_path: Option<PathBuf>, demo: bool) -> Result<(), String> {
             listeners.addr(DEMO_DB),
         );
     }
+    #[cfg(unix)]
+    tokio::spawn(reload_on_sighup(running.state.clone()));
     let token = running.shutdown_token();
     tokio::spawn(async move {
         shutdown_signal().await;

@@ -173,6 +173,41 @@ impl Server {
         wait_ready(&self.client, self.port).await;
     }
 
+    /// Rewrites the config file as [`Server::start`] wrote it, with `rest` after the
+    /// `[server]` head: what the next reload reads.
+    pub fn rewrite_config(&self, rest: &str) {
+        self.rewrite_config_listening(&format!("127.0.0.1:{}", self.port), rest);
+    }
+
+    /// [`Server::rewrite_config`] with `server.listen = listen` instead of the running port.
+    pub fn rewrite_config_listening(&self, listen: &str, rest: &str) {
+        let data = self._dir.path().join("data").display().to_string();
+        let text = format!(
+            "[server]\nlisten = \"{listen}\"\ndata_dir = {data:?}\nadmin_token = \"{ADMIN_TOKEN}\"\n{rest}"
+        );
+        write_config(self._dir.path(), &text);
+    }
+
+    /// `kill -HUP`: asks the process to reload its config file.
+    pub fn sighup(&self) {
+        let pid = self.proc.0.id().to_string();
+        let sent = Command::new("kill").args(["-HUP", &pid]).status().unwrap();
+        assert!(sent.success(), "kill -HUP {pid} failed");
+    }
+
+    /// `POST /admin/reload`: the status and the JSON answer.
+    pub async fn reload(&self) -> (u16, Value) {
+        let r = self
+            .client
+            .post(self.url("/admin/reload"))
+            .header("host", API_HOST)
+            .bearer_auth(ADMIN_TOKEN)
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json().await.unwrap())
+    }
+
     /// `http://127.0.0.1:{port}{path}`.
     pub fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.port)

@@ -39,9 +39,15 @@ pub async fn gateway_with(pools_toml: &str, clock: Option<Arc<dyn Clock>>) -> Ga
     if config.server.admin_token.is_none() {
         config.server.admin_token = Some(ADMIN_TOKEN.into());
     }
-    let running = nthbouncer_server::start(config, nthbouncer_server::Options { clock })
-        .await
-        .unwrap_or_else(|e| panic!("gateway start: {e}"));
+    let running = nthbouncer_server::start(
+        config,
+        nthbouncer_server::Options {
+            clock,
+            config_path: None,
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("gateway start: {e}"));
     let base = format!("http://{}", running.addr);
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(0)

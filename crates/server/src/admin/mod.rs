@@ -31,7 +31,8 @@ pub struct Admin {
     pub pools: Arc<Pools>,
     pub store: Arc<dyn Store>,
     pub clock: Arc<dyn Clock>,
-    pub admin_token: Option<String>,
+    /// The live `[server]` settings (the admin token).
+    pub live: Arc<crate::core::live::LiveServer>,
     /// The proxy's response caches, for the pool state.
     pub cache: Arc<crate::cache::Caches>,
 }
@@ -45,12 +46,13 @@ impl Admin {
 /// Rejects requests without the admin bearer token.
 pub async fn require_admin(State(state): AdminRef, req: Request, next: Next) -> Response {
     let presented = extract::authorization(req.headers()).and_then(extract::bearer);
-    let ok = match (&state.admin_token, presented) {
+    let live = state.live.load();
+    let ok = match (&live.admin_token, presented) {
         (Some(expected), Some(given)) => bool::from(expected.as_bytes().ct_eq(given.as_bytes())),
         _ => false,
     };
     if !ok {
-        let msg = if state.admin_token.is_none() {
+        let msg = if live.admin_token.is_none() {
             "the admin API is disabled: set server.admin_token"
         } else {
             "missing or invalid admin token"

@@ -2,6 +2,7 @@
 //! The only module that sees every feature; each feature gets the part of the state it needs.
 
 pub mod openapi;
+pub mod reload;
 pub mod router;
 pub mod serve;
 pub mod start;

@@ -69,6 +69,7 @@ pub fn router(state: &Arc<AppState>) -> Router {
         )
         .with_state(state.cache.clone());
     let admin = admin
+        .merge(admin_reload(state))
         .merge(admin_jobs)
         .merge(admin_webhooks)
         .merge(admin_cache)
@@ -112,6 +113,14 @@ pub fn router(state: &Arc<AppState>) -> Router {
                 "this route does not take that method",
             )
         })
+}
+
+/// `POST /admin/reload` (behind the admin token like every admin route): it needs the whole
+/// state, which only this module hands out.
+fn admin_reload(state: &Arc<AppState>) -> Router {
+    Router::new()
+        .route("/admin/reload", post(crate::app::reload::reload_route))
+        .with_state(state.clone())
 }
 
 #[utoipa::path(get, path = "/healthz", tag = "ops", responses((status = 200, description = "the process is alive")))]

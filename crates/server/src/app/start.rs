@@ -32,6 +32,8 @@ use crate::webhooks::Webhooks;
 #[derive(Default)]
 pub struct Options {
     pub clock: Option<Arc<dyn Clock>>,
+    /// The file `config` was read from: a reload (SIGHUP, `POST /admin/reload`) re-reads it.
+    pub config_path: Option<std::path::PathBuf>,
 }
 
 /// A running server.
@@ -80,6 +82,9 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
         access_log,
     })?;
     state.pools.load_pools(&config).await?;
+    if let Some(path) = options.config_path {
+        state.reload.set_source(path, config.clone()).await;
+    }
     crate::lock::leases::reserve_outstanding(&*state.store, &state.pools, state.clock.now_ms())
         .await;
     // Before serving: every unfinished job has its runner and its place in the backlog before a
@@ -140,7 +145,9 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         job_store,
         access_log,
     } = parts;
-    let admin_token = server.admin_token().map_err(StartError::Config)?;
+    let live = Arc::new(crate::core::live::LiveServer::new(
+        crate::core::live::ServerSettings::of(&server).map_err(StartError::Config)?,
+    ));
     let client = crate::upstream::build_client(&server).map_err(StartError::Client)?;
     let deliveries_pending = Arc::new(Notify::new());
     let scheme = poll_scheme(&public_url);
@@ -156,8 +163,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         pool_domain: server.pool_domain.clone(),
         destinations_changed: deliveries_pending.clone(),
         nonces: crate::access::NonceJournal::start(store.clone(), clock.clone()),
-        allow_private_webhooks: server.allow_private_webhooks,
-        max_destinations_per_pool: server.max_destinations_per_pool,
+        live: live.clone(),
     }));
     let jobs = Arc::new(Jobs {
         intake: JobIntake::start(job_store.clone()),
@@ -171,27 +177,22 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         drain: crate::jobs::drain::Drain::new(),
         backlog: crate::jobs::backlog::Backlog::new(),
     });
-    let trusted_proxies: Arc<[ipnet::IpNet]> = server.trusted_proxy_nets().into();
     let cache = Arc::new(Caches::new(pools.clone(), clock.clone()));
     Ok(Arc::new(AppState {
         database: Arc::new(DatabaseApi {
             http: client.clone(),
-            trusted_proxies: trusted_proxies.clone(),
+            live: live.clone(),
             access_log: access_log.clone(),
             clock: clock.clone(),
             jobs: jobs.clone(),
-            max_body_bytes: server.max_body_bytes,
-            body_read_timeout: std::time::Duration::from_millis(server.header_read_timeout_ms),
             scheme,
         }),
         proxy: Arc::new(Proxy {
             client: client.clone(),
-            trusted_proxies: trusted_proxies.clone(),
+            live: live.clone(),
             access_log: access_log.clone(),
             clock: clock.clone(),
             jobs: jobs.clone(),
-            max_body_bytes: server.max_body_bytes,
-            header_read_timeout: std::time::Duration::from_millis(server.header_read_timeout_ms),
             cache: cache.clone(),
         }),
         lock: Arc::new(LockApi {
@@ -204,18 +205,19 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
             pools: pools.clone(),
             store: store.clone(),
             clock: clock.clone(),
-            admin_token,
+            live: live.clone(),
             cache: cache.clone(),
         }),
         webhooks: Arc::new(Webhooks {
             jobs: jobs.clone(),
             pools: pools.clone(),
             server: server.clone(),
+            live: live.clone(),
         }),
         guard: Arc::new(Guard {
             pools: pools.clone(),
             http: client,
-            trusted_proxies,
+            live: live.clone(),
             access_log: access_log.clone(),
             clock: clock.clone(),
         }),
@@ -226,6 +228,8 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         cache,
         access_log,
         draining: AtomicBool::new(false),
+        live,
+        reload: Default::default(),
         server,
     }))
 }

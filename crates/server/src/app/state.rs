@@ -35,6 +35,10 @@ pub struct AppState {
     pub access_log: AccessLog,
     /// Set on SIGTERM: `/readyz` fails so load balancers stop sending traffic.
     pub draining: AtomicBool,
+    /// The `[server]` settings a reload changes live.
+    pub live: Arc<crate::core::live::LiveServer>,
+    /// The config file and what was last applied from it (SIGHUP, `POST /admin/reload`).
+    pub reload: crate::app::reload::Reloader,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -14,7 +14,6 @@ mod sql;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::body::Body;
 use axum::response::IntoResponse;
@@ -37,14 +36,12 @@ pub const SQL_PATH: &str = "/sql";
 /// log, the clock, the jobs a request may become, and the bounds on a request.
 pub struct DatabaseApi {
     pub http: UpstreamClient,
-    pub trusted_proxies: Arc<[ipnet::IpNet]>,
+    /// The live `[server]` settings: trusted proxies, the `/sql` body bound
+    /// (`max_body_bytes`) and the budget for reading it whole (`header_read_timeout`).
+    pub live: Arc<crate::core::live::LiveServer>,
     pub access_log: AccessLog,
     pub clock: Arc<dyn Clock>,
     pub jobs: Arc<Jobs>,
-    /// `server.max_body_bytes`: the largest `/sql` body.
-    pub max_body_bytes: u64,
-    /// `server.header_read_timeout_ms`: also the budget for reading a `/sql` body whole.
-    pub body_read_timeout: Duration,
     /// `http` or `https`: the scheme of `pollUrl`s on the pool host (`server.public_url`'s).
     pub scheme: &'static str,
 }
@@ -73,7 +70,11 @@ pub async fn handle(
         Err(e) => return e.into_response(),
     };
     let (parts, body) = req.into_parts();
-    let client = access::client_addr(peer.ip(), &parts.headers, &state.trusted_proxies);
+    let client = access::client_addr(
+        peer.ip(),
+        &parts.headers,
+        &state.live.load().trusted_proxies,
+    );
     let log = LogLine {
         log: &state.access_log,
         pool: &pool.name,

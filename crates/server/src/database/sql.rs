@@ -88,9 +88,10 @@ pub(super) async fn serve<'a>(
 /// The body, whole: at most `server.max_body_bytes` (`413`), within the header timeout's
 /// budget (`400` when it does not arrive whole in time).
 async fn read_body(state: &DatabaseApi, body: Incoming) -> Result<Bytes, ApiError> {
-    let max = state.max_body_bytes;
+    let live = state.live.load();
+    let max = live.max_body_bytes;
     let read = Limited::new(body, max as usize).collect();
-    match tokio::time::timeout(state.body_read_timeout, read).await {
+    match tokio::time::timeout(live.header_read_timeout, read).await {
         Ok(Ok(collected)) => Ok(collected.to_bytes()),
         Ok(Err(e)) if e.is::<LengthLimitError>() => Err(ApiError::payload_too_large(max)),
         Ok(Err(_)) | Err(_) => Err(ApiError::invalid(

@@ -26,7 +26,8 @@ use crate::upstream::UpstreamClient;
 pub struct Guard {
     pub pools: Arc<Pools>,
     pub http: UpstreamClient,
-    pub trusted_proxies: Arc<[ipnet::IpNet]>,
+    /// The live `[server]` settings (trusted proxies).
+    pub live: Arc<crate::core::live::LiveServer>,
     pub access_log: AccessLog,
     pub clock: Arc<dyn Clock>,
 }
@@ -77,7 +78,7 @@ pub async fn require(
     let Some(pool) = pool_segment(req.uri().path()).and_then(|name| guard.pools.get(&name)) else {
         return ApiError::pool_not_found().into_response();
     };
-    let client = access::client_addr(peer.ip(), req.headers(), &guard.trusted_proxies);
+    let client = access::client_addr(peer.ip(), req.headers(), &guard.live.load().trusted_proxies);
     let route = route_label(req.method(), req.uri().path());
     // Like the handlers: acquire attempts are access-logged; renew, release and polls are not.
     let logged = route == "lock acquire";

@@ -1,13 +1,14 @@
 //! The pool registry: the live set of pools the hot path reads ([`registry`]), the operations
 //! that change it ([`ops`]), and the guard of the API host's pool routes ([`guard`]).
 //!
-//! [`Pools`] is the one handle every feature gets to find a pool; only the admin API and the
-//! start-up change the set, one change at a time.
+//! [`Pools`] is the one handle every feature gets to find a pool; only the admin API, the
+//! start-up and a configuration reload ([`reload`]) change the set, one change at a time.
 
 pub mod guard;
 pub mod listeners;
 pub mod ops;
 pub mod registry;
+pub mod reload;
 
 use std::sync::Arc;
 
@@ -46,10 +47,9 @@ pub struct Pools {
     nonces: NonceJournal,
     /// Pools' own listeners.
     pub listeners: Listeners,
-    /// `server.allow_private_webhooks`, for the webhooks an API pool's body declares.
-    allow_private_webhooks: bool,
-    /// `server.max_destinations_per_pool`.
-    max_destinations_per_pool: u32,
+    /// The live `[server]` settings: `allow_private_webhooks` (for the webhooks an API pool's
+    /// body declares) and `max_destinations_per_pool`.
+    live: Arc<crate::core::live::LiveServer>,
 }
 
 /// What [`Pools::new`] is made of.
@@ -62,8 +62,7 @@ pub struct PoolsParts {
     pub pool_domain: String,
     pub destinations_changed: Arc<Notify>,
     pub nonces: NonceJournal,
-    pub allow_private_webhooks: bool,
-    pub max_destinations_per_pool: u32,
+    pub live: Arc<crate::core::live::LiveServer>,
 }
 
 impl Pools {
@@ -81,8 +80,7 @@ impl Pools {
             destinations_changed: parts.destinations_changed,
             nonces: parts.nonces,
             listeners: Listeners::default(),
-            allow_private_webhooks: parts.allow_private_webhooks,
-            max_destinations_per_pool: parts.max_destinations_per_pool,
+            live: parts.live,
         }
     }
 

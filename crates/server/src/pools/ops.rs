@@ -35,7 +35,7 @@ impl Pools {
     /// Builds a runtime pool, reusing `previous`'s gate and key index when it is an update. The
     /// key index is rebuilt from `stored_keys`, read from the store under `Pools::changes` by
     /// the caller: never from an index in memory, which a key change may have replaced since.
-    fn build_pool(
+    pub(super) fn build_pool(
         &self,
         at: &str,
         spec: PoolSpec,
@@ -184,7 +184,10 @@ impl Pools {
 
     /// Writes the file's `[[pools.webhooks]]` into the store (keeping their runtime state:
     /// active, failure streak) and removes config destinations the file no longer lists.
-    async fn sync_config_destinations(&self, config: &Config) -> nthbouncer_store::Result<()> {
+    pub(super) async fn sync_config_destinations(
+        &self,
+        config: &Config,
+    ) -> nthbouncer_store::Result<()> {
         let existing = self.jobs.list_destinations(None).await?;
         let mut wanted = std::collections::HashSet::new();
         for (i, pool) in config.pools.iter().enumerate() {
@@ -277,7 +280,7 @@ impl Pools {
     async fn check_spec_webhooks(&self, spec: &PoolSpec) -> Result<(), ApiError> {
         for (i, w) in spec.webhooks.iter().enumerate() {
             let field = format!("webhooks[{i}].url");
-            check_webhook_url(&field, &w.url, self.allow_private_webhooks).await?;
+            check_webhook_url(&field, &w.url, self.live.load().allow_private_webhooks).await?;
         }
         let added = self
             .jobs
@@ -286,7 +289,7 @@ impl Pools {
             .iter()
             .filter(|d| d.managed_by == "api")
             .count();
-        let cap = self.max_destinations_per_pool as usize;
+        let cap = self.live.load().max_destinations_per_pool as usize;
         if added + spec.webhooks.len() > cap {
             return Err(ApiError::new(
                 ErrorCode::TooManyDestinations,

@@ -43,14 +43,11 @@ pub use crate::core::admission::ASYNC_HEADER;
 /// log, the clock, the jobs a request may be handed to, and the body bound.
 pub struct Proxy {
     pub client: UpstreamClient,
-    pub trusted_proxies: Arc<[ipnet::IpNet]>,
+    /// The live `[server]` settings: trusted proxies, the body bound, the body read budget.
+    pub live: Arc<crate::core::live::LiveServer>,
     pub access_log: AccessLog,
     pub clock: Arc<dyn Clock>,
     pub jobs: Arc<Jobs>,
-    /// `server.max_body_bytes`.
-    pub max_body_bytes: u64,
-    /// `server.header_read_timeout_ms`: also the budget for reading a signed body whole.
-    pub header_read_timeout: std::time::Duration,
     /// The shared response cache of the pools that have one.
     pub cache: Arc<cache::Caches>,
 }
@@ -114,7 +111,11 @@ async fn serve(
     original_host: Option<HeaderValue>,
 ) -> Response<Body> {
     let (parts, body) = req.into_parts();
-    let client = access::client_addr(peer.ip(), &parts.headers, &state.trusted_proxies);
+    let client = access::client_addr(
+        peer.ip(),
+        &parts.headers,
+        &state.live.load().trusted_proxies,
+    );
     let log = LogLine {
         log: &state.access_log,
         pool: &pool.name,
@@ -249,9 +250,9 @@ async fn verify_body(
         .access
         .hmac
         .as_ref()
-        .map_or(state.max_body_bytes, |h| h.max_body_bytes);
+        .map_or(state.live.load().max_body_bytes, |h| h.max_body_bytes);
     let read = http_body_util::BodyExt::collect(Limited::new(body, max as usize));
-    let bytes = match tokio::time::timeout(state.header_read_timeout, read).await {
+    let bytes = match tokio::time::timeout(state.live.load().header_read_timeout, read).await {
         Ok(Ok(collected)) => collected.to_bytes(),
         Ok(Err(e)) if e.is::<LengthLimitError>() => {
             return Err(Refused::TooLarge(ApiError::payload_too_large(max)))
@@ -271,7 +272,7 @@ async fn verify_body(
 /// The body-size bound, the wait budget, the priority and whether a job is asked for.
 fn plan(call: &Call<'_>) -> Result<Plan, ApiError> {
     let headers = &call.parts.headers;
-    let max_body = call.state.max_body_bytes;
+    let max_body = call.state.live.load().max_body_bytes;
     if content_length(headers).is_some_and(|len| len > max_body) {
         return Err(ApiError::payload_too_large(max_body));
     }
@@ -349,7 +350,7 @@ async fn forward(mut call: Call<'_>, body: CallBody, grant: Grant) -> Response<B
     let pool = call.pool;
     let guard = SlotGuard::new(pool.gate.clone(), grant.slot_id);
     let deadline = crate::core::time::deadline_in(pool.concurrency.request_timeout_ms);
-    let max_body = call.state.max_body_bytes;
+    let max_body = call.state.live.load().max_body_bytes;
     let body = match body {
         CallBody::Streamed(body) => Body::new(Limited::new(body, max_body as usize)),
         CallBody::Whole(bytes) => Body::from(bytes),
@@ -455,7 +456,7 @@ fn upstream_failure(
     latency_ms: u64,
 ) -> Response<Body> {
     let pool = call.pool;
-    let max_body = call.state.max_body_bytes;
+    let max_body = call.state.live.load().max_body_bytes;
     let (e, reason) = if err.caused_by::<LengthLimitError>().is_some() {
         (ApiError::payload_too_large(max_body), None)
     } else if err.timed_out() {

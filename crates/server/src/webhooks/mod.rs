@@ -26,6 +26,7 @@ use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -86,6 +87,8 @@ pub struct Webhooks {
     pub jobs: Arc<Jobs>,
     pub pools: Arc<Pools>,
     pub server: Settings,
+    /// The live `[server]` settings (`allow_private_webhooks`, `max_destinations_per_pool`).
+    pub live: Arc<crate::core::live::LiveServer>,
 }
 
 /// The HMAC key of a `whsec_` secret (the base64-decoded part after the prefix).
@@ -154,7 +157,8 @@ pub fn next_after_failure(
 /// not private (unless allowed): the check covers the address actually connected to.
 #[derive(Clone, Debug)]
 pub struct GuardedConnector {
-    pub allow_private: bool,
+    /// `server.allow_private_webhooks`, as it is now (a reload changes it).
+    pub allow_private: Arc<AtomicBool>,
     pub connect_timeout: Duration,
 }
 
@@ -170,7 +174,7 @@ pub struct PrivateAddress {
 
 impl GuardedConnector {
     fn allowed(&self, ip: &IpAddr) -> bool {
-        self.allow_private || !crate::core::netcheck::is_private(ip)
+        self.allow_private.load(Ordering::Relaxed) || !crate::core::netcheck::is_private(ip)
     }
 
     async fn connect(self, uri: Uri) -> io::Result<TokioIo<TcpStream>> {
@@ -246,9 +250,12 @@ pub type WebhookClient = Client<hyper_rustls::HttpsConnector<GuardedConnector>, 
 
 /// The delivery client: HTTP/1.1 keep-alive, rustls, never follows redirects (hyper does not),
 /// through [`GuardedConnector`].
-pub fn build_client(server: &ServerSpec) -> Result<WebhookClient, String> {
+pub fn build_client(
+    server: &ServerSpec,
+    allow_private: Arc<AtomicBool>,
+) -> Result<WebhookClient, String> {
     let connector = GuardedConnector {
-        allow_private: server.allow_private_webhooks,
+        allow_private,
         connect_timeout: Duration::from_millis(server.upstream_connect_timeout_ms),
     };
     let https = hyper_rustls::HttpsConnectorBuilder::new()
@@ -690,7 +697,7 @@ fn decrement(counts: &mut HashMap<String, usize>, key: &str) {
 /// `shutdown_grace_ms`, and any still running after it are abandoned: their deliveries stay
 /// pending and go out at the next start.
 pub async fn run_dispatcher(state: Arc<Webhooks>) {
-    let client = match build_client(&state.server) {
+    let client = match build_client(&state.server, state.live.allow_private_webhooks()) {
         Ok(c) => Arc::new(c),
         Err(e) => {
             tracing::error!(error = %e, "cannot build the webhook client; webhooks are not sent");
@@ -849,7 +856,7 @@ mod tests {
         let port = listener.local_addr().unwrap().port();
         let uri: Uri = format!("http://127.0.0.1:{port}/").parse().unwrap();
         let guarded = GuardedConnector {
-            allow_private: false,
+            allow_private: Arc::new(AtomicBool::new(false)),
             connect_timeout: Duration::from_secs(5),
         };
         let e = guarded.clone().connect(uri.clone()).await.unwrap_err();
@@ -860,7 +867,7 @@ mod tests {
         let e = guarded.connect(by_name).await.unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::PermissionDenied);
         let allowed = GuardedConnector {
-            allow_private: true,
+            allow_private: Arc::new(AtomicBool::new(true)),
             connect_timeout: Duration::from_secs(5),
         };
         allowed.connect(uri).await.unwrap();

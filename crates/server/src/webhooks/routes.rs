@@ -104,8 +104,12 @@ pub async fn create_destination(
 ) -> Result<(StatusCode, Json<DestinationView>), ApiError> {
     let pool = state.pools.get_or_404(&name)?;
     let req: NewDestination = parse_json(&body)?;
-    crate::core::netcheck::check_webhook_url("url", &req.url, state.server.allow_private_webhooks)
-        .await?;
+    crate::core::netcheck::check_webhook_url(
+        "url",
+        &req.url,
+        state.live.load().allow_private_webhooks,
+    )
+    .await?;
     let secret = match req.secret {
         Some(s) => {
             nthbouncer_config::async_jobs::check_webhook_secret("secret", &s)
@@ -123,7 +127,7 @@ pub async fn create_destination(
     }
     let _guard = state.pools.lock_changes().await;
     let count = pool.destinations.load().len();
-    let cap = state.server.max_destinations_per_pool as usize;
+    let cap = state.live.load().max_destinations_per_pool as usize;
     if count >= cap {
         return Err(ApiError::new(ErrorCode::TooManyDestinations, format!("pool {name:?} already has {count} destinations (server.max_destinations_per_pool = {cap})"),
         ));
@@ -181,8 +185,12 @@ pub async fn patch_destination(
         return Err(crate::pools::owned_elsewhere(&name, &d.managed_by));
     }
     if let Some(url) = patch.url {
-        crate::core::netcheck::check_webhook_url("url", &url, state.server.allow_private_webhooks)
-            .await?;
+        crate::core::netcheck::check_webhook_url(
+            "url",
+            &url,
+            state.live.load().allow_private_webhooks,
+        )
+        .await?;
         d.url = url;
     }
     if let Some(n) = patch.deactivate_after {

@@ -1,0 +1,335 @@
+//! Configuration reload against the real binary (SPEC §12 Reload, issue #21): the config file
+//! is rewritten and reloaded through `POST /admin/reload` or SIGHUP while calls, streams and
+//! leases are in flight. Counts and ordering only; every wait is bounded.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use nthbouncer_testkit::binary::Server;
+use nthbouncer_testkit::{lock_pool_toml, pool_toml, wait_until, Upstream};
+use reqwest::Method;
+use serde_json::{json, Value};
+
+use crate::BIN;
+
+/// The pool's governor state as the admin API shows it.
+async fn state(server: &Server, pool: &str) -> Value {
+    server
+        .admin_json(&format!("/admin/pools/{pool}/state"))
+        .await
+}
+
+/// Waits (bounded) until `pool`'s state satisfies `ok`.
+async fn wait_state(server: &Server, pool: &str, what: &str, ok: impl Fn(&Value) -> bool) {
+    let mut last = Value::Null;
+    let reached = wait_until(1000, Duration::from_millis(20), async || {
+        last = state(server, pool).await;
+        ok(&last)
+    })
+    .await;
+    assert!(reached, "{pool}: never {what}: {last}");
+}
+
+/// Waits (bounded) until the upstream has `n` requests in flight.
+async fn wait_upstream_in_flight(up: &Upstream, n: i64) {
+    let reached = wait_until(1000, Duration::from_millis(20), async || {
+        up.in_flight() == n
+    })
+    .await;
+    assert!(
+        reached,
+        "the upstream never had {n} in flight: {}",
+        up.in_flight()
+    );
+}
+
+/// The value of the unlabelled metric `name` in `/metrics`.
+async fn metric(server: &Server, name: &str) -> Option<f64> {
+    let text = server
+        .client
+        .get(server.url("/metrics"))
+        .header("host", "api.localhost")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// A lower limit applies to the next admission: the calls admitted above it finish, nobody new
+/// reaches the origin until the count is under it, and from then on the origin never sees more
+/// than the new limit. No call fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lower_limit_drains_to_the_new_limit_without_dropping_a_call() {
+    let up = Upstream::start().await;
+    let pool = |limit: u32| {
+        pool_toml(
+            "p",
+            &up.url(),
+            &format!("limit = {limit}\nqueue_size = 100\nqueue_timeout_ms = 120000"),
+        )
+    };
+    let server = Server::start(BIN, "warn", reqwest::Client::new(), &pool(4)).await;
+    let calls: Vec<_> = (0..10)
+        .map(|_| {
+            let req = server.pool_get("p", "/hold");
+            tokio::spawn(async move {
+                let r = req.send().await.unwrap();
+                (r.status().as_u16(), r.text().await.unwrap())
+            })
+        })
+        .collect();
+    wait_upstream_in_flight(&up, 4).await;
+    wait_state(&server, "p", "4 in flight and 6 queued", |s| {
+        s["inFlight"] == 4 && s["queued"] == 6
+    })
+    .await;
+
+    server.rewrite_config(&pool(2));
+    let (status, body) = server.reload().await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["pools"]["changed"], json!(["p"]), "{body}");
+    // Held slots and waiters are the same ones: nothing was evicted or refused.
+    let s = state(&server, "p").await;
+    assert_eq!(
+        (&s["inFlight"], &s["queued"]),
+        (&json!(4), &json!(6)),
+        "{s}"
+    );
+    assert_eq!(s["configuredLimit"], 2, "{s}");
+
+    // Two calls end: the pool is at the new limit, and nobody new was admitted on the way.
+    up.release(2);
+    wait_state(&server, "p", "down to the new limit", |s| {
+        s["inFlight"] == 2
+    })
+    .await;
+    wait_upstream_in_flight(&up, 2).await;
+    assert_eq!(up.total(), 4, "a call was admitted above the new limit");
+    // From now on the origin never sees more than 2 at once.
+    up.state.max_in_flight.store(0, Ordering::SeqCst);
+    up.release(8);
+    for call in calls {
+        let (status, body) = call.await.unwrap();
+        assert_eq!((status, body.as_str()), (200, "released"));
+    }
+    assert_eq!(up.total(), 10);
+    assert!(
+        up.max_in_flight() <= 2,
+        "the origin saw {} at once after the reload",
+        up.max_in_flight()
+    );
+}
+
+/// One reload adds a pool, changes one and removes one; a stream open on the removed pool
+/// finishes whole while new calls to it answer `404 pool_not_found`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_adds_changes_and_removes_pools_and_open_streams_finish() {
+    let up = Upstream::start().await;
+    let a = |limit: u32| pool_toml("a", &up.url(), &format!("limit = {limit}"));
+    let b = pool_toml("b", &up.url(), "limit = 2");
+    let c = pool_toml("c", &up.url(), "limit = 3");
+    let server = Server::start(BIN, "warn", reqwest::Client::new(), &(a(2) + &b)).await;
+    assert_eq!(
+        server.pool_get("c", "/echo").send().await.unwrap().status(),
+        404
+    );
+    let stream = {
+        let req = server.pool_get("b", "/sse?n=3");
+        tokio::spawn(async move {
+            let r = req.send().await.unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        })
+    };
+    wait_upstream_in_flight(&up, 1).await;
+
+    server.rewrite_config(&(a(5) + &c));
+    let (status, body) = server.reload().await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["pools"]["added"], json!(["c"]), "{body}");
+    assert_eq!(body["pools"]["changed"], json!(["a"]), "{body}");
+    assert_eq!(body["pools"]["removed"], json!(["b"]), "{body}");
+
+    // The removed pool takes no new call; its open stream runs to its end.
+    let r = server.pool_get("b", "/echo").send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    let refused: Value = r.json().await.unwrap();
+    assert_eq!(refused["error"], "pool_not_found", "{refused}");
+    up.release(3);
+    let (status, text) = stream.await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(
+        text, "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: [DONE]\n\n",
+        "the stream on the removed pool was cut"
+    );
+
+    // The added pool serves; the changed one has its new limit.
+    let r = server.pool_get("c", "/echo").send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(state(&server, "a").await["configuredLimit"], 5);
+    assert_eq!(state(&server, "c").await["configuredLimit"], 3);
+    let listed = server.admin_json("/admin/pools").await;
+    let mut names: Vec<_> = listed["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap().to_string())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["a", "c"]);
+}
+
+/// A file with a broken rule changes nothing: `400 invalid` naming the key, the pools as they
+/// were, and `/metrics` records the failed reload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_file_changes_nothing_and_names_the_key() {
+    let up = Upstream::start().await;
+    let good = pool_toml("p", &up.url(), "limit = 3");
+    let server = Server::start(BIN, "warn", reqwest::Client::new(), &good).await;
+
+    // A good reload first: the metrics show it.
+    let (status, body) = server.reload().await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["pools"]["unchanged"], json!(["p"]), "{body}");
+    assert_eq!(
+        metric(&server, "nthbouncer_config_reload_last_success").await,
+        Some(1.0)
+    );
+
+    // A second pool with a broken limit, and the first one changed: neither applies.
+    let bad = pool_toml("p", &up.url(), "limit = 7") + &pool_toml("q", &up.url(), "limit = 0");
+    server.rewrite_config(&bad);
+    let (status, body) = server.reload().await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"], "invalid", "{body}");
+    assert_eq!(body["field"], "pools[1].concurrency.limit", "{body}");
+    assert_eq!(state(&server, "p").await["configuredLimit"], 3);
+    assert_eq!(
+        server.pool_get("q", "/echo").send().await.unwrap().status(),
+        404
+    );
+    assert_eq!(
+        metric(&server, "nthbouncer_config_reload_last_success").await,
+        Some(0.0)
+    );
+    assert!(
+        metric(&server, "nthbouncer_config_reload_last_timestamp_seconds")
+            .await
+            .is_some_and(|t| t > 0.0)
+    );
+
+    // A file that is not TOML at all: refused the same way.
+    server.rewrite_config("[[pools]\nname = ");
+    let (status, body) = server.reload().await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(state(&server, "p").await["configuredLimit"], 3);
+    // Without the admin token: 401, and nothing is read.
+    let r = server
+        .client
+        .post(server.url("/admin/reload"))
+        .header("host", "api.localhost")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+}
+
+/// `listen` (the server's or a pool's own) needs a restart: a reload that changes it is refused
+/// with that reason and changes nothing else in the file either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_changes_listen_is_refused() {
+    let up = Upstream::start().await;
+    let pool = |limit: u32| pool_toml("p", &up.url(), &format!("limit = {limit}"));
+    let server = Server::start(BIN, "warn", reqwest::Client::new(), &pool(3)).await;
+    let other = nthbouncer_testkit::binary::free_port();
+    server.rewrite_config_listening(&format!("127.0.0.1:{other}"), &pool(5));
+    let (status, body) = server.reload().await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["field"], "server.listen", "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("needs a restart")),
+        "{body}"
+    );
+    assert_eq!(state(&server, "p").await["configuredLimit"], 3);
+
+    // A pool's own listener likewise.
+    let own = format!("listen = \"127.0.0.1:{other}\"\n");
+    let with_own = pool(5).replacen("keys = ", &format!("{own}keys = "), 1);
+    server.rewrite_config(&with_own);
+    let (status, body) = server.reload().await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["field"], "pools[0].listen", "{body}");
+    assert_eq!(state(&server, "p").await["configuredLimit"], 3);
+}
+
+/// SIGHUP reloads like the route. A lease held across it renews, and what the pool learned (a
+/// throttle reported on release) is still there after its settings changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_and_leases_and_learned_limits_survive() {
+    let pool = |queue: u32| {
+        lock_pool_toml(
+            "p",
+            &format!("limit = 4\nqueue_size = {queue}\nlease_term_ms = 60000"),
+        )
+    };
+    let server = Server::start(BIN, "warn", reqwest::Client::new(), &pool(10)).await;
+    let lock = async |path: &str, body: Value| -> (u16, Value) {
+        nthbouncer_testkit::call(
+            server
+                .api(Method::POST, &format!("/pools/p/lock/{path}"))
+                .json(&body),
+        )
+        .await
+    };
+    let (status, held) = lock("acquire", json!({})).await;
+    assert_eq!(status, 200, "{held}");
+    let held = held["slotId"].as_str().unwrap().to_string();
+    // Another holder reports a throttle: the pool learns a lower limit.
+    let (status, taught) = lock("acquire", json!({})).await;
+    assert_eq!(status, 200, "{taught}");
+    let taught = taught["slotId"].as_str().unwrap().to_string();
+    let report = json!({"status": 429, "throttled": 1});
+    let (status, _) = lock(&format!("{taught}/release"), report).await;
+    assert_eq!(status, 200);
+    let before = state(&server, "p").await;
+    let learned = before["learnedLimit"].as_u64();
+    assert!(learned.is_some_and(|l| l < 4), "nothing learned: {before}");
+
+    server.rewrite_config(&pool(20));
+    server.sighup();
+    let reloaded = wait_until(1000, Duration::from_millis(20), async || {
+        metric(
+            &server,
+            "nthbouncer_config_reloads_total{result=\"applied\"}",
+        )
+        .await
+        .is_some()
+    })
+    .await;
+    assert!(reloaded, "SIGHUP did not reload");
+    assert_eq!(
+        metric(&server, "nthbouncer_config_reload_last_success").await,
+        Some(1.0)
+    );
+    let got = server.admin_json("/admin/pools/p").await;
+    assert_eq!(got["concurrency"]["queue_size"], 20, "{got}");
+
+    let after = state(&server, "p").await;
+    assert_eq!(
+        after["inFlight"], 1,
+        "the held lease is still counted: {after}"
+    );
+    assert!(
+        after["learnedLimit"].as_u64().is_some_and(|l| l < 4),
+        "the learned limit was forgotten: {after}"
+    );
+    let (status, renewed) = lock(&format!("{held}/renew"), json!({})).await;
+    assert_eq!(status, 200, "{renewed}");
+    let (status, released) = lock(&format!("{held}/release"), json!({})).await;
+    assert_eq!((status, &released["released"]), (200, &json!(true)));
+}
