@@ -181,9 +181,18 @@ impl Server {
 
     /// [`Server::rewrite_config`] with `server.listen = listen` instead of the running port.
     pub fn rewrite_config_listening(&self, listen: &str, rest: &str) {
+        self.rewrite_config_head(listen, ADMIN_TOKEN, rest);
+    }
+
+    /// [`Server::rewrite_config`] with `server.admin_token = token` instead of the test's.
+    pub fn rewrite_config_with_token(&self, token: &str, rest: &str) {
+        self.rewrite_config_head(&format!("127.0.0.1:{}", self.port), token, rest);
+    }
+
+    fn rewrite_config_head(&self, listen: &str, token: &str, rest: &str) {
         let data = self._dir.path().join("data").display().to_string();
         let text = format!(
-            "[server]\nlisten = \"{listen}\"\ndata_dir = {data:?}\nadmin_token = \"{ADMIN_TOKEN}\"\n{rest}"
+            "[server]\nlisten = \"{listen}\"\ndata_dir = {data:?}\nadmin_token = \"{token}\"\n{rest}"
         );
         write_config(self._dir.path(), &text);
     }

@@ -333,3 +333,43 @@ async fn sighup_reloads_and_leases_and_learned_limits_survive() {
     let (status, released) = lock(&format!("{held}/release"), json!({})).await;
     assert_eq!((status, &released["released"]), (200, &json!(true)));
 }
+
+/// The `[server]` settings that own no socket apply to the next request: a new admin token
+/// (the old one is refused at once) and a lower body bound. A change read only at start is
+/// accepted and listed as pending a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_settings_apply_to_the_next_request() {
+    let up = Upstream::start().await;
+    let pool = pool_toml("p", &up.url(), "limit = 2");
+    let server = Server::start(BIN, "warn", reqwest::Client::new(), &pool).await;
+    let post_echo = |bytes: usize| {
+        server
+            .pool("p", Method::POST, "/echo")
+            .body(vec![b'x'; bytes])
+    };
+    assert_eq!(post_echo(4096).send().await.unwrap().status(), 200);
+
+    let token = "a-new-admin-token-0123456789";
+    let rest = format!("max_body_bytes = 1024\nidle_timeout_ms = 30000\n{pool}");
+    server.rewrite_config_with_token(token, &rest);
+    let (status, body) = server.reload().await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body["restartPending"],
+        json!(["server.idle_timeout_ms"]),
+        "{body}"
+    );
+    let admin = |token: &str| {
+        server
+            .client
+            .get(server.url("/admin/pools"))
+            .header("host", "api.localhost")
+            .bearer_auth(token)
+    };
+    let old = admin(nthbouncer_testkit::ADMIN_TOKEN).send().await.unwrap();
+    assert_eq!(old.status(), 401, "the old admin token still works");
+    assert_eq!(admin(token).send().await.unwrap().status(), 200);
+    let r = post_echo(4096).send().await.unwrap();
+    assert_eq!(r.status(), 413, "the lower body bound did not apply");
+    assert_eq!(post_echo(512).send().await.unwrap().status(), 200);
+}
