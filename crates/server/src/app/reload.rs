@@ -196,3 +196,44 @@ pub async fn reload_route(State(state): State<Arc<AppState>>) -> Result<Json<Rel
         .map(Json)
         .map_err(|e| ApiError::invalid(e.key.clone(), e.to_string()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_owns_a_socket_or_a_store_is_refused_and_start_only_keys_are_pending() {
+        let old = ServerSpec::default();
+        let mut new = old.clone();
+        new.admin_token = Some("another-admin-token-0123".into());
+        new.max_body_bytes = 1;
+        assert!(restart_only(&old, &new).is_none());
+        assert!(
+            pending_restart(&old, &new).is_empty(),
+            "live keys are not pending"
+        );
+        new.idle_timeout_ms = 5;
+        new.api_host = "api.example".into();
+        assert_eq!(
+            pending_restart(&old, &new),
+            ["server.api_host", "server.idle_timeout_ms"]
+        );
+        for (key, change) in [
+            (
+                "server.listen",
+                (|s: &mut ServerSpec| s.listen = "127.0.0.1:1".into()) as fn(&mut ServerSpec),
+            ),
+            ("server.data_dir", |s| s.data_dir = "elsewhere".into()),
+            ("server.store", |s| s.store = "postgres://x".into()),
+            ("server.coordination", |s| {
+                s.coordination = "redis://x".into()
+            }),
+        ] {
+            let mut changed = old.clone();
+            change(&mut changed);
+            let refused =
+                restart_only(&old, &changed).map(|e| (e.key, e.rule.contains("needs a restart")));
+            assert_eq!(refused, Some((key.to_string(), true)));
+        }
+    }
+}

@@ -189,13 +189,20 @@ impl Pools {
             if let Err(e) = self.check_reload_domains(candidate, &at, spec) {
                 return Err((e, opened(&next)));
             }
+            // An unchanged pool stays as it is (its access policies' caches too).
+            if let Some(p) = previous.as_ref().filter(|p| p.spec == *spec) {
+                *candidate = candidate.with_pool(p.clone());
+                next.push(Next {
+                    pool: p.clone(),
+                    previous: Some(p.clone()),
+                    bound: None,
+                });
+                continue;
+            }
             let provenance = Provenance {
                 managed_by: ManagedBy::Config,
                 created_at: previous.as_ref().map_or(now, |p| p.created_at),
-                updated_at: match &previous {
-                    Some(p) if p.spec == *spec => p.updated_at,
-                    _ => now,
-                },
+                updated_at: now,
             };
             let keys = keys_of.get(spec.name.as_str()).cloned().unwrap_or_default();
             let pool =
