@@ -373,3 +373,69 @@ async fn server_settings_apply_to_the_next_request() {
     assert_eq!(r.status(), 413, "the lower body bound did not apply");
     assert_eq!(post_echo(512).send().await.unwrap().status(), 200);
 }
+
+/// A pool's keys change live: a key the file no longer lists is refused at its next call, a
+/// new one is taken, and neither needs a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_removed_from_the_file_is_refused_at_the_next_call() {
+    use nthbouncer_testkit::{KEY, KEY2};
+    let up = Upstream::start().await;
+    let server = Server::start(
+        BIN,
+        "warn",
+        reqwest::Client::new(),
+        &pool_toml("p", &up.url(), "limit = 2"),
+    )
+    .await;
+    let with_key = |key: &str| {
+        server
+            .client
+            .get(server.url("/echo"))
+            .header("host", "p.localhost")
+            .header("x-nthpool-key", key)
+    };
+    assert_eq!(with_key(KEY2).send().await.unwrap().status(), 200);
+    let only_first = pool_toml("p", &up.url(), "limit = 2").replace(&format!(", \"{KEY2}\""), "");
+    assert!(!only_first.contains(KEY2), "{only_first}");
+    server.rewrite_config(&only_first);
+    let (status, body) = server.reload().await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(with_key(KEY2).send().await.unwrap().status(), 401);
+    assert_eq!(with_key(KEY).send().await.unwrap().status(), 200);
+}
+
+/// A pool's webhooks follow the file: a reload that swaps a destination's URL leaves exactly
+/// the new one, and one that drops them all leaves none (async falls back to sync).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_destinations_follow_the_file() {
+    use nthbouncer_testkit::webhook_toml;
+    let up = Upstream::start().await;
+    let pool = |hooks: &[&str]| {
+        let mut t = pool_toml("p", &up.url(), "limit = 2") + "[pools.async]\nenabled = true\n";
+        for h in hooks {
+            t += &webhook_toml(h);
+        }
+        t
+    };
+    let first = "http://127.0.0.1:9/first";
+    let second = "http://127.0.0.1:9/second";
+    let server = Server::start(BIN, "warn", reqwest::Client::new(), &pool(&[first])).await;
+    let urls = async || -> Vec<String> {
+        let list = server.admin_json("/admin/pools/p/webhooks").await;
+        list["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["url"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(urls().await, [first]);
+    server.rewrite_config(&pool(&[second]));
+    let (status, body) = server.reload().await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(urls().await, [second]);
+    server.rewrite_config(&pool(&[]));
+    let (status, body) = server.reload().await;
+    assert_eq!(status, 200, "{body}");
+    assert!(urls().await.is_empty());
+}

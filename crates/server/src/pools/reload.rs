@@ -43,6 +43,11 @@ impl Pools {
     pub fn check_reload(&self, config: &Config) -> Result<(), ConfigError> {
         let registry = self.registry.load_full();
         for (i, spec) in config.pools.iter().enumerate() {
+            // Resolved before anything changes: the store sync after publishing needs them.
+            for (j, w) in spec.webhooks.iter().enumerate() {
+                let at = format!("pools[{i}].webhooks[{j}].secret");
+                nthbouncer_config::resolve_secret(&at, &w.secret)?;
+            }
             let Some(current) = registry.pools.get(&spec.name) else {
                 continue;
             };
