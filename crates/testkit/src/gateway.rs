@@ -43,7 +43,7 @@ pub async fn gateway_with(pools_toml: &str, clock: Option<Arc<dyn Clock>>) -> Ga
         config,
         nthbouncer_server::Options {
             clock,
-            config_path: None,
+            ..Default::default()
         },
     )
     .await

@@ -132,6 +132,16 @@ pub async fn reload(state: &AppState, trigger: &str) -> Result<Reloaded, ConfigE
             "configuration reload refused; nothing changed"
         ),
     }
+    if let Some(r) = outcome
+        .as_ref()
+        .ok()
+        .filter(|r| !r.restart_pending.is_empty())
+    {
+        tracing::warn!(
+            keys = ?r.restart_pending,
+            "these [server] keys changed in the file; they apply at the next restart"
+        );
+    }
     outcome
 }
 
