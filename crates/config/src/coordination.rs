@@ -174,6 +174,7 @@ fn check_redis_url(key: &str, url: &str) -> Result<(), ConfigError> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::panic)]
 mod tests {
     use crate::Config;
 
@@ -208,8 +209,14 @@ mod tests {
         let cases = [
             ("coordination = \"memcached://x\"\n", "server.coordination"),
             ("coordination = \"redis://\"\n", "server.coordination"),
-            ("coordination = \"redis://:hunter2@h:99999\"\n", "server.coordination"),
-            ("coordination = \"redis://:hunter2@h/x\"\n", "server.coordination"),
+            (
+                "coordination = \"redis://:hunter2@h:99999\"\n",
+                "server.coordination",
+            ),
+            (
+                "coordination = \"redis://:hunter2@h/x\"\n",
+                "server.coordination",
+            ),
             ("coordination = \"rediss://h\"\n", "server.coordination"),
             ("coordination_fail = \"open\"\n", "server.coordination_fail"),
             (

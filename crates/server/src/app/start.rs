@@ -5,8 +5,8 @@ use std::net::SocketAddr;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use nthbouncer_config::{Config, ConfigError, ServerSpec};
 use nthbouncer_config::Coordination as CoordinationSpec;
+use nthbouncer_config::{Config, ConfigError, ServerSpec};
 use nthbouncer_coord::in_process::InProcessCoordination;
 use nthbouncer_coord::redis::{RedisCoordination, RedisOptions};
 use nthbouncer_coord::{Clock, Coordination, SystemClock};

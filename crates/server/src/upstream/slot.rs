@@ -70,7 +70,9 @@ impl Fence {
 
 /// The error of a call cut off because its slot's lease could not be confirmed.
 #[derive(Debug, thiserror::Error)]
-#[error("the slot's lease could not be confirmed with the coordination store; the call was cut off")]
+#[error(
+    "the slot's lease could not be confirmed with the coordination store; the call was cut off"
+)]
 pub struct Fenced;
 
 impl Drop for SlotGuard {
