@@ -156,14 +156,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
     let client = crate::upstream::build_client(&server).map_err(StartError::Client)?;
     let deliveries_pending = Arc::new(Notify::new());
     let scheme = poll_scheme(&public_url);
-    let (coordination, nonces, leases): (Arc<dyn Coordination>, _, _) = match shared {
-        Some(redis) => (redis.clone(), NonceSource::Shared(redis), LeaseBook::off()),
-        None => (
-            Arc::new(InProcessCoordination::new(clock.clone())),
-            NonceSource::Journal(NonceJournal::start(store.clone(), clock.clone())),
-            LeaseBook::start(store.clone(), clock.clone()),
-        ),
-    };
+    let (coordination, nonces, leases) = coordination_parts(shared, &store, &clock);
     let pools = Arc::new(Pools::new(PoolsParts {
         store: store.clone(),
         jobs: job_store.clone(),
@@ -245,6 +238,22 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         draining: AtomicBool::new(false),
         server,
     }))
+}
+
+/// The gates, the nonce stores and the lease book, all in process or all on Redis.
+fn coordination_parts(
+    shared: Option<Arc<RedisCoordination>>,
+    store: &Arc<dyn Store>,
+    clock: &Arc<dyn Clock>,
+) -> (Arc<dyn Coordination>, NonceSource, LeaseBook) {
+    match shared {
+        Some(redis) => (redis.clone(), NonceSource::Shared(redis), LeaseBook::off()),
+        None => (
+            Arc::new(InProcessCoordination::new(clock.clone())),
+            NonceSource::Journal(NonceJournal::start(store.clone(), clock.clone())),
+            LeaseBook::start(store.clone(), clock.clone()),
+        ),
+    }
 }
 
 async fn bind(server: &ServerSpec) -> Result<(TcpListener, SocketAddr), StartError> {
