@@ -45,8 +45,11 @@ fn encode(batch: &Batch) -> Result<Vec<u8>> {
         .map_err(|e| StoreError::Backend(format!("packing lease records: {e}")))
 }
 
-/// Slot id → (pool, request deadline), after replaying every row; and the latest `now` seen.
-fn replay(conn: &Connection) -> Result<(BTreeMap<String, (String, u64)>, u64)> {
+/// Slot id → (pool, request deadline).
+type Outstanding = BTreeMap<String, (String, u64)>;
+
+/// The leases outstanding after replaying every row, and the latest `now` seen.
+fn replay(conn: &Connection) -> Result<(Outstanding, u64)> {
     let mut stmt = conn
         .prepare_cached("SELECT body FROM lease_journal ORDER BY seq")
         .ctx("reading lease records")?;
