@@ -91,6 +91,12 @@ pub(crate) const RATE_STALE_MS: u64 = 120_000;
 /// would otherwise push a rolling window over its limit now and then.
 pub(crate) const RATE_MARGIN_PERMILLE: u64 = 970;
 
+/// Share of an announced request limit (in per mille, at least one request) a mirrored budget
+/// keeps back: for other consumers of a shared budget and for an answer the origin wrote before
+/// it counted a request we had already sent. Spent only at the end of a fixed window; a rolling
+/// window carries it along unspent.
+pub(crate) const BUDGET_MARGIN_PERMILLE: u64 = 10;
+
 /// A pace change smaller than this share (per mille) of the last one reported is not worth a
 /// log line; announcements jitter with every answer.
 const RPM_NOTE_PERMILLE: u64 = 100;
@@ -130,13 +136,15 @@ pub(crate) struct Context {
     pub(crate) limited: bool,
     /// When the observed request was admitted, if it is known (it still holds its slot).
     pub(crate) admitted_at: Option<u64>,
+    /// The admission count ([`Adaptive::admitted`]) right after the observed request's own
+    /// admission, if known: the admissions after it may not be in the budget it announces.
+    pub(crate) admitted_seq: Option<u64>,
 }
 
 /// Where an announced pace came from, kept as numbers so the hot path formats nothing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Basis {
     PerWindow { limit: u64, window_ms: u64 },
-    Remaining { remaining: u64, reset_ms: u64 },
 }
 
 impl std::fmt::Display for Basis {
@@ -145,10 +153,6 @@ impl std::fmt::Display for Basis {
             Basis::PerWindow { limit, window_ms } => {
                 write!(f, "{limit} requests per {window_ms}ms")
             }
-            Basis::Remaining {
-                remaining,
-                reset_ms,
-            } => write!(f, "{remaining} requests left for {reset_ms}ms"),
         }
     }
 }
@@ -160,6 +164,37 @@ struct Pace {
     /// When it was last announced.
     at: u64,
     basis: Basis,
+}
+
+/// An announced request budget, mirrored: what the origin said was left, less what we admitted
+/// since (see the module docs, **Rate**).
+#[derive(Clone, Copy, Debug)]
+struct Budget {
+    /// `remaining` as announced, less the admissions the origin may not have counted yet (those
+    /// after the observed request's own).
+    left: u64,
+    /// The admission count at the announcement: every admission after it comes off `left`.
+    base: u64,
+    /// When the announced budget resets (refills, at least in part), capped at `max_pause_ms`.
+    reset_at: u64,
+    /// Kept back ([`BUDGET_MARGIN_PERMILLE`]).
+    margin: u64,
+    /// When it was announced.
+    at: u64,
+}
+
+/// What a mirrored budget says about admission at one moment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BudgetState {
+    /// No budget announced (or it lapsed): the pace, if any, rules.
+    Unknown,
+    /// The estimate has room: admit freely.
+    Room,
+    /// The estimate reached the margin: hold back until the reset.
+    SpentUntil(u64),
+    /// Spent, and the reset has passed: it refilled by an unknown amount. The sustainable pace
+    /// (`limit` per window), if announced, rules until the next announcement re-bases.
+    Refilling,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -186,6 +221,9 @@ pub(crate) struct Adaptive {
     no_decrease_before: u64,
     paused_until: Option<u64>,
     pace: Option<Pace>,
+    budget: Option<Budget>,
+    /// Admissions so far (the governor counts them here), to mirror a budget.
+    admissions: u64,
     /// The learned RPM last reported in an adjustment note.
     noted_rpm: Option<u32>,
     last_throttle: Option<Throttle>,
@@ -215,6 +253,13 @@ impl Adaptive {
     /// The minimum spacing between admissions in microseconds, if a pace is in force at `now`.
     /// The spacing is capped at `max_pause_ms`: a pace is a pause between admissions.
     pub(crate) fn pace_us(&self, b: Bounds, now: u64) -> Option<u64> {
+        if matches!(
+            self.budget_state(now),
+            BudgetState::Room | BudgetState::SpentUntil(_)
+        ) {
+            // A budget the origin announced is spent, not spread (SPEC §3).
+            return None;
+        }
         let pace = self
             .pace
             .filter(|p| now.saturating_sub(p.at) < RATE_STALE_MS)?;
@@ -224,6 +269,45 @@ impl Adaptive {
             .unwrap_or(u64::MAX)
             .min(b.max_pause_ms.saturating_mul(1_000));
         (us > 0).then_some(us)
+    }
+
+    /// Counts one admission (the governor calls this for every grant): a mirrored budget
+    /// shrinks by one.
+    pub(crate) fn admitted(&mut self) {
+        self.admissions = self.admissions.saturating_add(1);
+    }
+
+    /// The admission count so far, to put in [`Context::admitted_seq`].
+    pub(crate) fn admissions(&self) -> u64 {
+        self.admissions
+    }
+
+    /// What the mirrored budget says about admission at `now`.
+    pub(crate) fn budget_state(&self, now: u64) -> BudgetState {
+        let Some(budget) = self
+            .budget
+            .filter(|bu| now.saturating_sub(bu.at) < RATE_STALE_MS)
+        else {
+            return BudgetState::Unknown;
+        };
+        let estimate = budget
+            .left
+            .saturating_sub(self.admissions.saturating_sub(budget.base));
+        if estimate > budget.margin {
+            BudgetState::Room
+        } else if now < budget.reset_at {
+            BudgetState::SpentUntil(budget.reset_at)
+        } else {
+            BudgetState::Refilling
+        }
+    }
+
+    /// When a spent budget lets the next admission in, if it holds admission back at `now`.
+    pub(crate) fn budget_blocked_until(&self, now: u64) -> Option<u64> {
+        match self.budget_state(now) {
+            BudgetState::SpentUntil(until) => Some(until),
+            _ => None,
+        }
     }
 
     /// The end of the admission pause, if admission is paused at `now`.
@@ -255,6 +339,7 @@ impl Adaptive {
         ctx: Context,
     ) -> Option<String> {
         let paused_before = self.paused_until(now);
+        let budget_before = self.budget_state(now);
         // The limit as last written, before decay: a decay step is a change worth telling.
         let limit_before = b.clamp(self.learned_limit.unwrap_or(b.limit));
         let decayed = self.settle(now, b);
@@ -271,6 +356,9 @@ impl Adaptive {
                 basis,
             });
         }
+        if let Some(rate) = outcome.rate.as_ref() {
+            self.rebase(now, rate, b, ctx);
+        }
         let success =
             !throttled && outcome.throttled == 0 && outcome.status.is_none_or(|s| s < 400);
         if success {
@@ -280,7 +368,7 @@ impl Adaptive {
         }
         // Other outcomes (a 404, a 500 without a hint) say nothing about the upstream's capacity:
         // they neither grow the limit nor reset the success streak.
-        let before = (limit_before, paused_before);
+        let before = (limit_before, paused_before, budget_before);
         self.describe_change(now, b, outcome, before, limit_reason)
     }
 
@@ -341,7 +429,7 @@ impl Adaptive {
         now: u64,
         b: Bounds,
         outcome: &Outcome,
-        (limit_before, paused_before): (u32, Option<u64>),
+        (limit_before, paused_before, budget_before): (u32, Option<u64>, BudgetState),
         limit_reason: Option<String>,
     ) -> Option<String> {
         let mut notes: Vec<String> = Vec::new();
@@ -356,8 +444,23 @@ impl Adaptive {
                 notes.push(format!("paused for {}ms", until - now));
             }
         }
+        let budget = self.budget_state(now);
+        // A spent one is told by its pause; one with room is worth a line when it starts.
+        if budget_before == BudgetState::Unknown && budget == BudgetState::Room {
+            if let Some(bu) = self.budget {
+                notes.push(format!(
+                    "spending the announced budget ({} requests left, resets in {}ms{})",
+                    bu.left,
+                    bu.reset_at.saturating_sub(now),
+                    source_suffix(outcome)
+                ));
+            }
+        }
         let rpm = self.learned_rpm(b, now);
-        if rpm_changed(self.noted_rpm, rpm) {
+        let mirrored = matches!(budget, BudgetState::Room | BudgetState::SpentUntil(_));
+        // While a budget is mirrored no pace binds; that is no change worth a line each time the
+        // estimate crosses its margin. The pace is told when it binds again and differs.
+        if !(rpm.is_none() && mirrored) && rpm_changed(self.noted_rpm, rpm) {
             match (rpm, self.pace) {
                 (Some(rpm), Some(pace)) => notes.push(format!(
                     "pace {rpm} rpm (from {}{})",
@@ -486,6 +589,32 @@ impl Adaptive {
         Some(format!("{e} successes in a row"))
     }
 
+    /// A fresh announcement of `remaining` with its `reset` re-bases the mirrored budget. The
+    /// admissions after the observed request's own may have reached the origin after it wrote
+    /// its answer, so they come off what it announced (the origin may have counted them already:
+    /// then the estimate is a little low until the next answer, never high).
+    fn rebase(&mut self, now: u64, rate: &RateInfo, b: Bounds, ctx: Context) {
+        let (Some(remaining), Some(reset_ms)) = (rate.remaining, rate.reset_ms) else {
+            return;
+        };
+        if reset_ms == 0 && remaining == 0 {
+            // Spent, but due to refill right now: says nothing about what is left.
+            return;
+        }
+        let uncounted = ctx
+            .admitted_seq
+            .map_or(0, |seq| self.admissions.saturating_sub(seq));
+        let scale = rate.limit.filter(|&l| l > 0).unwrap_or(remaining);
+        let margin = (scale.saturating_mul(BUDGET_MARGIN_PERMILLE) / PER_MILLE).max(1);
+        self.budget = Some(Budget {
+            left: remaining.saturating_sub(uncounted),
+            base: self.admissions,
+            reset_at: now.saturating_add(reset_ms.min(b.max_pause_ms)),
+            margin,
+            at: now,
+        });
+    }
+
     fn pause(&mut self, until: u64) {
         self.paused_until = Some(
             self.paused_until
@@ -532,30 +661,17 @@ fn rpm_changed(noted: Option<u32>, now: Option<u32>) -> bool {
     }
 }
 
-/// The spacing an announced request budget asks for, in microseconds: the tighter of `limit`
-/// per window (when the window length is known) and `remaining` until `reset`.
+/// The sustainable spacing an announced request limit asks for, in microseconds: `limit` per
+/// window, when the window length is known. It binds only while no budget is mirrored (the
+/// origin announces no `remaining` with a `reset`), or once a mirrored one is spent and its reset
+/// has passed, until the next announcement says how much came back.
 fn announced_pace(rate: &RateInfo) -> Option<(u64, Basis)> {
-    let per_window = match (rate.limit, rate.window_ms) {
+    match (rate.limit, rate.window_ms) {
         (Some(limit), Some(window_ms)) if limit > 0 && window_ms > 0 => Some((
             (window_ms.saturating_mul(1_000) / limit).max(1),
             Basis::PerWindow { limit, window_ms },
         )),
         _ => None,
-    };
-    let until_reset = match (rate.remaining, rate.reset_ms) {
-        // A spent budget is handled by the pause; a reset already due says nothing about pace.
-        (Some(remaining), Some(reset_ms)) if remaining > 0 && reset_ms > 0 => Some((
-            (reset_ms.saturating_mul(1_000) / remaining).max(1),
-            Basis::Remaining {
-                remaining,
-                reset_ms,
-            },
-        )),
-        _ => None,
-    };
-    match (per_window, until_reset) {
-        (Some(a), Some(b)) => Some(if b.0 > a.0 { b } else { a }),
-        (a, b) => a.or(b),
     }
 }
 
