@@ -1,7 +1,7 @@
 //! Adaptive learning: what the upstream's answers teach us about its real limits.
 //!
-//! Owns the learned concurrency limit, the learned request pace (shown as the learned RPM), the
-//! admission pause and the record of the last throttle. Its interface is deliberately small —
+//! Owns the learned concurrency limit, the mirrored request budget, the learned request pace
+//! (shown as the learned RPM), the admission pause and the record of the last throttle. Its interface is deliberately small —
 //! [`Adaptive::observe`] in, a few getters out — so the learning rules can be refined without
 //! touching admission. It never admits, queues or frees anything; the [`crate::Governor`] reads
 //! the effective limit, the pace and the pause from here and applies them.
@@ -35,15 +35,25 @@
 //! [`PROBE_AFTER_SUCCESSES`] counted successes have passed since the throttle. In a steady
 //! overload that costs about one throttle per probe, under 1 % of the traffic.
 //!
-//! **Rate.** Announced figures set a pace (a minimum spacing between admissions, shown as the
-//! learned RPM, also enforced as an RPM gate) so the pool spends the budget evenly instead of
-//! hitting the wall. Two readings, the tighter wins: `limit` per `window` when the window
-//! length is known (the sustainable rate of a rolling window or a refilling bucket), and
-//! `remaining` until `reset` (the even spend of what is left: exact for a fixed window, and for
-//! a rolling one it spreads what an earlier burst left over until that burst ages out; it also
-//! sees other consumers of a shared budget). The pace uses [`RATE_MARGIN_PERMILLE`] of the
-//! announced rate. A spent budget pauses admission until its reset, throttle or not; a
-//! rate-blamed throttle only pauses, since the next announcement re-sets the pace anyway.
+//! **Rate.** An announced budget is there to be spent (SPEC §3): a pool never holds a caller
+//! back while the origin's budget has room. When an answer announces `remaining` with its
+//! `reset`, the pool *mirrors* that budget: its estimate is `remaining`, less the admissions
+//! after the observed request's own (they may have reached the origin after it counted), less
+//! every admission since. While the estimate is above a margin ([`BUDGET_MARGIN_PERMILLE`] of
+//! the announced limit, at least one request: for other consumers of a shared budget) nothing
+//! paces admission; once it reaches the margin, admission waits until the announced reset
+//! (capped at `max_pause_ms`). Every fresh announcement re-bases the estimate, so a rolling
+//! window that lets requests age out, a re-announced window and a budget other consumers
+//! spend are all followed answer by answer. After a spent budget's reset, before an answer
+//! says how much came back, the sustainable pace (`limit` per window, when the window length
+//! is known: a rolling window frees its budget gradually) rules; without a window (a fixed
+//! window refills whole) nothing does. An origin that announces `limit` per window but no
+//! `remaining` with a `reset` gets that pace (a minimum spacing between admissions at
+//! [`RATE_MARGIN_PERMILLE`] of the announced rate, shown as the learned RPM, also enforced as
+//! an RPM gate). A spent budget (`remaining = 0`) also pauses admission until its reset,
+//! throttle or not; a rate-blamed throttle only pauses, since the next announcement re-bases
+//! anyway. A learner whose admissions happen elsewhere (the Redis gate) counts none: its
+//! estimate is what the last answer announced.
 //!
 //! **Decay.** Learned values return towards the configuration when the origin stops
 //! complaining. While the limit binds, probing does that (a successful probe clears the ceiling
@@ -51,8 +61,8 @@
 //! below it, or the pool is idle — nothing tests it, so after [`QUIET_MS`] without a concurrency
 //! throttle or a binding moment, and every [`QUIET_MS`] after that, the learned limit closes
 //! half its gap to the configured limit and the ceiling is forgotten; an overshoot later steps
-//! straight back to the last good level. An announced pace lapses after [`RATE_STALE_MS`]
-//! without a fresh announcement. Decay is a pure function of time (the getters take `now`), so
+//! straight back to the last good level. An announced pace or budget lapses after
+//! [`RATE_STALE_MS`] without a fresh announcement. Decay is a pure function of time (the getters take `now`), so
 //! admission sees it without any call; it is written back on the next observation.
 //!
 //! Never below `min_limit`, never above `limit`: every learned value is clamped on the way in
@@ -82,13 +92,14 @@ pub(crate) const PROBE_AFTER_SUCCESSES: u32 = 100;
 /// hour-old knowledge.
 pub(crate) const QUIET_MS: u64 = 120_000;
 
-/// An announced pace not repeated for this long lapses: the answers that carried it stopped
+/// An announced pace or budget not repeated for this long lapses: the answers that carried it stopped
 /// (the origin stopped announcing, or the pool went idle), and stale figures must not bind.
 pub(crate) const RATE_STALE_MS: u64 = 120_000;
 
-/// Share of an announced rate the pace uses, in per mille. The last few percent of a budget
-/// buy nothing but 429s: admission-to-arrival jitter and a burst before the first announcement
-/// would otherwise push a rolling window over its limit now and then.
+/// Share of an announced rate the pace uses, in per mille (the pace binds only without a
+/// mirrored budget). The last few percent buy nothing but 429s: admission-to-arrival jitter and
+/// a burst before the first announcement would otherwise push a rolling window over its limit
+/// now and then.
 pub(crate) const RATE_MARGIN_PERMILLE: u64 = 970;
 
 /// Share of an announced request limit (in per mille, at least one request) a mirrored budget

@@ -188,13 +188,15 @@ pub struct Snapshot {
     pub effective_limit: u32,
     pub configured_limit: u32,
     pub learned_limit: Option<u32>,
-    /// The pace learned from announced rate limits, as requests per minute.
+    /// The pace learned from an announced limit per window, as requests per minute; none while
+    /// an announced budget is mirrored instead (see the `adaptive` module docs).
     pub learned_rpm: Option<u32>,
     /// Present only when an RPM gate is in force.
     pub rpm_remaining: Option<u32>,
     /// Present only while admission is paused.
     pub paused_until: Option<u64>,
-    /// Present only while the learned pace holds the next admission back.
+    /// Present only while the learned pace, or a spent announced budget (until its reset), holds
+    /// the next admission back.
     pub paced_until: Option<u64>,
     pub last_throttle: Option<Throttle>,
     pub admitted_total: u64,
@@ -224,6 +226,7 @@ pub struct Learned {
     /// When that pace lapses unless announced again.
     pub pace_until: Option<u64>,
     pub learned_rpm: Option<u32>,
+    /// The end of the pause, or of a spent announced budget's hold (until its reset).
     pub paused_until: Option<u64>,
     pub last_throttle: Option<Throttle>,
 }
