@@ -11,12 +11,14 @@
 pub mod access;
 pub mod async_jobs;
 pub mod cache;
+pub mod coordination;
 pub mod database;
 pub mod keys;
 
 pub use access::{AccessSpec, CloudflareAccessSpec, HmacSpec, JwtSpec};
 pub use async_jobs::{AsyncSpec, WebhookSpec};
 pub use cache::CacheSpec;
+pub use coordination::{Coordination, CoordinationFail, RedisCoordination};
 pub use database::DatabaseSpec;
 
 use std::collections::{BTreeMap, HashSet};
@@ -66,8 +68,18 @@ pub struct ServerSpec {
     pub data_dir: PathBuf,
     /// `"sqlite"` (embedded default).
     pub store: String,
-    /// `"in-process"` (default).
+    /// `"in-process"` (default) or `"redis://host:port/db"` (`env:NAME` allowed): several nodes
+    /// then share each pool's limit, queue, RPM and learned state.
     pub coordination: String,
+    /// While Redis is away: `"closed"` (refuse, default) or `"open"` (admit
+    /// `limit / expected_nodes` per node).
+    pub coordination_fail: CoordinationFail,
+    /// How many nodes share the pools; needed for `coordination_fail = "open"`.
+    pub expected_nodes: Option<u32>,
+    /// First part of every Redis key and channel, so several deployments can share one Redis.
+    pub coordination_prefix: String,
+    /// Longest wait for one Redis call (and for connecting).
+    pub coordination_timeout_ms: u64,
     /// Bearer token of the admin API (`env:NAME` allowed). Unset: the admin API answers 401.
     pub admin_token: Option<String>,
     pub trusted_proxies: Vec<String>,
@@ -105,6 +117,10 @@ impl Default for ServerSpec {
             data_dir: PathBuf::from("nthbouncer-data"),
             store: "sqlite".into(),
             coordination: "in-process".into(),
+            coordination_fail: CoordinationFail::Closed,
+            expected_nodes: None,
+            coordination_prefix: "nb".into(),
+            coordination_timeout_ms: 1_000,
             admin_token: None,
             trusted_proxies: Vec::new(),
             allow_private_webhooks: false,
@@ -371,14 +387,7 @@ impl ServerSpec {
             };
             return Err(ConfigError::new("server.store", rule));
         }
-        if self.coordination != "in-process" {
-            let rule = if self.coordination.starts_with("redis://") {
-                "Redis coordination is not available in this version; use \"in-process\""
-            } else {
-                "must be \"in-process\""
-            };
-            return Err(ConfigError::new("server.coordination", rule));
-        }
+        self.coordination()?;
         if self.admin_token.is_some() {
             let token = self.admin_token()?.unwrap_or_default();
             if token.len() < 16 {

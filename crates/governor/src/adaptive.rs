@@ -1,7 +1,7 @@
 //! Adaptive learning: what the upstream's answers teach us about its real limits.
 //!
-//! Owns the learned concurrency limit, the learned request pace (shown as the learned RPM), the
-//! admission pause and the record of the last throttle. Its interface is deliberately small —
+//! Owns the learned concurrency limit, the mirrored request budget, the learned request pace
+//! (shown as the learned RPM), the admission pause and the record of the last throttle. Its interface is deliberately small —
 //! [`Adaptive::observe`] in, a few getters out — so the learning rules can be refined without
 //! touching admission. It never admits, queues or frees anything; the [`crate::Governor`] reads
 //! the effective limit, the pace and the pause from here and applies them.
@@ -35,15 +35,25 @@
 //! [`PROBE_AFTER_SUCCESSES`] counted successes have passed since the throttle. In a steady
 //! overload that costs about one throttle per probe, under 1 % of the traffic.
 //!
-//! **Rate.** Announced figures set a pace (a minimum spacing between admissions, shown as the
-//! learned RPM, also enforced as an RPM gate) so the pool spends the budget evenly instead of
-//! hitting the wall. Two readings, the tighter wins: `limit` per `window` when the window
-//! length is known (the sustainable rate of a rolling window or a refilling bucket), and
-//! `remaining` until `reset` (the even spend of what is left: exact for a fixed window, and for
-//! a rolling one it spreads what an earlier burst left over until that burst ages out; it also
-//! sees other consumers of a shared budget). The pace uses [`RATE_MARGIN_PERMILLE`] of the
-//! announced rate. A spent budget pauses admission until its reset, throttle or not; a
-//! rate-blamed throttle only pauses, since the next announcement re-sets the pace anyway.
+//! **Rate.** An announced budget is there to be spent (SPEC §3): a pool never holds a caller
+//! back while the origin's budget has room. When an answer announces `remaining` with its
+//! `reset`, the pool *mirrors* that budget: its estimate is `remaining`, less the admissions
+//! after the observed request's own (they may have reached the origin after it counted), less
+//! every admission since. While the estimate is above a margin ([`BUDGET_MARGIN_PERMILLE`] of
+//! the announced limit, at least one request: for other consumers of a shared budget) nothing
+//! paces admission; once it reaches the margin, admission waits until the announced reset
+//! (capped at `max_pause_ms`). Every fresh announcement re-bases the estimate, so a rolling
+//! window that lets requests age out, a re-announced window and a budget other consumers
+//! spend are all followed answer by answer. After a spent budget's reset, before an answer
+//! says how much came back, the sustainable pace (`limit` per window, when the window length
+//! is known: a rolling window frees its budget gradually) rules; without a window (a fixed
+//! window refills whole) nothing does. An origin that announces `limit` per window but no
+//! `remaining` with a `reset` gets that pace (a minimum spacing between admissions at
+//! [`RATE_MARGIN_PERMILLE`] of the announced rate, shown as the learned RPM, also enforced as
+//! an RPM gate). A spent budget (`remaining = 0`) also pauses admission until its reset,
+//! throttle or not; a rate-blamed throttle only pauses, since the next announcement re-bases
+//! anyway. A learner whose admissions happen elsewhere (the Redis gate) counts none: its
+//! estimate is what the last answer announced.
 //!
 //! **Decay.** Learned values return towards the configuration when the origin stops
 //! complaining. While the limit binds, probing does that (a successful probe clears the ceiling
@@ -51,8 +61,8 @@
 //! below it, or the pool is idle — nothing tests it, so after [`QUIET_MS`] without a concurrency
 //! throttle or a binding moment, and every [`QUIET_MS`] after that, the learned limit closes
 //! half its gap to the configured limit and the ceiling is forgotten; an overshoot later steps
-//! straight back to the last good level. An announced pace lapses after [`RATE_STALE_MS`]
-//! without a fresh announcement. Decay is a pure function of time (the getters take `now`), so
+//! straight back to the last good level. An announced pace or budget lapses after
+//! [`RATE_STALE_MS`] without a fresh announcement. Decay is a pure function of time (the getters take `now`), so
 //! admission sees it without any call; it is written back on the next observation.
 //!
 //! Never below `min_limit`, never above `limit`: every learned value is clamped on the way in
@@ -82,14 +92,21 @@ pub(crate) const PROBE_AFTER_SUCCESSES: u32 = 100;
 /// hour-old knowledge.
 pub(crate) const QUIET_MS: u64 = 120_000;
 
-/// An announced pace not repeated for this long lapses: the answers that carried it stopped
+/// An announced pace or budget not repeated for this long lapses: the answers that carried it stopped
 /// (the origin stopped announcing, or the pool went idle), and stale figures must not bind.
 pub(crate) const RATE_STALE_MS: u64 = 120_000;
 
-/// Share of an announced rate the pace uses, in per mille. The last few percent of a budget
-/// buy nothing but 429s: admission-to-arrival jitter and a burst before the first announcement
-/// would otherwise push a rolling window over its limit now and then.
+/// Share of an announced rate the pace uses, in per mille (the pace binds only without a
+/// mirrored budget). The last few percent buy nothing but 429s: admission-to-arrival jitter and
+/// a burst before the first announcement would otherwise push a rolling window over its limit
+/// now and then.
 pub(crate) const RATE_MARGIN_PERMILLE: u64 = 970;
+
+/// Share of an announced request limit (in per mille, at least one request) a mirrored budget
+/// keeps back: for other consumers of a shared budget and for an answer the origin wrote before
+/// it counted a request we had already sent. Spent only at the end of a fixed window; a rolling
+/// window carries it along unspent.
+pub(crate) const BUDGET_MARGIN_PERMILLE: u64 = 10;
 
 /// A pace change smaller than this share (per mille) of the last one reported is not worth a
 /// log line; announcements jitter with every answer.
@@ -130,13 +147,15 @@ pub(crate) struct Context {
     pub(crate) limited: bool,
     /// When the observed request was admitted, if it is known (it still holds its slot).
     pub(crate) admitted_at: Option<u64>,
+    /// The admission count ([`Adaptive::admitted`]) right after the observed request's own
+    /// admission, if known: the admissions after it may not be in the budget it announces.
+    pub(crate) admitted_seq: Option<u64>,
 }
 
 /// Where an announced pace came from, kept as numbers so the hot path formats nothing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Basis {
     PerWindow { limit: u64, window_ms: u64 },
-    Remaining { remaining: u64, reset_ms: u64 },
 }
 
 impl std::fmt::Display for Basis {
@@ -145,10 +164,6 @@ impl std::fmt::Display for Basis {
             Basis::PerWindow { limit, window_ms } => {
                 write!(f, "{limit} requests per {window_ms}ms")
             }
-            Basis::Remaining {
-                remaining,
-                reset_ms,
-            } => write!(f, "{remaining} requests left for {reset_ms}ms"),
         }
     }
 }
@@ -160,6 +175,37 @@ struct Pace {
     /// When it was last announced.
     at: u64,
     basis: Basis,
+}
+
+/// An announced request budget, mirrored: what the origin said was left, less what we admitted
+/// since (see the module docs, **Rate**).
+#[derive(Clone, Copy, Debug)]
+struct Budget {
+    /// `remaining` as announced, less the admissions the origin may not have counted yet (those
+    /// after the observed request's own).
+    left: u64,
+    /// The admission count at the announcement: every admission after it comes off `left`.
+    base: u64,
+    /// When the announced budget resets (refills, at least in part), capped at `max_pause_ms`.
+    reset_at: u64,
+    /// Kept back ([`BUDGET_MARGIN_PERMILLE`]).
+    margin: u64,
+    /// When it was announced.
+    at: u64,
+}
+
+/// What a mirrored budget says about admission at one moment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BudgetState {
+    /// No budget announced (or it lapsed): the pace, if any, rules.
+    Unknown,
+    /// The estimate has room: admit freely.
+    Room,
+    /// The estimate reached the margin: hold back until the reset.
+    SpentUntil(u64),
+    /// Spent, and the reset has passed: it refilled by an unknown amount. The sustainable pace
+    /// (`limit` per window), if announced, rules until the next announcement re-bases.
+    Refilling,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -186,6 +232,9 @@ pub(crate) struct Adaptive {
     no_decrease_before: u64,
     paused_until: Option<u64>,
     pace: Option<Pace>,
+    budget: Option<Budget>,
+    /// Admissions so far (the governor counts them here), to mirror a budget.
+    admissions: u64,
     /// The learned RPM last reported in an adjustment note.
     noted_rpm: Option<u32>,
     last_throttle: Option<Throttle>,
@@ -215,6 +264,13 @@ impl Adaptive {
     /// The minimum spacing between admissions in microseconds, if a pace is in force at `now`.
     /// The spacing is capped at `max_pause_ms`: a pace is a pause between admissions.
     pub(crate) fn pace_us(&self, b: Bounds, now: u64) -> Option<u64> {
+        if matches!(
+            self.budget_state(now),
+            BudgetState::Room | BudgetState::SpentUntil(_)
+        ) {
+            // A budget the origin announced is spent, not spread (SPEC §3).
+            return None;
+        }
         let pace = self
             .pace
             .filter(|p| now.saturating_sub(p.at) < RATE_STALE_MS)?;
@@ -224,6 +280,45 @@ impl Adaptive {
             .unwrap_or(u64::MAX)
             .min(b.max_pause_ms.saturating_mul(1_000));
         (us > 0).then_some(us)
+    }
+
+    /// Counts one admission (the governor calls this for every grant): a mirrored budget
+    /// shrinks by one.
+    pub(crate) fn admitted(&mut self) {
+        self.admissions = self.admissions.saturating_add(1);
+    }
+
+    /// The admission count so far, to put in [`Context::admitted_seq`].
+    pub(crate) fn admissions(&self) -> u64 {
+        self.admissions
+    }
+
+    /// What the mirrored budget says about admission at `now`.
+    pub(crate) fn budget_state(&self, now: u64) -> BudgetState {
+        let Some(budget) = self
+            .budget
+            .filter(|bu| now.saturating_sub(bu.at) < RATE_STALE_MS)
+        else {
+            return BudgetState::Unknown;
+        };
+        let estimate = budget
+            .left
+            .saturating_sub(self.admissions.saturating_sub(budget.base));
+        if estimate > budget.margin {
+            BudgetState::Room
+        } else if now < budget.reset_at {
+            BudgetState::SpentUntil(budget.reset_at)
+        } else {
+            BudgetState::Refilling
+        }
+    }
+
+    /// When a spent budget lets the next admission in, if it holds admission back at `now`.
+    pub(crate) fn budget_blocked_until(&self, now: u64) -> Option<u64> {
+        match self.budget_state(now) {
+            BudgetState::SpentUntil(until) => Some(until),
+            _ => None,
+        }
     }
 
     /// The end of the admission pause, if admission is paused at `now`.
@@ -255,6 +350,7 @@ impl Adaptive {
         ctx: Context,
     ) -> Option<String> {
         let paused_before = self.paused_until(now);
+        let budget_before = self.budget_state(now);
         // The limit as last written, before decay: a decay step is a change worth telling.
         let limit_before = b.clamp(self.learned_limit.unwrap_or(b.limit));
         let decayed = self.settle(now, b);
@@ -271,6 +367,9 @@ impl Adaptive {
                 basis,
             });
         }
+        if let Some(rate) = outcome.rate.as_ref() {
+            self.rebase(now, rate, b, ctx);
+        }
         let success =
             !throttled && outcome.throttled == 0 && outcome.status.is_none_or(|s| s < 400);
         if success {
@@ -280,7 +379,7 @@ impl Adaptive {
         }
         // Other outcomes (a 404, a 500 without a hint) say nothing about the upstream's capacity:
         // they neither grow the limit nor reset the success streak.
-        let before = (limit_before, paused_before);
+        let before = (limit_before, paused_before, budget_before);
         self.describe_change(now, b, outcome, before, limit_reason)
     }
 
@@ -341,7 +440,7 @@ impl Adaptive {
         now: u64,
         b: Bounds,
         outcome: &Outcome,
-        (limit_before, paused_before): (u32, Option<u64>),
+        (limit_before, paused_before, budget_before): (u32, Option<u64>, BudgetState),
         limit_reason: Option<String>,
     ) -> Option<String> {
         let mut notes: Vec<String> = Vec::new();
@@ -356,8 +455,23 @@ impl Adaptive {
                 notes.push(format!("paused for {}ms", until - now));
             }
         }
+        let budget = self.budget_state(now);
+        // A spent one is told by its pause; one with room is worth a line when it starts.
+        if budget_before == BudgetState::Unknown && budget == BudgetState::Room {
+            if let Some(bu) = self.budget {
+                notes.push(format!(
+                    "spending the announced budget ({} requests left, resets in {}ms{})",
+                    bu.left,
+                    bu.reset_at.saturating_sub(now),
+                    source_suffix(outcome)
+                ));
+            }
+        }
         let rpm = self.learned_rpm(b, now);
-        if rpm_changed(self.noted_rpm, rpm) {
+        let mirrored = matches!(budget, BudgetState::Room | BudgetState::SpentUntil(_));
+        // While a budget is mirrored no pace binds; that is no change worth a line each time the
+        // estimate crosses its margin. The pace is told when it binds again and differs.
+        if !(rpm.is_none() && mirrored) && rpm_changed(self.noted_rpm, rpm) {
             match (rpm, self.pace) {
                 (Some(rpm), Some(pace)) => notes.push(format!(
                     "pace {rpm} rpm (from {}{})",
@@ -486,6 +600,32 @@ impl Adaptive {
         Some(format!("{e} successes in a row"))
     }
 
+    /// A fresh announcement of `remaining` with its `reset` re-bases the mirrored budget. The
+    /// admissions after the observed request's own may have reached the origin after it wrote
+    /// its answer, so they come off what it announced (the origin may have counted them already:
+    /// then the estimate is a little low until the next answer, never high).
+    fn rebase(&mut self, now: u64, rate: &RateInfo, b: Bounds, ctx: Context) {
+        let (Some(remaining), Some(reset_ms)) = (rate.remaining, rate.reset_ms) else {
+            return;
+        };
+        if reset_ms == 0 && remaining == 0 {
+            // Spent, but due to refill right now: says nothing about what is left.
+            return;
+        }
+        let uncounted = ctx
+            .admitted_seq
+            .map_or(0, |seq| self.admissions.saturating_sub(seq));
+        let scale = rate.limit.filter(|&l| l > 0).unwrap_or(remaining);
+        let margin = (scale.saturating_mul(BUDGET_MARGIN_PERMILLE) / PER_MILLE).max(1);
+        self.budget = Some(Budget {
+            left: remaining.saturating_sub(uncounted),
+            base: self.admissions,
+            reset_at: now.saturating_add(reset_ms.min(b.max_pause_ms)),
+            margin,
+            at: now,
+        });
+    }
+
     fn pause(&mut self, until: u64) {
         self.paused_until = Some(
             self.paused_until
@@ -532,30 +672,17 @@ fn rpm_changed(noted: Option<u32>, now: Option<u32>) -> bool {
     }
 }
 
-/// The spacing an announced request budget asks for, in microseconds: the tighter of `limit`
-/// per window (when the window length is known) and `remaining` until `reset`.
+/// The sustainable spacing an announced request limit asks for, in microseconds: `limit` per
+/// window, when the window length is known. It binds only while no budget is mirrored (the
+/// origin announces no `remaining` with a `reset`), or once a mirrored one is spent and its reset
+/// has passed, until the next announcement says how much came back.
 fn announced_pace(rate: &RateInfo) -> Option<(u64, Basis)> {
-    let per_window = match (rate.limit, rate.window_ms) {
+    match (rate.limit, rate.window_ms) {
         (Some(limit), Some(window_ms)) if limit > 0 && window_ms > 0 => Some((
             (window_ms.saturating_mul(1_000) / limit).max(1),
             Basis::PerWindow { limit, window_ms },
         )),
         _ => None,
-    };
-    let until_reset = match (rate.remaining, rate.reset_ms) {
-        // A spent budget is handled by the pause; a reset already due says nothing about pace.
-        (Some(remaining), Some(reset_ms)) if remaining > 0 && reset_ms > 0 => Some((
-            (reset_ms.saturating_mul(1_000) / remaining).max(1),
-            Basis::Remaining {
-                remaining,
-                reset_ms,
-            },
-        )),
-        _ => None,
-    };
-    match (per_window, until_reset) {
-        (Some(a), Some(b)) => Some(if b.0 > a.0 { b } else { a }),
-        (a, b) => a.or(b),
     }
 }
 

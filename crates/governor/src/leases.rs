@@ -16,6 +16,8 @@ pub(crate) struct Held {
     pub(crate) lease_deadline: u64,
     pub(crate) request_deadline: u64,
     pub(crate) granted_at: u64,
+    /// The pool's admission count right after this grant (see `Adaptive::admitted`).
+    pub(crate) seq: u64,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -33,8 +35,9 @@ impl Leases {
         self.held.contains_key(&id)
     }
 
-    pub(crate) fn granted_at(&self, id: u128) -> Option<u64> {
-        self.held.get(&id).map(|h| h.granted_at)
+    /// When `id` was granted and the admission count right after, if it is held.
+    pub(crate) fn granted(&self, id: u128) -> Option<(u64, u64)> {
+        self.held.get(&id).map(|h| (h.granted_at, h.seq))
     }
 
     /// Records a grant. The caller guarantees `id` is not held.
@@ -102,6 +105,7 @@ mod tests {
             lease_deadline: lease,
             request_deadline: request,
             granted_at: 0,
+            seq: 0,
         }
     }
 

@@ -188,13 +188,15 @@ pub struct Snapshot {
     pub effective_limit: u32,
     pub configured_limit: u32,
     pub learned_limit: Option<u32>,
-    /// The pace learned from announced rate limits, as requests per minute.
+    /// The pace learned from an announced limit per window, as requests per minute; none while
+    /// an announced budget is mirrored instead (see the `adaptive` module docs).
     pub learned_rpm: Option<u32>,
     /// Present only when an RPM gate is in force.
     pub rpm_remaining: Option<u32>,
     /// Present only while admission is paused.
     pub paused_until: Option<u64>,
-    /// Present only while the learned pace holds the next admission back.
+    /// Present only while the learned pace, or a spent announced budget (until its reset), holds
+    /// the next admission back.
     pub paced_until: Option<u64>,
     pub last_throttle: Option<Throttle>,
     pub admitted_total: u64,
@@ -224,6 +226,7 @@ pub struct Learned {
     /// When that pace lapses unless announced again.
     pub pace_until: Option<u64>,
     pub learned_rpm: Option<u32>,
+    /// The end of the pause, or of a spent announced budget's hold (until its reset).
     pub paused_until: Option<u64>,
     pub last_throttle: Option<Throttle>,
 }
@@ -460,8 +463,8 @@ impl Governor {
     /// can name a slot id could otherwise pause the pool. Prefer [`Governor::release_observed`],
     /// which cannot be called in the wrong order.
     pub fn observe_held(&mut self, now: u64, id: u128, outcome: &Outcome) -> Option<Adjustment> {
-        let admitted_at = self.leases.granted_at(id)?;
-        self.learn(now, outcome, Some(admitted_at))
+        let admitted = self.leases.granted(id)?;
+        self.learn(now, outcome, Some(admitted))
     }
 
     /// Frees slot `id` and, only if it was held, learns from the outcome of its request (learning
@@ -489,13 +492,24 @@ impl Governor {
         limited: bool,
         admitted_at: Option<u64>,
     ) -> Option<Adjustment> {
+        self.learn_with(now, outcome, limited, admitted_at.map(|at| (at, None)))
+    }
+
+    fn learn_with(
+        &mut self,
+        now: u64,
+        outcome: &Outcome,
+        limited: bool,
+        admitted: Option<(u64, Option<u64>)>,
+    ) -> Option<Adjustment> {
         let now = self.tick(now);
         if !self.settings.adaptive {
             return None;
         }
         let ctx = Context {
             limited,
-            admitted_at,
+            admitted_at: admitted.map(|(at, _)| at),
+            admitted_seq: admitted.and_then(|(_, seq)| seq),
         };
         let bounds = self.bounds();
         let what = self.adaptive.observe(now, outcome, bounds, ctx)?;
@@ -518,23 +532,38 @@ impl Governor {
             pace_us: self.adaptive.pace_us(bounds, now),
             pace_until: self.adaptive.pace_lapses_at(bounds, now),
             learned_rpm: self.adaptive.learned_rpm(bounds, now),
-            paused_until: self.adaptive.paused_until(now),
+            // A spent mirrored budget holds admission back until its reset like a pause does.
+            // (A learner whose admissions happen elsewhere counts none: its estimate is what
+            // the last answer announced.)
+            paused_until: match (
+                self.adaptive.paused_until(now),
+                self.adaptive.budget_blocked_until(now),
+            ) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                (a, b) => a.or(b),
+            },
             last_throttle: self.adaptive.last_throttle().cloned(),
         }
     }
 
+    /// `admitted`: when the observed request was granted and the admission count right after.
     fn learn(
         &mut self,
         now: u64,
         outcome: &Outcome,
-        admitted_at: Option<u64>,
+        admitted: Option<(u64, u64)>,
     ) -> Option<Adjustment> {
         let now = self.tick(now);
         let limited = self.in_flight() >= self.effective_limit(now)
             || self
                 .last_full_at
-                .is_some_and(|full| admitted_at.is_some_and(|at| full >= at));
-        self.observe_external(now, outcome, limited, admitted_at)
+                .is_some_and(|full| admitted.is_some_and(|(at, _)| full >= at));
+        self.learn_with(
+            now,
+            outcome,
+            limited,
+            admitted.map(|(at, seq)| (at, Some(seq))),
+        )
     }
 
     /// The earliest time at which state can change without a call: a lease expiry, or — while
@@ -644,8 +673,12 @@ impl Governor {
         self.rpm_limit(now).map(|rpm| self.rpm.remaining(now, rpm))
     }
 
-    /// When the learned pace lets the next admission in, if not at `now`.
+    /// When a spent announced budget (until its reset) or the learned pace lets the next
+    /// admission in, if not at `now`.
     fn paced_until(&self, now: u64) -> Option<u64> {
+        if let Some(until) = self.adaptive.budget_blocked_until(now) {
+            return Some(until);
+        }
         self.adaptive
             .pace_us(self.bounds(), now)
             .and_then(|spacing| self.pacer.blocked_until(now, spacing))
@@ -697,12 +730,14 @@ impl Governor {
         // plus its grace.
         let held_until = request_deadline.saturating_add(grace_ms);
         let lease_deadline = now.saturating_add(lease_ms).min(held_until);
+        self.adaptive.admitted();
         self.leases.grant(
             id,
             Held {
                 lease_deadline,
                 request_deadline: held_until,
                 granted_at: now,
+                seq: self.adaptive.admissions(),
             },
         );
         if self.rpm_limit(now).is_some() {

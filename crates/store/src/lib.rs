@@ -13,6 +13,7 @@
 pub mod jobs;
 pub mod sqlite;
 mod sqlite_jobs;
+mod sqlite_leases;
 mod sqlite_log;
 
 pub use jobs::{

@@ -213,6 +213,9 @@ const MIGRATIONS: &[Step] = &[
     // v8 -> v9: the access log in packed pages, one row per pool and batch instead of one per
     // request (`sqlite_log`); the old rows move into pages with their ids and counts.
     Step::Rust(crate::sqlite_log::migrate_rows_to_pages),
+    // v9 -> v10: the outstanding lock leases as an append-only journal (`sqlite_leases`)
+    // instead of a table written and deleted from once per lease.
+    Step::Rust(crate::sqlite_leases::migrate_table_to_journal),
 ];
 
 /// One migration step.
@@ -723,33 +726,7 @@ impl Store for SqliteStore {
         released: &[String],
         now: u64,
     ) -> Result<()> {
-        let (granted, released) = (granted.to_vec(), released.to_vec());
-        self.write(move |conn| {
-            let tx = conn.transaction().ctx("apply_leases")?;
-            {
-                let mut insert = tx
-                    .prepare_cached(
-                        "INSERT OR REPLACE INTO leases (slot_id, pool, request_deadline) \
-                         VALUES (?1, ?2, ?3)",
-                    )
-                    .ctx("apply_leases")?;
-                for l in &granted {
-                    insert
-                        .execute(params![l.slot_id, l.pool, l.request_deadline])
-                        .ctx("apply_leases")?;
-                }
-                let mut delete = tx
-                    .prepare_cached("DELETE FROM leases WHERE slot_id = ?1")
-                    .ctx("apply_leases")?;
-                for id in &released {
-                    delete.execute([id]).ctx("apply_leases")?;
-                }
-                tx.execute("DELETE FROM leases WHERE request_deadline <= ?1", [now])
-                    .ctx("apply_leases")?;
-            }
-            tx.commit().ctx("apply_leases")
-        })
-        .await
+        self.journal_leases(granted, released, now).await
     }
 
     async fn remember_nonces(&self, nonces: &[NonceRecord], now: u64) -> Result<Vec<bool>> {
@@ -814,25 +791,6 @@ impl Store for SqliteStore {
     }
 
     async fn outstanding_leases(&self, now: u64) -> Result<Vec<LeaseRecord>> {
-        self.read(move |conn| {
-            let mut stmt = conn
-                .prepare_cached(
-                    "SELECT slot_id, pool, request_deadline FROM leases \
-                     WHERE request_deadline > ?1 ORDER BY pool",
-                )
-                .ctx("outstanding_leases")?;
-            let rows = stmt
-                .query_map([now], |r| {
-                    Ok(LeaseRecord {
-                        slot_id: r.get(0)?,
-                        pool: r.get(1)?,
-                        request_deadline: r.get(2)?,
-                    })
-                })
-                .ctx("outstanding_leases")?;
-            rows.collect::<rusqlite::Result<Vec<_>>>()
-                .ctx("outstanding_leases")
-        })
-        .await
+        self.replay_leases(now).await
     }
 }

@@ -28,7 +28,8 @@
 //!   self-fencing.
 //! - Adaptive learning runs in the governor's pure code on the node that observes the outcome
 //!   (one learner per gate per node, on the server's clock); the resulting learned limit, pace
-//!   and pause are stored in Redis and enforced by the scripts for every node. A pause only
+//!   and pause (a spent announced budget travels as a pause until its reset; the learner counts
+//!   no admissions, so its budget estimate is what the last answer announced) are stored in Redis and enforced by the scripts for every node. A pause only
 //!   lengthens; the learned limit and pace are last-writer-wins between nodes that both
 //!   learned, and fade after ten minutes without a write.
 //! - Redis unreachable: acquire refuses with [`crate::Refusal::CoordinationUnavailable`]

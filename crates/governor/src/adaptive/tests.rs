@@ -12,6 +12,7 @@ const B: Bounds = Bounds {
 const BUSY: Context = Context {
     limited: true,
     admitted_at: None,
+    admitted_seq: None,
 };
 
 fn status(s: u16) -> Outcome {
@@ -130,6 +131,7 @@ fn throttles_of_requests_admitted_before_the_decrease_are_not_new_evidence() {
     let admitted = |at| Context {
         limited: true,
         admitted_at: Some(at),
+        admitted_seq: None,
     };
     // Ten requests admitted at 0 all come back 429 with a short hint: one decrease.
     for i in 0..10 {
@@ -246,6 +248,7 @@ fn successes_at_low_concurrency_do_not_grow_the_limit() {
     let idle = Context {
         limited: false,
         admitted_at: None,
+        admitted_seq: None,
     };
     for _ in 0..100 {
         a.observe(1, &status(200), B, idle);
@@ -302,7 +305,12 @@ fn rate_throttles_pause_and_leave_the_concurrency_limit_alone() {
     let note = a.observe(10, &spent, B, BUSY).unwrap();
     assert_eq!(a.learned_limit(B, 10), None, "concurrency is innocent");
     assert_eq!(a.paused_until(10), Some(160));
-    assert_eq!(a.learned_rpm(B, 10), Some(291));
+    // The spent budget holds admission back until its reset (no pace meanwhile); after it, the
+    // sustainable pace rules until an answer says how much came back.
+    assert_eq!(a.budget_blocked_until(10), Some(160));
+    assert_eq!(a.learned_rpm(B, 10), None);
+    assert_eq!(a.budget_state(160), BudgetState::Refilling);
+    assert_eq!(a.learned_rpm(B, 160), Some(291));
     assert_eq!(
         note,
         "paused for 150ms; cause: status 429, retry-after 150ms; \
@@ -324,93 +332,37 @@ fn rate_throttles_pause_and_leave_the_concurrency_limit_alone() {
 }
 
 #[test]
-fn pace_from_an_announced_window_or_from_remaining_until_reset() {
+fn pace_from_an_announced_window_when_no_budget_is_announced() {
     let mut a = Adaptive::default();
     // 300 per minute, used at 97 %: 206 ms apart, 291 rpm.
     let note = a.observe(0, &rate(per_minute(300)), B, BUSY);
     assert_eq!(a.pace_us(B, 0), Some(206_185));
     assert_eq!(a.learned_rpm(B, 0), Some(291));
+    assert_eq!(a.budget_state(0), BudgetState::Unknown);
     assert_eq!(
         note.as_deref(),
         Some("pace 291 rpm (from 300 requests per 60000ms)")
     );
-    // The tighter reading wins. Plenty left for a short while: the window binds...
-    a.observe(
-        1,
-        &rate(RateInfo {
-            remaining: Some(20),
-            reset_ms: Some(100),
-            ..per_minute(300)
-        }),
-        B,
-        BUSY,
-    );
-    assert_eq!(a.learned_rpm(B, 1), Some(291));
-    // ... but a burst left only 240 for the next 60 s (a rolling window): spread those.
-    let note = a.observe(
-        2,
-        &rate(RateInfo {
-            remaining: Some(240),
-            reset_ms: Some(60_000),
-            ..per_minute(300)
-        }),
-        B,
-        BUSY,
-    );
-    assert_eq!(a.learned_rpm(B, 2), Some(233));
-    assert_eq!(
-        note.as_deref(),
-        Some("pace 233 rpm (from 240 requests left for 60000ms)")
-    );
-    // Without a window: spend what remains evenly until the reset (a fixed window).
-    let mut a = Adaptive::default();
-    let fixed = Outcome {
-        dialect: Some("github"),
-        ..rate(RateInfo {
-            limit: Some(5_000),
-            remaining: Some(600),
-            reset_ms: Some(600_000),
-            ..RateInfo::default()
-        })
-    };
-    let note = a.observe(0, &fixed, B, BUSY);
-    assert_eq!(a.learned_rpm(B, 0), Some(58));
-    assert_eq!(
-        note.as_deref(),
-        Some("pace 58 rpm (from 600 requests left for 600000ms (github))")
-    );
     // Small changes are not worth a note; big ones are.
-    let nearly = rate(RateInfo {
-        remaining: Some(590),
-        reset_ms: Some(600_000),
-        ..RateInfo::default()
-    });
-    assert_eq!(a.observe(1, &nearly, B, BUSY), None);
-    let halved = rate(RateInfo {
-        remaining: Some(300),
-        reset_ms: Some(600_000),
-        ..RateInfo::default()
-    });
+    assert_eq!(a.observe(1, &rate(per_minute(310)), B, BUSY), None);
     assert!(a
-        .observe(2, &halved, B, BUSY)
+        .observe(2, &rate(per_minute(150)), B, BUSY)
         .unwrap()
-        .starts_with("pace 29 rpm"));
-    // A spent budget pauses and leaves the pace alone; so does a reset already due.
-    let spent = rate(RateInfo {
-        remaining: Some(0),
-        reset_ms: Some(5_000),
-        ..RateInfo::default()
+        .starts_with("pace 146 rpm"));
+    // Remaining without a reset is no budget to mirror: the pace stays.
+    let no_reset = rate(RateInfo {
+        remaining: Some(20),
+        ..per_minute(150)
     });
-    a.observe(3, &spent, B, BUSY);
-    assert_eq!(a.paused_until(3), Some(5_003));
-    assert_eq!(a.learned_rpm(B, 3), Some(29));
+    a.observe(3, &no_reset, B, BUSY);
+    assert_eq!(a.learned_rpm(B, 3), Some(146));
     // The slowest pace is capped like a pause.
     let mut a = Adaptive::default();
     a.observe(
         0,
         &rate(RateInfo {
-            remaining: Some(1),
-            reset_ms: Some(u64::MAX),
+            limit: Some(1),
+            window_ms: Some(u64::MAX),
             ..RateInfo::default()
         }),
         B,
@@ -418,6 +370,98 @@ fn pace_from_an_announced_window_or_from_remaining_until_reset() {
     );
     assert_eq!(a.pace_us(B, 0), Some(B.max_pause_ms * 1_000));
     assert_eq!(a.learned_rpm(B, 0), Some(1));
+}
+
+fn budget(remaining: u64, reset_ms: u64) -> Outcome {
+    rate(RateInfo {
+        remaining: Some(remaining),
+        reset_ms: Some(reset_ms),
+        ..per_minute(300)
+    })
+}
+
+/// Admits `n` (as the governor does for every grant).
+fn admit(a: &mut Adaptive, n: u64) {
+    for _ in 0..n {
+        a.admitted();
+    }
+}
+
+#[test]
+fn an_announced_budget_with_room_is_spent_without_any_pace() {
+    let mut a = Adaptive::default();
+    // 240 left for a minute, 300 per minute: nothing holds admission back, whatever the rate.
+    let note = a.observe(0, &budget(240, 60_000), B, BUSY);
+    assert_eq!(
+        note.as_deref(),
+        Some("spending the announced budget (240 requests left, resets in 60000ms)")
+    );
+    assert_eq!(a.budget_state(0), BudgetState::Room);
+    assert_eq!((a.pace_us(B, 0), a.learned_rpm(B, 0)), (None, None));
+    // 240 less the margin (1 % of 300: 3) go out at once.
+    admit(&mut a, 236);
+    assert_eq!(a.budget_state(0), BudgetState::Room);
+    assert_eq!(a.budget_blocked_until(0), None);
+    admit(&mut a, 1);
+    assert_eq!(a.budget_state(0), BudgetState::SpentUntil(60_000));
+    assert_eq!(a.budget_blocked_until(59_999), Some(60_000));
+}
+
+#[test]
+fn a_spent_estimate_holds_back_until_the_reset_then_the_window_pace_rules() {
+    let mut a = Adaptive::default();
+    a.observe(0, &budget(10, 5_000), B, BUSY);
+    admit(&mut a, 7);
+    assert_eq!(a.budget_blocked_until(100), Some(5_000));
+    // Held back by the budget, not by a pace (nothing to note each time the margin is crossed).
+    assert_eq!(a.learned_rpm(B, 100), None);
+    // Reset passed, nothing announced since: it refilled by an unknown amount, so the
+    // sustainable pace (300 per minute) rules until an answer says more.
+    assert_eq!(a.budget_state(5_000), BudgetState::Refilling);
+    assert_eq!(a.budget_blocked_until(5_000), None);
+    assert_eq!(a.learned_rpm(B, 5_000), Some(291));
+    // Without a window length there is no pace: a fixed window refilled whole at its reset.
+    let mut a = Adaptive::default();
+    let fixed = rate(RateInfo {
+        limit: Some(5_000),
+        remaining: Some(1),
+        reset_ms: Some(100_000),
+        ..RateInfo::default()
+    });
+    a.observe(0, &fixed, B, BUSY);
+    assert_eq!(a.budget_blocked_until(0), Some(100_000));
+    assert_eq!(a.budget_state(100_000), BudgetState::Refilling);
+    assert_eq!(a.pace_us(B, 100_000), None);
+    // The pause a spent budget imposes is capped like any other.
+    let mut a = Adaptive::default();
+    a.observe(0, &budget(1, u64::MAX), B, BUSY);
+    assert_eq!(a.budget_blocked_until(0), Some(B.max_pause_ms));
+}
+
+#[test]
+fn a_fresh_announcement_rebases_the_estimate() {
+    let mut a = Adaptive::default();
+    a.observe(0, &budget(10, 60_000), B, BUSY);
+    admit(&mut a, 7);
+    assert_eq!(a.budget_blocked_until(10), Some(60_000));
+    // A later answer says more is left (a rolling window let some age out): room again.
+    a.observe(20, &budget(50, 1_000), B, BUSY);
+    assert_eq!(a.budget_state(20), BudgetState::Room);
+    // An answer to a request admitted before the last 4 admissions: the origin may not have
+    // counted those yet, so they come off what it announced.
+    let seq = a.admissions();
+    admit(&mut a, 4);
+    let ctx = Context {
+        admitted_seq: Some(seq),
+        ..BUSY
+    };
+    a.observe(30, &budget(8, 2_000), B, ctx);
+    // 8 - 4 = 4 left, margin 3: one more admission, then held back until the reset.
+    assert_eq!(a.budget_state(30), BudgetState::Room);
+    admit(&mut a, 1);
+    assert_eq!(a.budget_state(30), BudgetState::SpentUntil(2_030));
+    // A mirrored budget lapses like a pace when nobody repeats it.
+    assert_eq!(a.budget_state(30 + RATE_STALE_MS), BudgetState::Unknown);
 }
 
 #[test]

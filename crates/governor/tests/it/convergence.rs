@@ -9,7 +9,9 @@
 //! loop), so minutes run in milliseconds and every run is reproducible.
 //!
 //! What must hold after a warm-up: goodput is at least 90 % of what the hidden limits allow and
-//! fewer than 2 % of the requests that reach the origin meet a 429 — and with adaptation off,
+//! fewer than 2 % of the requests that reach the origin meet a 429 (issue #14's bar for an
+//! origin that announces nothing; these origins announce their minute, and every scenario here
+//! must clear the bar for an announcing origin: 95 % and under 1 %, see `assert_converges`) — and with adaptation off,
 //! the same origin refuses a large share (the comparison that makes the first claim mean
 //! something).
 
@@ -44,6 +46,9 @@ struct Scenario {
     adaptive: bool,
     warmup_ms: u64,
     measure_ms: u64,
+    /// A batch of this many calls instead of endless work: the run ends when the last one
+    /// succeeded (see [`batch_time`]).
+    calls: Option<u64>,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -63,6 +68,10 @@ struct Report {
     throttled: f64,
     final_limit: u32,
     final_rpm: Option<u32>,
+    /// How long a batch of calls took, if the scenario was one.
+    batch_ms: Option<u64>,
+    /// The origin announced its budget (it has an RPM limit, announced with every answer).
+    announced: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -97,6 +106,10 @@ struct Sim {
     wake_at: Option<u64>,
     total: Counts,
     at_warmup: Counts,
+    /// Calls started so far (a retry after a 429 is the same call).
+    started: u64,
+    /// When the batch's last call succeeded.
+    done_at: Option<u64>,
 }
 
 impl Sim {
@@ -124,9 +137,14 @@ impl Sim {
             wake_at: None,
             total: Counts::default(),
             at_warmup: Counts::default(),
+            started: 0,
+            done_at: None,
         };
         for c in 0..s.clients {
-            sim.at(sim.now, Event::Try(c));
+            if sim.s.calls.is_none_or(|calls| sim.started < calls) {
+                sim.started += 1;
+                sim.at(sim.now, Event::Try(c));
+            }
         }
         sim
     }
@@ -160,7 +178,7 @@ impl Sim {
                 warmed = true;
                 self.at_warmup = self.total;
             }
-            if t >= end {
+            if t >= end || self.done_at.is_some() {
                 break;
             }
             if std::env::var_os("SIM_TRACE").is_some() && t / 30_000 != self.now / 30_000 {
@@ -200,6 +218,8 @@ impl Sim {
         let capacity = by_concurrency.min(by_rpm) * secs;
         let snap = self.g.snapshot(end);
         Report {
+            batch_ms: self.done_at.map(|t| t - start),
+            announced: o.rpm > 0,
             measured: m,
             goodput: m.ok as f64 / capacity,
             throttled: m.throttled as f64 / m.requests.max(1) as f64,
@@ -268,7 +288,18 @@ impl Sim {
                 } else {
                     0
                 };
-                self.at(self.now + back, Event::Try(client));
+                if status == 429 {
+                    self.at(self.now + back, Event::Try(client));
+                } else if let Some(calls) = self.s.calls {
+                    if self.total.ok >= calls {
+                        self.done_at = Some(self.now);
+                    } else if self.started < calls {
+                        self.started += 1;
+                        self.at(self.now, Event::Try(client));
+                    }
+                } else {
+                    self.at(self.now + back, Event::Try(client));
+                }
                 self.drain();
             }
         }
@@ -372,14 +403,26 @@ fn scenario(origin: Origin, adaptive: bool) -> Scenario {
         adaptive,
         warmup_ms: 60_000,
         measure_ms: 600_000,
+        calls: None,
     }
 }
 
+/// Issue #14's bar: at least 95 % of capacity with under 1 % of origin answers 429 when the
+/// origin announces its budget, 90 % and 2 % when it announces nothing.
 fn assert_converges(r: &Report) {
+    let (goodput, throttled) = if r.announced {
+        (0.95, 0.01)
+    } else {
+        (0.90, 0.02)
+    };
     assert!(r.measured.requests > 0, "{r:?}");
-    assert!(r.goodput >= 0.90, "goodput {:.3} < 90 %: {r:?}", r.goodput);
     assert!(
-        r.throttled < 0.02,
+        r.goodput >= goodput,
+        "goodput {:.3} < {goodput}: {r:?}",
+        r.goodput
+    );
+    assert!(
+        r.throttled < throttled,
         "{:.3} of requests met a 429: {r:?}",
         r.throttled
     );
@@ -390,7 +433,9 @@ fn assert_converges(r: &Report) {
 fn learns_the_hidden_rpm_and_concurrency_of_a_sandbox_like_origin() {
     let on = run(scenario(SANDBOX, true));
     assert_converges(&on);
-    assert_eq!(on.final_rpm, Some(291));
+    // The announced budget is mirrored, not paced; concurrency is what the pool learned.
+    assert_eq!(on.final_rpm, None);
+    assert!((7..=9).contains(&on.final_limit), "{on:?}");
     let off = run(scenario(SANDBOX, false));
     assert!(off.throttled > 0.5, "{off:?}");
 }
@@ -412,7 +457,8 @@ fn learns_a_hidden_concurrency_limit() {
     assert!(off.throttled > 0.5, "{off:?}");
 }
 
-/// An RPM limit with fast answers: the pace, not the concurrency limit, must do the work.
+/// An RPM limit with fast answers: the mirrored budget, not the concurrency limit, must do the
+/// work.
 #[test]
 fn learns_an_announced_rpm_with_fast_answers() {
     let origin = Origin {
@@ -476,7 +522,7 @@ fn follows_a_hidden_limit_that_changes() {
     assert!((14..=17).contains(&up.final_limit), "{up:?}");
 }
 
-/// The announced limit changes: the pace follows the announcements at once.
+/// The announced limit changes: the mirrored budget follows the announcements at once.
 #[test]
 fn follows_an_announced_rpm_that_changes() {
     let before = Origin {
@@ -492,13 +538,13 @@ fn follows_an_announced_rpm_that_changes() {
         ..scenario(before, true)
     });
     assert_converges(&down);
-    assert_eq!(down.final_rpm, Some(194));
+    assert_eq!(down.final_rpm, None, "a budget is mirrored, not paced");
 }
 
-/// A fixed window that says only how much is left until it ends (GitHub style): the pace
-/// spreads what remains until the reset, so the window is used up evenly, not in a burst.
+/// A fixed window that says only how much is left until it ends (GitHub style): what is left
+/// is spent at once, then the pool waits for the reset (the window refills whole).
 #[test]
-fn spends_a_fixed_window_evenly() {
+fn spends_a_fixed_window_then_waits_for_its_reset() {
     let origin = Origin {
         limit: 0,
         rpm: 300,
@@ -508,4 +554,46 @@ fn spends_a_fixed_window_evenly() {
     };
     let on = run(scenario(origin, true));
     assert_converges(&on);
+}
+
+/// A batch of `calls` sent at once by as many clients through a pool of `pool_limit`: how long
+/// it takes, its ideal (the origin's concurrency, or the pool's if lower, at the mean answer
+/// time; the batch fits the announced budget), and the share of origin answers that were 429s.
+fn batch_time(origin: Origin, pool_limit: u32, calls: u64) -> (u64, f64, Report) {
+    let r = run(Scenario {
+        clients: u32::try_from(calls).unwrap(),
+        pool_limit,
+        warmup_ms: 0,
+        calls: Some(calls),
+        ..scenario(origin, true)
+    });
+    let slots = pool_limit.min(origin.limit) as f64;
+    let answer_ms = (NET_MS * 2 + origin.latency_ms) as f64 + origin.jitter_ms as f64 / 2.0;
+    let ideal = (calls as f64 / slots).ceil() * answer_ms;
+    let took = r.batch_ms.unwrap();
+    (took, ideal, r)
+}
+
+/// The issue's demo: 80 chat calls through a pool of 4 in front of an origin announcing
+/// 600 RPM (hidden concurrency 8, 200 ms answers). The budget (600) has room for all 80, so
+/// the pool must not hold any of them back: the batch takes what the pool's 4 slots take.
+#[test]
+fn spends_an_announced_budget_that_has_room() {
+    let origin = Origin {
+        limit: 8,
+        rpm: 600,
+        latency_ms: 200,
+        jitter_ms: 0,
+        fixed: false,
+    };
+    let (took, ideal, r) = batch_time(origin, 4, 80);
+    eprintln!(
+        "80 calls: {took} ms, ideal {ideal} ms, goodput {:.3}",
+        ideal / took as f64
+    );
+    assert_eq!(r.measured.throttled, 0, "{r:?}");
+    assert!(
+        ideal / took as f64 >= 0.95,
+        "{took} ms for 80 calls, ideal {ideal} ms"
+    );
 }

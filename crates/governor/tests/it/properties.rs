@@ -3,7 +3,8 @@
 //! The model tracks only what the caller can know (who holds, who waits and in which order they
 //! were parked, when admissions happened); the properties are the governor's invariants:
 //! - no admission makes `in_flight` exceed the effective limit, and none happens while paused
-//!   or while the learned pace holds admissions back;
+//!   or while the learned pace or a spent announced budget holds admissions back;
+//! - an announced budget with room never delays an admission;
 //! - the effective limit stays within `[min(min_limit, limit), limit]` whatever is observed;
 //! - the RPM gate never lets more than `rpm` admissions into a rolling minute;
 //! - FIFO within one fairness key and class, and no waiter served while a higher class waits;
@@ -15,7 +16,8 @@
 use std::collections::{HashMap, VecDeque};
 
 use nthbouncer_governor::{
-    Admitted, Governor, Outcome, PoolSettings, Priority, RateInfo, RenewRefusal, Ticket, TryAcquire,
+    Admitted, Governor, Outcome, PoolSettings, Priority, RateInfo, RefusalReason, RenewRefusal,
+    Ticket, TryAcquire, DEFAULT_MAX_PAUSE_MS,
 };
 use proptest::prelude::*;
 
@@ -114,7 +116,7 @@ fn outcome(kind: u8, ms: u64) -> Outcome {
             }),
             ..Outcome::default()
         },
-        // A fixed window: spend what remains until the reset.
+        // A budget: mirrored, spent down to its margin, then held back until the reset.
         6 => Outcome {
             status: Some(200),
             rate: Some(RateInfo {
@@ -463,6 +465,10 @@ proptest! {
         if let Some(until) = s.paused_until {
             prop_assert!(until - now <= max_pause_ms, "paused {}ms", until - now);
         }
+        if let Some(until) = s.paced_until {
+            // A spent budget holds back until its reset, capped like a pause.
+            prop_assert!(until - now <= max_pause_ms, "paced {}ms", until - now);
+        }
         if let Some(rpm) = s.learned_rpm {
             // One admission per `max_pause_ms` at the slowest, rounded to whole requests/minute.
             prop_assert!(u64::from(rpm) * max_pause_ms >= 30_000, "pace {rpm} rpm");
@@ -490,5 +496,46 @@ proptest! {
         prop_assert_eq!(g.release_observed(2_000, id, Some(&outcome(kind, ms))), (false, None));
         prop_assert_eq!(g.observe_held(2_000, id, &outcome(kind, ms)), None);
         prop_assert_eq!(g.snapshot(2_000), before);
+    }
+
+    /// "A pool never makes a caller wait when the origin's announced budget has room": after an
+    /// announcement of `remaining` with its `reset` (with or without a window, at any pace the
+    /// window implies), every admission up to the budget less its margin goes through at once,
+    /// with slots to spare; the next one waits for the reset, and no longer.
+    #[test]
+    fn an_announced_budget_with_room_never_delays_an_admission(
+        remaining in 2u64..400,
+        reset_ms in 1u64..1_000_000,
+        limit in prop::option::of(400u64..100_000),
+        window_ms in prop::option::of(1u64..10_000_000),
+        now in 0u64..1 << 42,
+    ) {
+        let max_pause_ms = DEFAULT_MAX_PAUSE_MS;
+        let mut g = Governor::new(PoolSettings { limit: 1_000, ..PoolSettings::default() });
+        g.observe(now, &Outcome {
+            status: Some(200),
+            rate: Some(RateInfo {
+                limit,
+                remaining: Some(remaining),
+                reset_ms: Some(reset_ms),
+                window_ms,
+                ..RateInfo::default()
+            }),
+            ..Outcome::default()
+        });
+        let margin = (limit.unwrap_or(remaining) / 100).max(1);
+        let free = remaining.saturating_sub(margin);
+        for id in 0..u128::from(free) {
+            let t = Ticket { id, fairness_key: 0, priority: Priority::Normal, lease_ms: 1_000, grace_ms: 0 };
+            let got = g.try_acquire(now, t, false);
+            prop_assert!(matches!(got, TryAcquire::Admitted(_)), "admission {id} of {free}: {got:?}");
+        }
+        let t = Ticket { id: u128::MAX, fairness_key: 0, priority: Priority::Normal, lease_ms: 1_000, grace_ms: 0 };
+        let reset_at = now + reset_ms.min(max_pause_ms);
+        prop_assert_eq!(
+            g.try_acquire(now, t, false),
+            TryAcquire::Refused { reason: RefusalReason::Rpm, retry_after_ms: Some(reset_at - now) }
+        );
+        prop_assert_eq!(g.snapshot(now).paced_until, Some(reset_at));
     }
 }

@@ -23,6 +23,8 @@ fn invalid_configs_exit_non_zero_naming_the_key() {
         ("[[pools]]\nname = \"p\"\nupstream = \"http://127.0.0.1:1\"\n[pools.cache]\nttl_s = 0\n", "pools[0].cache.ttl_s"),
         ("[[pools]]\nname = \"p\"\nupstream = \"http://127.0.0.1:1\"\n[pools.cache]\nttl = 5\n", "pools[0].cache.ttl"),
         ("this is not toml", "(file)"),
+        ("[server]\ncoordination = \"memcached://h\"\n", "server.coordination"),
+        ("[server]\ncoordination = \"redis://h\"\ncoordination_fail = \"open\"\n", "server.expected_nodes"),
     ];
     for (text, key) in cases {
         let path = write_config(dir.path(), text);
@@ -65,6 +67,26 @@ fn serve_exits_naming_a_pool_listener_it_cannot_bind() {
     assert!(!out.status.success(), "served with a taken pool listener");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("pools[0].listen"), "{err}");
+}
+
+/// Failing closed, a node whose Redis does not answer does not start; the message names the
+/// setting and never quotes the URL (it may hold a password).
+#[test]
+fn serve_exits_naming_coordination_when_redis_does_not_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "{}coordination = \"redis://:hunter2@127.0.0.1:1/0\"\ncoordination_timeout_ms = 300\n",
+        server_toml(free_port(), dir.path())
+    );
+    let path = write_config(dir.path(), &text);
+    let out = Command::new(BIN)
+        .args(["serve", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "served without its Redis");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("server.coordination"), "{err}");
+    assert!(!err.contains("hunter2"), "{err}");
 }
 
 #[test]

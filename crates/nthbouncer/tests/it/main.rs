@@ -11,6 +11,7 @@ mod lock_cli;
 mod lock_restart;
 mod nonce_restart;
 mod reload;
+mod scale_out;
 mod sdk;
 mod soak;
 mod webhooks_crash;

@@ -33,7 +33,7 @@ use nthbouncer_coord::{InProcessNonces, NonceStore};
 
 pub use client_ip::client_addr;
 pub use jwt::{JwtFailure, JwtPolicy};
-pub use nonces::{NonceJournal, PURGE_EVERY_MS};
+pub use nonces::{NonceJournal, NonceSource, PURGE_EVERY_MS};
 pub use signing::{HmacFailure, HmacPolicy, Pending};
 pub use throttle::{FailureThrottle, BLOCK_MS, FAILURE_WINDOW_MS, MAX_FAILURES};
 

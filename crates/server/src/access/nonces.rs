@@ -155,3 +155,31 @@ impl NonceStore for DurableNonces {
         }
     }
 }
+
+/// Where the pools' seen nonces live: this node's journal (one node), or the shared
+/// coordination store (Redis: one `SET NX PX` per nonce, decided once for every node, and kept
+/// by Redis across any node's restart).
+#[derive(Clone)]
+pub enum NonceSource {
+    Journal(NonceJournal),
+    Shared(Arc<nthbouncer_coord::redis::RedisCoordination>),
+}
+
+impl NonceSource {
+    /// At start, before any pool is built: the journal loads its records (Redis needs nothing).
+    /// Returns how many were loaded.
+    pub async fn load(&self) -> Result<usize, StoreError> {
+        match self {
+            NonceSource::Journal(journal) => journal.load().await,
+            NonceSource::Shared(_) => Ok(0),
+        }
+    }
+
+    /// The nonce store of pool `pool`.
+    pub fn for_pool(&self, pool: &str) -> Arc<dyn NonceStore> {
+        match self {
+            NonceSource::Journal(journal) => journal.for_pool(pool),
+            NonceSource::Shared(redis) => redis.nonces(pool),
+        }
+    }
+}

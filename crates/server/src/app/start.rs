@@ -5,8 +5,11 @@ use std::net::SocketAddr;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
+use nthbouncer_config::Coordination as CoordinationSpec;
 use nthbouncer_config::{Config, ConfigError, ServerSpec};
-use nthbouncer_coord::{Clock, SystemClock};
+use nthbouncer_coord::in_process::InProcessCoordination;
+use nthbouncer_coord::redis::{RedisCoordination, RedisOptions};
+use nthbouncer_coord::{Clock, Coordination, SystemClock};
 use nthbouncer_store::{JobStore, Store};
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
@@ -15,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::serve::{accept_loop, Dispatcher};
 use crate::access::keys::Accept;
+use crate::access::{NonceJournal, NonceSource};
 use crate::admin::Admin;
 use crate::app::state::{AppState, StartError};
 use crate::cache::Caches;
@@ -72,6 +76,7 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
         .clock
         .unwrap_or_else(|| Arc::new(SystemClock::new()));
     let (store, job_store) = open_store(&server).await?;
+    let shared = open_coordination(&server, clock.clone()).await?;
     let (access_log, access_log_task) = AccessLog::start(store.clone(), server.access_log_keep);
     let state = wire(Parts {
         public_url: server.public_url(addr.port()),
@@ -80,13 +85,17 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
         store,
         job_store,
         access_log,
+        shared: shared.clone(),
     })?;
     state.pools.load_pools(&config).await?;
     if let Some(path) = options.config_path {
         state.reload.set_source(path, config.clone()).await;
     }
-    crate::lock::leases::reserve_outstanding(&*state.store, &state.pools, state.clock.now_ms())
-        .await;
+    if shared.is_none() {
+        // On Redis the leases outlive this node in Redis itself: nothing to hold back.
+        let now = state.clock.now_ms();
+        crate::lock::leases::reserve_outstanding(&*state.store, &state.pools, now).await;
+    }
     // Before serving: every unfinished job has its runner and its place in the backlog before a
     // new job can be accepted (or picked up twice).
     crate::jobs::resume(&state.jobs).await;
@@ -124,6 +133,8 @@ struct Parts {
     store: Arc<dyn Store>,
     job_store: Arc<dyn JobStore>,
     access_log: AccessLog,
+    /// The shared coordination (Redis) when configured; `None`: in process.
+    shared: Option<Arc<RedisCoordination>>,
 }
 
 /// Builds every feature's state from the shared parts: the one place that sees them all.
@@ -144,6 +155,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         store,
         job_store,
         access_log,
+        shared,
     } = parts;
     let live = Arc::new(crate::core::live::LiveServer::new(
         crate::core::live::ServerSettings::of(&server).map_err(StartError::Config)?,
@@ -151,9 +163,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
     let client = crate::upstream::build_client(&server).map_err(StartError::Client)?;
     let deliveries_pending = Arc::new(Notify::new());
     let scheme = poll_scheme(&public_url);
-    let coordination = Arc::new(nthbouncer_coord::in_process::InProcessCoordination::new(
-        clock.clone(),
-    ));
+    let (coordination, nonces, leases) = coordination_parts(shared, &store, &clock);
     let pools = Arc::new(Pools::new(PoolsParts {
         store: store.clone(),
         jobs: job_store.clone(),
@@ -162,7 +172,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         api_host: server.api_host.clone(),
         pool_domain: server.pool_domain.clone(),
         destinations_changed: deliveries_pending.clone(),
-        nonces: crate::access::NonceJournal::start(store.clone(), clock.clone()),
+        nonces,
         live: live.clone(),
     }));
     let jobs = Arc::new(Jobs {
@@ -199,7 +209,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
             pools: pools.clone(),
             access_log: access_log.clone(),
             clock: clock.clone(),
-            leases: LeaseBook::start(store.clone(), clock.clone()),
+            leases,
         }),
         admin: Arc::new(Admin {
             pools: pools.clone(),
@@ -234,6 +244,22 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
     }))
 }
 
+/// The gates, the nonce stores and the lease book, all in process or all on Redis.
+fn coordination_parts(
+    shared: Option<Arc<RedisCoordination>>,
+    store: &Arc<dyn Store>,
+    clock: &Arc<dyn Clock>,
+) -> (Arc<dyn Coordination>, NonceSource, LeaseBook) {
+    match shared {
+        Some(redis) => (redis.clone(), NonceSource::Shared(redis), LeaseBook::off()),
+        None => (
+            Arc::new(InProcessCoordination::new(clock.clone())),
+            NonceSource::Journal(NonceJournal::start(store.clone(), clock.clone())),
+            LeaseBook::start(store.clone(), clock.clone()),
+        ),
+    }
+}
+
 async fn bind(server: &ServerSpec) -> Result<(TcpListener, SocketAddr), StartError> {
     let listen_error = |source| StartError::Listen {
         addr: server.listen.clone(),
@@ -257,6 +283,43 @@ async fn open_store(
     .map_err(|e| StartError::Store(e.to_string()))?
     .map_err(|e| StartError::Store(e.to_string()))?;
     Ok((Arc::new(sqlite.clone()), Arc::new(sqlite)))
+}
+
+/// Connects to the shared coordination store, if the config names one. Failing closed, a node
+/// that cannot reach Redis at start does not start (it could admit nothing); failing open, it
+/// starts on its share of each limit and joins Redis once it answers.
+async fn open_coordination(
+    server: &ServerSpec,
+    clock: Arc<dyn Clock>,
+) -> Result<Option<Arc<RedisCoordination>>, StartError> {
+    let spec = match server.coordination().map_err(StartError::Config)? {
+        CoordinationSpec::InProcess => return Ok(None),
+        CoordinationSpec::Redis(spec) => spec,
+    };
+    let timeout = std::time::Duration::from_millis(spec.timeout_ms);
+    let mut options = RedisOptions::new(spec.url);
+    options.key_prefix = spec.key_prefix;
+    options.fail_open = spec.fail_open;
+    options.command_timeout = timeout;
+    options.connect_timeout = timeout;
+    // The URL is not quoted: it may carry a password.
+    let redis = RedisCoordination::new(options, clock)
+        .map_err(|e| StartError::Coordination(format!("server.coordination: {e}")))?;
+    match redis.ping().await {
+        Ok(()) => tracing::info!(node = redis.node_id(), "coordinating through Redis"),
+        Err(e) if spec.fail_open.is_some() => tracing::warn!(
+            error = %e,
+            "Redis (server.coordination) does not answer; admitting this node's share of each \
+             limit until it does (coordination_fail = \"open\")"
+        ),
+        Err(e) => {
+            return Err(StartError::Coordination(format!(
+                "Redis (server.coordination) does not answer: {e}; start it, or set \
+                 server.coordination_fail = \"open\" to start on this node's share of each limit"
+            )))
+        }
+    }
+    Ok(Some(Arc::new(redis)))
 }
 
 /// Validates a config the way `serve` would, without binding anything.

@@ -54,6 +54,8 @@ pub enum StartError {
     },
     #[error("cannot build the upstream client: {0}")]
     Client(String),
+    #[error("cannot coordinate through Redis: {0}")]
+    Coordination(String),
 }
 
 impl From<LoadError> for StartError {

@@ -51,23 +51,37 @@ impl Commit for Apply {
 }
 
 /// Writes lease grants and releases in batches, one transaction per batch.
+///
+/// Off with Redis coordination: leases then live in Redis, which outlives any one node's
+/// restart, and a lease granted on one node may be released on another, so a node's own
+/// record would only hold back slots Redis already accounts for.
 #[derive(Clone)]
-pub struct LeaseBook(Batcher<Op, ()>);
+pub struct LeaseBook(Option<Batcher<Op, ()>>);
 
 impl LeaseBook {
     pub fn start(store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> LeaseBook {
-        LeaseBook(Batcher::start(Apply { store, clock }, CONFIG).0)
+        LeaseBook(Some(Batcher::start(Apply { store, clock }, CONFIG).0))
+    }
+
+    /// A book that records nothing (the leases live in the shared coordination store).
+    pub fn off() -> LeaseBook {
+        LeaseBook(None)
     }
 
     /// Returns once the grant is committed, so a lease its holder knows of is always on record.
     pub async fn granted(&self, lease: LeaseRecord) -> Result<(), CommitError> {
-        self.0.submit(Op::Granted(lease)).await
+        match &self.0 {
+            Some(book) => book.submit(Op::Granted(lease)).await,
+            None => Ok(()),
+        }
     }
 
     /// Forgets a released lease (not waited for: a record left behind only holds a slot back
     /// for one lease term after a restart).
     pub fn released(&self, slot_id: String) {
-        self.0.enqueue(Op::Released(slot_id));
+        if let Some(book) = &self.0 {
+            book.enqueue(Op::Released(slot_id));
+        }
     }
 }
 

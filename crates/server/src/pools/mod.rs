@@ -17,7 +17,7 @@ use nthbouncer_coord::{Clock, Coordination};
 use nthbouncer_store::{JobStore, Store};
 use tokio::sync::{Mutex, Notify};
 
-use crate::access::NonceJournal;
+use crate::access::NonceSource;
 use crate::core::error::ApiError;
 pub use listeners::Listeners;
 pub use ops::{
@@ -44,7 +44,7 @@ pub struct Pools {
     /// Notified when a pool's destinations change (the webhook dispatcher listens).
     destinations_changed: Arc<Notify>,
     /// Where every pool's HMAC nonces are recorded (and loaded from at start).
-    nonces: NonceJournal,
+    nonces: NonceSource,
     /// Pools' own listeners.
     pub listeners: Listeners,
     /// The live `[server]` settings: `allow_private_webhooks` (for the webhooks an API pool's
@@ -61,7 +61,7 @@ pub struct PoolsParts {
     pub api_host: String,
     pub pool_domain: String,
     pub destinations_changed: Arc<Notify>,
-    pub nonces: NonceJournal,
+    pub nonces: NonceSource,
     pub live: Arc<crate::core::live::LiveServer>,
 }
 

@@ -459,6 +459,13 @@ fn upstream_failure(
     let max_body = call.state.live.load().max_body_bytes;
     let (e, reason) = if err.caused_by::<LengthLimitError>().is_some() {
         (ApiError::payload_too_large(max_body), None)
+    } else if err.caused_by::<upstream::Fenced>().is_some() {
+        let mut e = ApiError::new(
+            ErrorCode::CoordinationUnavailable,
+            "the slot could not be confirmed with the coordination store; the call was cut off",
+        );
+        e.retry_after_s = Some(1);
+        (e, Some("slot lost"))
     } else if err.timed_out() {
         pool.metrics.upstream_errors.increment(1);
         let message = format!(

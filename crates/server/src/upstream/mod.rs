@@ -25,22 +25,27 @@ use tokio::time::Instant;
 pub use client::{build_client, UpstreamClient};
 pub use connector::ConnectionClosed;
 pub use error::{Stage, UpstreamError};
-pub use slot::{Exchange, SlotBody, SlotGuard};
+pub use slot::{Exchange, Fence, Fenced, SlotBody, SlotGuard};
 pub use target::{PathRefused, Target};
 
 /// Sends `req` holding `guard`'s slot and waits for the response head until `deadline`. If
-/// the caller goes away first, the call runs on detached and keeps the slot ([`Exchange`]).
+/// the caller goes away first, the call runs on detached and keeps the slot ([`Exchange`]). A
+/// slot whose lease is lost meanwhile cuts the call off ([`Fence`]): the error is [`Fenced`].
 pub async fn exchange(
     client: &UpstreamClient,
     req: Request<Body>,
     guard: SlotGuard,
     deadline: Instant,
 ) -> Result<(Response<Incoming>, SlotGuard), UpstreamError> {
+    let mut fence = guard.fence();
     let call = Exchange::send(client, req, guard, deadline);
-    match tokio::time::timeout_at(deadline, call).await {
-        Ok((Ok(resp), guard)) => Ok((resp, guard)),
-        Ok((Err(e), _slot_freed)) => Err(UpstreamError::from_client(e)),
-        Err(_) => Err(UpstreamError::deadline(Stage::ResponseHead)),
+    tokio::select! {
+        sent = tokio::time::timeout_at(deadline, call) => match sent {
+            Ok((Ok(resp), guard)) => Ok((resp, guard)),
+            Ok((Err(e), _slot_freed)) => Err(UpstreamError::from_client(e)),
+            Err(_) => Err(UpstreamError::deadline(Stage::ResponseHead)),
+        },
+        () = fence.lost() => Err(UpstreamError::new(Stage::Send, Fenced)),
     }
 }
 

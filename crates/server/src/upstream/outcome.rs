@@ -51,9 +51,10 @@ pub fn rate_info(report: &RateReport) -> Option<RateInfo> {
     if req.is_none() && tok.is_none() {
         return None;
     }
-    // A window length the origin states wins; otherwise the dialect may imply one. Without
-    // either, the governor paces by `remaining` until `reset`, which is right for the fixed
-    // windows of GitHub-style and Discord headers.
+    // A window length the origin states wins; otherwise the dialect may imply one. It sets the
+    // pace the governor keeps when no budget is mirrored (or a spent one's reset has passed);
+    // without it, a budget spent to its reset simply refills there, which is right for the
+    // fixed windows of GitHub-style and Discord headers.
     let implied = match report.source {
         Some(Dialect::OpenAi | Dialect::Anthropic) => Some(PER_MINUTE_MS),
         _ => None,

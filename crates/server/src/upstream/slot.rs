@@ -14,7 +14,7 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::{capture_connection, CaptureConnection};
 use hyper_util::client::legacy::ResponseFuture;
-use nthbouncer_coord::{Outcome, PoolGate, SlotId};
+use nthbouncer_coord::{LeaseWatch, Outcome, PoolGate, SlotId};
 use parking_lot::Mutex;
 
 use super::connector::ConnectionClosed;
@@ -26,17 +26,54 @@ pub struct SlotGuard {
     gate: Arc<dyn PoolGate>,
     slot: SlotId,
     pub outcome: Option<Outcome>,
+    fence: Fence,
 }
 
 impl SlotGuard {
     pub fn new(gate: Arc<dyn PoolGate>, slot: SlotId) -> Self {
+        let fence = Fence(gate.lease_watch(slot));
         SlotGuard {
             gate,
             slot,
             outcome: None,
+            fence,
+        }
+    }
+
+    /// Tells when the slot can no longer be confirmed (see [`Fence`]).
+    pub fn fence(&self) -> Fence {
+        self.fence.clone()
+    }
+}
+
+/// Self-fencing: a gate that keeps a slot's lease alive behind its holder's back (Redis)
+/// reports when it could not confirm it: reclaimed, or the coordination store unreachable past
+/// its deadline. The slot may then be someone else's, so the call holding it is cut off like
+/// one past its deadline rather than left running uncounted. Never fires on a gate that cannot
+/// lose a held slot that way (in process).
+#[derive(Clone, Debug)]
+pub struct Fence(Option<LeaseWatch>);
+
+impl Fence {
+    pub fn is_lost(&self) -> bool {
+        self.0.as_ref().is_some_and(LeaseWatch::is_lost)
+    }
+
+    /// Resolves once the lease is lost; never on a gate that cannot lose it.
+    pub async fn lost(&mut self) {
+        match &mut self.0 {
+            Some(watch) => watch.lost().await,
+            None => std::future::pending().await,
         }
     }
 }
+
+/// The error of a call cut off because its slot's lease could not be confirmed.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the slot's lease could not be confirmed with the coordination store; the call was cut off"
+)]
+pub struct Fenced;
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
@@ -74,6 +111,7 @@ pub struct Exchange {
     guard: Option<SlotGuard>,
     deadline: tokio::time::Instant,
     connection: CaptureConnection,
+    fence: Fence,
 }
 
 impl Exchange {
@@ -85,11 +123,13 @@ impl Exchange {
         deadline: tokio::time::Instant,
     ) -> Self {
         let connection = capture_connection(&mut req);
+        let fence = guard.fence();
         Exchange {
             call: Some(client.request(req)),
             guard: Some(guard),
             deadline,
             connection,
+            fence,
         }
     }
 }
@@ -122,9 +162,9 @@ impl Drop for Exchange {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        if crate::core::time::now() >= self.deadline {
-            // The request timed out (SPEC §4): the call is cut, and its slot is freed once its
-            // connection is closed.
+        if crate::core::time::now() >= self.deadline || self.fence.is_lost() {
+            // The request timed out (SPEC §4), or its slot was lost (self-fencing): the call is
+            // cut, and its slot is freed once its connection is closed.
             drop(call);
             let closed = ConnectionClosed::of_capture(&self.connection);
             if closed.is_some() {
@@ -137,14 +177,20 @@ impl Drop for Exchange {
         }
         let deadline = self.deadline;
         let connection = self.connection.clone();
+        let mut fence = self.fence.clone();
         rt.spawn(async move {
             // The answer is discarded: its caller is gone. Whether the call answered (its
-            // body is dropped unread) or the deadline cut it, its connection closes first.
-            let closed = match tokio::time::timeout_at(deadline, call).await {
-                Ok(Ok(resp)) if resp.body().is_end_stream() => None,
-                Ok(Ok(resp)) => ConnectionClosed::of(&resp),
-                Ok(Err(_)) => None,
-                Err(_) => ConnectionClosed::of_capture(&connection),
+            // body is dropped unread) or the deadline (or a lost lease) cut it, its connection
+            // closes first.
+            let answered = tokio::select! {
+                answered = tokio::time::timeout_at(deadline, call) => answered.ok(),
+                () = fence.lost() => None,
+            };
+            let closed = match answered {
+                Some(Ok(resp)) if resp.body().is_end_stream() => None,
+                Some(Ok(resp)) => ConnectionClosed::of(&resp),
+                Some(Err(_)) => None,
+                None => ConnectionClosed::of_capture(&connection),
             };
             ConnectionClosed::after_cut(closed).await;
             drop(guard);
@@ -197,6 +243,7 @@ struct Shared {
 pub struct SlotBody {
     shared: Arc<Shared>,
     deadline: tokio::time::Instant,
+    fence: Fence,
     watchdog: Option<tokio::task::AbortHandle>,
     /// The end (or the deadline's error) was handed out.
     done: bool,
@@ -209,7 +256,9 @@ impl SlotBody {
         deadline: tokio::time::Instant,
         closed: Option<ConnectionClosed>,
     ) -> Self {
+        let fence = guard.fence();
         SlotBody {
+            fence,
             shared: Arc::new(Shared {
                 held: Mutex::new(Some(Held {
                     body,
@@ -230,8 +279,12 @@ impl SlotBody {
         }
         let shared = self.shared.clone();
         let deadline = self.deadline;
+        let mut fence = self.fence.clone();
         let task = tokio::spawn(async move {
-            tokio::time::sleep_until(deadline).await;
+            tokio::select! {
+                () = tokio::time::sleep_until(deadline) => {}
+                () = fence.lost() => {}
+            }
             let held = shared.held.lock().take();
             // Wake the reader first: it gets the deadline's error while the slot waits for
             // the upstream connection to close.

@@ -1146,18 +1146,22 @@ async fn acquire_attempts_are_access_logged_renew_and_release_are_not() {
     );
 }
 
-/// An announced budget sets a learned pace: admissions are spaced to spend the window evenly,
-/// and the state shows until when the pace holds the next one back.
+/// An announced budget is spent, not spread (SPEC §3): every admission goes through while it
+/// has room (less a margin of one), then the next one waits for its reset, and the state shows
+/// until when.
 #[tokio::test]
-async fn an_announced_budget_paces_admissions_and_the_state_shows_it() {
+async fn an_announced_budget_is_spent_then_holds_admission_until_its_reset() {
     let up = Upstream::start().await;
     let (gw, clock) = clocked(&pool_toml("p", &up.url(), "limit = 10")).await;
     let id = slot(&grant(&gw, "p").await);
     let report = json!({"status": 200, "rate": {"limit": 100, "remaining": 10, "resetMs": 10000}});
     assert!(released(&gw, "p", &id, Some(report)).await);
     let s = gw.state("p").await;
-    assert!(s["learnedRpm"].as_u64().is_some(), "{s}");
-    // A burst goes out, then the pace holds the next admission back.
+    assert!(
+        s["learnedRpm"].is_null(),
+        "no pace while the budget has room: {s}"
+    );
+    // 10 left, 1 kept back: 9 go out at once, with a slot to spare; the 10th waits.
     let mut granted = 0;
     let refused = loop {
         let r = send(keyed(&gw, "p", "acquire")).await;
@@ -1165,13 +1169,16 @@ async fn an_announced_budget_paces_admissions_and_the_state_shows_it() {
             break r;
         }
         granted += 1;
-        assert!(granted <= 10, "the pace never held anything back");
+        assert!(granted <= 9, "the spent budget never held anything back");
     };
+    assert_eq!(granted, 9);
     assert_eq!(refused.status(), 429);
     let s = gw.state("p").await;
-    let paced = s["pacedUntil"].as_u64().unwrap_or_else(|| panic!("{s}"));
-    assert!(paced > T0 && paced <= T0 + 10_000, "{s}");
-    assert!(s["pausedUntil"].is_null(), "pacing is not a pause: {s}");
-    clock.advance(paced - T0);
+    assert_eq!(s["pacedUntil"], T0 + 10_000, "{s}");
+    assert!(
+        s["pausedUntil"].is_null(),
+        "holding back for a budget is not a pause: {s}"
+    );
+    clock.advance(10_000);
     assert_eq!(send(keyed(&gw, "p", "acquire")).await.status(), 200);
 }

@@ -618,6 +618,82 @@ async fn leases_outstanding_survive_a_reopen_until_released_or_past_their_deadli
     assert_eq!(store.outstanding_leases(0).await.unwrap(), vec![]);
 }
 
+/// Thousands of grant and release batches (the journal folds itself many times over): what is
+/// outstanding is exactly what was granted and neither released, re-granted away nor due, and
+/// the journal stays short.
+#[tokio::test]
+async fn lease_records_fold_and_stay_exact_over_many_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    let mut expect = std::collections::BTreeMap::new();
+    for i in 0..2_000u64 {
+        let now = 1_000 + i;
+        // Every slot is granted; most are released a few batches later; every 7th is kept
+        // with a long deadline, every 11th has one already past by the end.
+        let id = format!("s{i:05}");
+        let deadline = if i % 11 == 0 {
+            now + 50
+        } else {
+            now + 1_000_000
+        };
+        let released: Vec<String> = if i >= 3 && (i - 3) % 7 != 0 {
+            vec![format!("s{:05}", i - 3)]
+        } else {
+            vec![]
+        };
+        store
+            .apply_leases(&[lease(&id, "p", deadline)], &released, now)
+            .await
+            .unwrap();
+        expect.insert(id, deadline);
+        for r in &released {
+            expect.remove(r);
+        }
+    }
+    let now = 3_000;
+    let want: Vec<_> = expect
+        .into_iter()
+        .filter(|(_, d)| *d > now)
+        .map(|(id, d)| lease(&id, "p", d))
+        .collect();
+    assert!(want.len() > 250, "{}", want.len());
+    drop(store);
+    let store = open(dir.path());
+    assert_eq!(store.outstanding_leases(now).await.unwrap(), want);
+    let raw = rusqlite::Connection::open(dir.path().join(DB_FILE_NAME)).unwrap();
+    let rows: i64 = raw
+        .query_row("SELECT COUNT(*) FROM lease_journal", [], |r| r.get(0))
+        .unwrap();
+    assert!(rows <= 256, "the journal folds: {rows} rows");
+}
+
+/// A store written by schema v9 (leases as a table) keeps its outstanding leases on open.
+#[tokio::test]
+async fn a_v9_store_moves_its_leases_into_the_journal() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(open(dir.path()));
+    let raw = rusqlite::Connection::open(dir.path().join(DB_FILE_NAME)).unwrap();
+    raw.execute_batch(
+        "DROP TABLE lease_journal;
+         CREATE TABLE leases (slot_id TEXT PRIMARY KEY, pool TEXT NOT NULL,
+             request_deadline INTEGER NOT NULL) WITHOUT ROWID;
+         INSERT INTO leases VALUES ('a', 'p', 5000), ('b', 'q', 9000), ('c', 'p', 100);
+         PRAGMA user_version = 9;",
+    )
+    .unwrap();
+    drop(raw);
+    let store = open(dir.path());
+    assert_eq!(
+        store.outstanding_leases(1_000).await.unwrap(),
+        vec![lease("a", "p", 5_000), lease("b", "q", 9_000)]
+    );
+    store.apply_leases(&[], &["a".into()], 1_000).await.unwrap();
+    assert_eq!(
+        store.outstanding_leases(1_000).await.unwrap(),
+        vec![lease("b", "q", 9_000)]
+    );
+}
+
 fn nonce(pool: &str, digest: u8, expires_at: u64) -> NonceRecord {
     NonceRecord {
         pool: pool.to_owned(),
