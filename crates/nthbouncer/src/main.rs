@@ -174,6 +174,23 @@ async fn shutdown_signal() {
     tokio::select! { _ = ctrl_c => {}, _ = term => {} }
 }
 
+/// SIGHUP: re-read the TLS certificate files (new handshakes get them; a file that does not
+/// read keeps the old ones, and `reload` logs why). The config's own reload hooks in beside.
+async fn reload_tls_on_sighup(tls: std::sync::Arc<nthbouncer_server::tls::ListenerTls>) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let Ok(mut hup) = signal(SignalKind::hangup()) else {
+            return;
+        };
+        while hup.recv().await.is_some() {
+            let _ = tls.reload();
+        }
+    }
+    #[cfg(not(unix))]
+    drop(tls);
+}
+
 async fn serve(config_path: Option<PathBuf>, demo: bool) -> Result<(), String> {
     let mut config = match &config_path {
         Some(path) => Config::load(path).map_err(|e| format!("{}: {e}", path.display()))?,
@@ -193,6 +210,9 @@ async fn serve(config_path: Option<PathBuf>, demo: bool) -> Result<(), String> {
             listeners.addr("demo"),
             listeners.addr(DEMO_DB),
         );
+    }
+    if let Some(tls) = running.state.tls.clone() {
+        tokio::spawn(reload_tls_on_sighup(tls));
     }
     let token = running.shutdown_token();
     tokio::spawn(async move {

@@ -30,6 +30,7 @@ pub mod jobs;
 pub mod lock;
 pub mod pools;
 pub mod proxy;
+pub mod tls;
 pub mod upstream;
 pub mod webhooks;
 

@@ -158,6 +158,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         nonces: crate::access::NonceJournal::start(store.clone(), clock.clone()),
         allow_private_webhooks: server.allow_private_webhooks,
         max_destinations_per_pool: server.max_destinations_per_pool,
+        upstream_timeouts: crate::upstream::ClientTimeouts::of(&server),
     }));
     let jobs = Arc::new(Jobs {
         intake: JobIntake::start(job_store.clone()),
@@ -172,6 +173,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         backlog: crate::jobs::backlog::Backlog::new(),
     });
     let trusted_proxies: Arc<[ipnet::IpNet]> = server.trusted_proxy_nets().into();
+    let tls = listener_tls(&server, &pools)?;
     let cache = Arc::new(Caches::new(pools.clone(), clock.clone()));
     Ok(Arc::new(AppState {
         database: Arc::new(DatabaseApi {
@@ -226,8 +228,30 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         cache,
         access_log,
         draining: AtomicBool::new(false),
+        tls,
         server,
     }))
+}
+
+/// `[server.tls]`, read now; client certificates are asked for while any pool wants them.
+fn listener_tls(
+    server: &ServerSpec,
+    pools: &Arc<Pools>,
+) -> Result<Option<Arc<crate::tls::ListenerTls>>, StartError> {
+    let Some(spec) = &server.tls else {
+        return Ok(None);
+    };
+    let pools = Arc::downgrade(pools);
+    let wants = Arc::new(move || {
+        pools.upgrade().is_some_and(|p| {
+            p.snapshot()
+                .pools
+                .values()
+                .any(|pool| pool.access.requires_client_cert())
+        })
+    });
+    let tls = crate::tls::ListenerTls::load(spec, wants).map_err(StartError::Config)?;
+    Ok(Some(Arc::new(tls)))
 }
 
 async fn bind(server: &ServerSpec) -> Result<(TcpListener, SocketAddr), StartError> {
@@ -258,6 +282,9 @@ async fn open_store(
 /// Validates a config the way `serve` would, without binding anything.
 pub fn check_config(config: &Config) -> Result<(), ConfigError> {
     config.validate()?;
+    if let Some(tls) = &config.server.tls {
+        crate::tls::ListenerTls::check(tls)?;
+    }
     for (i, p) in config.pools.iter().enumerate() {
         let at = format!("pools[{i}]");
         match p.kind {
@@ -270,6 +297,9 @@ pub fn check_config(config: &Config) -> Result<(), ConfigError> {
             }
         }
         p.resolved_upstream_headers(&at)?;
+        if let Some(t) = &p.upstream_tls {
+            crate::tls::upstream_client_config(&format!("{at}.upstream_tls"), t)?;
+        }
         p.key_digests(&at)?;
         let keys = Arc::default();
         let accept = Accept::of(&p.auth_methods());

@@ -17,6 +17,7 @@ use crate::lock::LockApi;
 use crate::pools::guard::Guard;
 use crate::pools::{LoadError, Pools};
 use crate::proxy::Proxy;
+use crate::tls::ListenerTls;
 use crate::webhooks::Webhooks;
 
 pub struct AppState {
@@ -35,6 +36,8 @@ pub struct AppState {
     pub access_log: AccessLog,
     /// Set on SIGTERM: `/readyz` fails so load balancers stop sending traffic.
     pub draining: AtomicBool,
+    /// `[server.tls]`: the listeners' certificates ([`ListenerTls::reload`] on SIGHUP).
+    pub tls: Option<Arc<ListenerTls>>,
 }
 
 #[derive(Debug, thiserror::Error)]

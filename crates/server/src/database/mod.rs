@@ -96,6 +96,7 @@ pub async fn handle(
         &parts.uri,
         &parts.headers,
         body_state,
+        crate::tls::PeerTls::of_request(&parts.extensions),
         log.at,
     ))
     .await;

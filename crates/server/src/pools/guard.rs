@@ -116,6 +116,7 @@ pub async fn require(
         &parts.uri,
         &parts.headers,
         body_state,
+        crate::tls::PeerTls::of_request(&parts.extensions),
         log.at,
     ))
     .await;

@@ -50,6 +50,8 @@ pub struct Pools {
     allow_private_webhooks: bool,
     /// `server.max_destinations_per_pool`.
     max_destinations_per_pool: u32,
+    /// For the clients of pools with `[pools.upstream_tls]`.
+    upstream_timeouts: crate::upstream::ClientTimeouts,
 }
 
 /// What [`Pools::new`] is made of.
@@ -64,6 +66,7 @@ pub struct PoolsParts {
     pub nonces: NonceJournal,
     pub allow_private_webhooks: bool,
     pub max_destinations_per_pool: u32,
+    pub upstream_timeouts: crate::upstream::ClientTimeouts,
 }
 
 impl Pools {
@@ -83,6 +86,7 @@ impl Pools {
             listeners: Listeners::default(),
             allow_private_webhooks: parts.allow_private_webhooks,
             max_destinations_per_pool: parts.max_destinations_per_pool,
+            upstream_timeouts: parts.upstream_timeouts,
         }
     }
 
