@@ -58,7 +58,9 @@ pub const CF_ACCESS_HEADER: &str = "cf-access-jwt-assertion";
 pub enum Failure {
     Key(AuthFailure),
     IpNotAllowed,
-    Throttled { retry_after_ms: u64 },
+    Throttled {
+        retry_after_ms: u64,
+    },
     Hmac(HmacFailure),
     Jwt(JwtFailure),
     CloudflareAccess(JwtFailure),

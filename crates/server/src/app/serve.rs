@@ -307,7 +307,9 @@ impl Serving {
                     this.run(stream, Some(peer_tls), conn).await;
                 }
                 Ok(Err(e)) => tracing::debug!(error = %e, %peer, "TLS handshake failed"),
-                Err(_) => tracing::debug!(%peer, "TLS handshake not done within the header timeout"),
+                Err(_) => {
+                    tracing::debug!(%peer, "TLS handshake not done within the header timeout")
+                }
             }
         });
     }

@@ -173,9 +173,9 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         backlog: crate::jobs::backlog::Backlog::new(),
     });
     let trusted_proxies: Arc<[ipnet::IpNet]> = server.trusted_proxy_nets().into();
-    let tls = listener_tls(&server, &pools)?;
     let cache = Arc::new(Caches::new(pools.clone(), clock.clone()));
     Ok(Arc::new(AppState {
+        tls: listener_tls(&server, &pools)?,
         database: Arc::new(DatabaseApi {
             http: client.clone(),
             trusted_proxies: trusted_proxies.clone(),
@@ -228,7 +228,6 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         cache,
         access_log,
         draining: AtomicBool::new(false),
-        tls,
         server,
     }))
 }

@@ -364,7 +364,13 @@ async fn forward(mut call: Call<'_>, body: CallBody, grant: Grant) -> Response<B
         }
     };
     let started = crate::core::time::now();
-    let sent = upstream::exchange(call.pool.client(&call.state.client), request, guard, deadline).await;
+    let sent = upstream::exchange(
+        call.pool.client(&call.state.client),
+        request,
+        guard,
+        deadline,
+    )
+    .await;
     let latency_ms = started.elapsed().as_millis() as u64;
     let (resp, mut guard) = match sent {
         Ok(r) => r,

@@ -40,7 +40,9 @@ pub struct ListenerTls {
 
 impl fmt::Debug for ListenerTls {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ListenerTls").field("spec", &self.spec).finish()
+        f.debug_struct("ListenerTls")
+            .field("spec", &self.spec)
+            .finish()
     }
 }
 

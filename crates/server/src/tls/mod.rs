@@ -78,7 +78,10 @@ pub fn upstream_client_config(
         (Some(cert), Some(key)) => {
             let ck = pem::certified_key(at, cert, key)?;
             builder
-                .with_client_auth_cert(ck.cert.clone(), pem::private_key(&format!("{at}.key_file"), key)?)
+                .with_client_auth_cert(
+                    ck.cert.clone(),
+                    pem::private_key(&format!("{at}.key_file"), key)?,
+                )
                 .map_err(|e| ConfigError::new(format!("{at}.key_file"), e.to_string()))?
         }
         _ => builder.with_no_client_auth(),

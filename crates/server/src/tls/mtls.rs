@@ -107,9 +107,10 @@ impl MtlsPolicy {
                 .add(cert)
                 .map_err(|e| ConfigError::new(&key, format!("not a usable CA certificate: {e}")))?;
         }
-        let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), super::provider())
-            .build()
-            .map_err(|e| ConfigError::new(&key, e.to_string()))?;
+        let verifier =
+            WebPkiClientVerifier::builder_with_provider(Arc::new(roots), super::provider())
+                .build()
+                .map_err(|e| ConfigError::new(&key, e.to_string()))?;
         Ok(MtlsPolicy {
             verifier,
             allowed_subjects: spec.allowed_subjects.clone(),
@@ -139,7 +140,7 @@ impl MtlsPolicy {
         }
         let lists = !self.allowed_subjects.is_empty() || !self.allowed_sans.is_empty();
         let allowed = !lists
-            || self.allowed_subjects.iter().any(|s| *s == identity.subject)
+            || self.allowed_subjects.contains(&identity.subject)
             || identity
                 .sans
                 .iter()

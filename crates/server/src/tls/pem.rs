@@ -12,16 +12,21 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 pub const MAX_PEM_FILE_BYTES: u64 = 4 * 1024 * 1024;
 
 fn read(key: &str, path: &Path) -> Result<Vec<u8>, ConfigError> {
-    let meta = std::fs::metadata(path).map_err(|e| {
-        ConfigError::new(key, format!("cannot read {}: {e}", path.display()))
-    })?;
+    let meta = std::fs::metadata(path)
+        .map_err(|e| ConfigError::new(key, format!("cannot read {}: {e}", path.display())))?;
     if !meta.is_file() {
-        return Err(ConfigError::new(key, format!("{} is not a file", path.display())));
+        return Err(ConfigError::new(
+            key,
+            format!("{} is not a file", path.display()),
+        ));
     }
     if meta.len() > MAX_PEM_FILE_BYTES {
         return Err(ConfigError::new(
             key,
-            format!("{} is larger than {MAX_PEM_FILE_BYTES} bytes", path.display()),
+            format!(
+                "{} is larger than {MAX_PEM_FILE_BYTES} bytes",
+                path.display()
+            ),
         ));
     }
     std::fs::read(path)

@@ -53,9 +53,9 @@ pub fn build_tls_client(
         .with_tls_config(config)
         .https_or_http();
     let builder = match server_name {
-        Some(name) => builder.with_server_name_resolver(
-            hyper_rustls::FixedServerNameResolver::new(name),
-        ),
+        Some(name) => {
+            builder.with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(name))
+        }
         None => builder,
     };
     let https = builder
