@@ -81,6 +81,7 @@ pub async fn handle(
         peer: SocketAddr::new(client, peer.port()),
         route: format!("sql {} {}", parts.method, parts.uri.path()),
         request_id: RequestId::of(&parts.extensions),
+        client_cert: crate::tls::PeerTls::client_of(&parts.extensions),
     };
     let body_state = match op {
         Op::Poll(_) => BodyState::Empty,

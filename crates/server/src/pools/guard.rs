@@ -88,6 +88,7 @@ pub async fn require(
         peer: SocketAddr::new(client, peer.port()),
         route,
         request_id: RequestId::of(req.extensions()),
+        client_cert: crate::tls::PeerTls::client_of(req.extensions()),
     };
     let (parts, mut body) = req.into_parts();
     let mut bytes = None;

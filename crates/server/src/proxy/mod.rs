@@ -122,6 +122,7 @@ async fn serve(
         peer: SocketAddr::new(client, peer.port()),
         route: route(&parts.method, parts.uri.path()),
         request_id: RequestId::of(&parts.extensions),
+        client_cert: crate::tls::PeerTls::client_of(&parts.extensions),
     };
     // Boxed, like the promotion and `forward`: an `async fn`'s state is as large as its largest
     // await, and a parked waiter should carry only what waiting needs.

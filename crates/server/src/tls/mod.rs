@@ -33,6 +33,8 @@ pub struct PeerTls {
     /// The client's certificate chain, leaf first, if it sent one (its possession of the key
     /// was proven in the handshake; the chain is checked per request by the pool's policy).
     pub chain: Option<Arc<[CertificateDer<'static>]>>,
+    /// Who that certificate names (`subject="…" sans=…`), for the access log.
+    pub client: Option<Box<str>>,
 }
 
 impl PeerTls {
@@ -42,13 +44,26 @@ impl PeerTls {
     }
 
     pub fn of(conn: &rustls::ServerConnection) -> PeerTls {
+        let chain: Option<Arc<[CertificateDer<'static>]>> = conn
+            .peer_certificates()
+            .filter(|c| !c.is_empty())
+            .map(|c| c.iter().map(|c| c.clone().into_owned()).collect());
         PeerTls {
             sni: conn.server_name().map(|s| s.to_ascii_lowercase().into()),
-            chain: conn
-                .peer_certificates()
-                .filter(|c| !c.is_empty())
-                .map(|c| c.iter().map(|c| c.clone().into_owned()).collect()),
+            client: chain
+                .as_ref()
+                .and_then(|c| c.first())
+                .map(|leaf| CertIdentity::of(leaf).describe().into()),
+            chain,
         }
+    }
+
+    /// The client certificate a request's connection presented, described for the access log.
+    pub fn client_of(extensions: &http::Extensions) -> Option<String> {
+        Self::of_request(extensions)?
+            .client
+            .as_deref()
+            .map(str::to_string)
     }
 }
 

@@ -15,7 +15,7 @@ use hyper_util::client::legacy::connect::dns::Name;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use nthbouncer_testkit::{gateway, pool_toml, Gateway, Upstream, KEY};
+use nthbouncer_testkit::{gateway, pool_toml, Gateway, Upstream, ADMIN_TOKEN, KEY};
 use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
@@ -530,6 +530,38 @@ async fn mtls_pools_take_only_the_right_client_certificates() {
     assert_eq!(status, 421, "{body}");
     assert!(body.contains("\"misdirected\""), "{body}");
     assert_eq!(up.total(), 2);
+
+    // The access log says why, and who the certificate named.
+    gw.flush_access_log().await;
+    let req = http::Request::get(format!(
+        "https://api.localhost:{}/admin/pools/m/access-log?limit=100",
+        port(&gw)
+    ))
+    .header("authorization", format!("Bearer {ADMIN_TOKEN}"))
+    .body(Full::new(Bytes::new()))
+    .unwrap();
+    let resp = client(&[&pem], None, Alpn::Http1, None)
+        .request(req)
+        .await
+        .unwrap();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let log: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let reasons: Vec<&str> = log["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|i| i["reason"].as_str())
+        .collect();
+    let has = |want: &str| reasons.iter().any(|r| r.contains(want));
+    assert!(has("mtls: no client certificate"), "{reasons:?}");
+    assert!(
+        has("mtls: client certificate not signed by access.mtls.ca_file; client certificate subject=\"CN=worker-1\""),
+        "{reasons:?}"
+    );
+    assert!(
+        has("client certificate subject=\"CN=worker-1\""),
+        "{reasons:?}"
+    );
 }
 
 #[tokio::test]
