@@ -12,6 +12,7 @@ mod lock_restart;
 mod nonce_restart;
 mod sdk;
 mod soak;
+mod tls_sighup;
 mod webhooks_crash;
 
 /// The binary under test (only this crate's tests know its path).

@@ -5,173 +5,17 @@
 //! and an origin behind a private CA reached with `[pools.upstream_tls]`.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::connect::dns::Name;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use nthbouncer_testkit::{gateway, pool_toml, Gateway, Upstream, ADMIN_TOKEN, KEY};
-use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair};
+use hyper_util::rt::TokioIo;
+use nthbouncer_testkit::tls::{client, get, write, write_leaf, Alpn, Ca, Https};
+use nthbouncer_testkit::{gateway, pool_toml, Gateway, Upstream, ADMIN_TOKEN};
 use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-/// A certificate authority made for one test.
-struct Ca {
-    cert: rcgen::Certificate,
-    key: KeyPair,
-}
-
-/// A certificate and its key, as PEM.
-#[derive(Clone)]
-struct Leaf {
-    cert: String,
-    key: String,
-}
-
-impl Ca {
-    fn new(name: &str) -> Ca {
-        let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
-        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        p.distinguished_name.push(DnType::CommonName, name);
-        let key = KeyPair::generate().unwrap();
-        let cert = p.self_signed(&key).unwrap();
-        Ca { cert, key }
-    }
-
-    fn pem(&self) -> String {
-        self.cert.pem()
-    }
-
-    fn issue(&self, names: &[&str], cn: &str, usage: ExtendedKeyUsagePurpose) -> Leaf {
-        let mut p = CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
-            .unwrap();
-        p.distinguished_name.push(DnType::CommonName, cn);
-        p.extended_key_usages = vec![usage];
-        let key = KeyPair::generate().unwrap();
-        let cert = p.signed_by(&key, &self.cert, &self.key).unwrap();
-        Leaf {
-            cert: cert.pem(),
-            key: key.serialize_pem(),
-        }
-    }
-
-    fn server(&self, names: &[&str]) -> Leaf {
-        self.issue(names, names[0], ExtendedKeyUsagePurpose::ServerAuth)
-    }
-
-    fn client(&self, cn: &str) -> Leaf {
-        self.issue(&[], cn, ExtendedKeyUsagePurpose::ClientAuth)
-    }
-}
-
-fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
-    let path = dir.join(name);
-    std::fs::write(&path, text).unwrap();
-    path
-}
-
-/// Writes a leaf's two files; returns their paths as TOML strings.
-fn write_leaf(dir: &Path, name: &str, leaf: &Leaf) -> (String, String) {
-    let c = write(dir, &format!("{name}.crt"), &leaf.cert);
-    let k = write(dir, &format!("{name}.key"), &leaf.key);
-    (c.display().to_string(), k.display().to_string())
-}
-
-/// Every name resolves to loopback: `https://p.localhost:PORT` reaches the gateway with the
-/// pool's name as SNI and `Host`, as a real client would send them.
-#[derive(Clone)]
-struct Loopback;
-
-impl tower::Service<Name> for Loopback {
-    type Response = std::iter::Once<SocketAddr>;
-    type Error = std::io::Error;
-    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, _: Name) -> Self::Future {
-        std::future::ready(Ok(std::iter::once(SocketAddr::from(([127, 0, 0, 1], 0)))))
-    }
-}
-
-type Https = Client<hyper_rustls::HttpsConnector<HttpConnector<Loopback>>, Full<Bytes>>;
-
-#[derive(Clone, Copy, PartialEq)]
-enum Alpn {
-    Http1,
-    H2,
-}
-
-/// A rustls client trusting `roots` only, presenting `identity` if given, speaking `alpn`;
-/// `sni` overrides the name sent (else the URL's host).
-fn client(roots: &[&str], identity: Option<&Leaf>, alpn: Alpn, sni: Option<&str>) -> Https {
-    let mut store = rustls::RootCertStore::empty();
-    for pem in roots {
-        for c in CertificateDer::pem_slice_iter(pem.as_bytes()) {
-            store.add(c.unwrap()).unwrap();
-        }
-    }
-    let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(store);
-    let config = match identity {
-        Some(leaf) => builder
-            .with_client_auth_cert(
-                CertificateDer::pem_slice_iter(leaf.cert.as_bytes())
-                    .map(Result::unwrap)
-                    .collect(),
-                PrivateKeyDer::from_pem_slice(leaf.key.as_bytes()).unwrap(),
-            )
-            .unwrap(),
-        None => builder.with_no_client_auth(),
-    };
-    let mut http = HttpConnector::new_with_resolver(Loopback);
-    http.enforce_http(false);
-    let b = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(config)
-        .https_only();
-    let b = match sni {
-        Some(name) => b.with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(
-            ServerName::try_from(name.to_string()).unwrap(),
-        )),
-        None => b,
-    };
-    let https = match alpn {
-        Alpn::Http1 => b.enable_http1().wrap_connector(http),
-        Alpn::H2 => b.enable_http2().wrap_connector(http),
-    };
-    Client::builder(TokioExecutor::new())
-        .http2_only(alpn == Alpn::H2)
-        .build(https)
-}
-
-/// GET `https://{host}:{port}{path}` with the pool key: status, version, body.
-async fn get(
-    c: &Https,
-    host: &str,
-    port: u16,
-    path: &str,
-) -> Result<(u16, http::Version, String), String> {
-    let req = http::Request::get(format!("https://{host}:{port}{path}"))
-        .header("x-nthpool-key", KEY)
-        .body(Full::new(Bytes::new()))
-        .unwrap();
-    let resp = c.request(req).await.map_err(|e| format!("{e:?}"))?;
-    let (status, version) = (resp.status().as_u16(), resp.version());
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
-    Ok((status, version, String::from_utf8_lossy(&body).into_owned()))
-}
 
 /// The `[server.tls]` of a gateway whose default certificate (from `ca`) covers the API host and
 /// the pools `p`, `m` and `n`, and `extra` (more TOML for `[server.tls]`).
