@@ -89,6 +89,16 @@ impl CertIdentity {
     }
 }
 
+/// A subject as compared: its attributes in order, without the spaces around the commas
+/// (`CN=a, O=b` and `CN=a,O=b` are the same subject).
+fn subject_key(subject: &str) -> String {
+    subject
+        .split(',')
+        .map(str::trim)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// A pool's client-certificate policy, ready to check chains.
 pub struct MtlsPolicy {
     verifier: Arc<dyn ClientCertVerifier>,
@@ -113,7 +123,11 @@ impl MtlsPolicy {
                 .map_err(|e| ConfigError::new(&key, e.to_string()))?;
         Ok(MtlsPolicy {
             verifier,
-            allowed_subjects: spec.allowed_subjects.clone(),
+            allowed_subjects: spec
+                .allowed_subjects
+                .iter()
+                .map(|s| subject_key(s))
+                .collect(),
             allowed_sans: spec
                 .allowed_sans
                 .iter()
@@ -140,7 +154,9 @@ impl MtlsPolicy {
         }
         let lists = !self.allowed_subjects.is_empty() || !self.allowed_sans.is_empty();
         let allowed = !lists
-            || self.allowed_subjects.contains(&identity.subject)
+            || self
+                .allowed_subjects
+                .contains(&subject_key(&identity.subject))
             || identity
                 .sans
                 .iter()

@@ -11,7 +11,9 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
-use nthbouncer_testkit::tls::{client, get, write, write_leaf, Alpn, Ca, Https};
+use nthbouncer_testkit::tls::{
+    client, get, write, write_leaf, Alpn, Ca, ExtendedKeyUsagePurpose, Https,
+};
 use nthbouncer_testkit::{gateway, pool_toml, Gateway, Upstream, ADMIN_TOKEN};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
@@ -323,7 +325,8 @@ async fn mtls_pools_take_only_the_right_client_certificates() {
         + &pool_toml("m", &up.url(), "limit = 4")
         + &mtls("")
         + &pool_toml("n", &up.url(), "limit = 4")
-        + &mtls("\"CN=someone-else\"");
+        + &mtls("\"CN=someone-else\"")
+        + "allowed_sans = [\"worker-3.internal\"]\n";
     let gw = gateway(&toml).await;
     let pem = ca.pem();
     let worker = clients.client("worker-1");
@@ -364,6 +367,17 @@ async fn mtls_pools_take_only_the_right_client_certificates() {
     )
     .await;
     assert_eq!(status, 401, "a subject not on allowed_subjects");
+    let worker3 = clients.issue(
+        &["worker-3.internal"],
+        "worker-3",
+        ExtendedKeyUsagePurpose::ClientAuth,
+    );
+    let (status, _, _) = at(
+        client(&[&pem], Some(&worker3), Alpn::Http1, None),
+        "n.localhost",
+    )
+    .await;
+    assert_eq!(status, 200, "a SAN on allowed_sans");
     // Pools without the policy do not care.
     let (status, _, _) = at(client(&[&pem], None, Alpn::Http1, None), "p.localhost").await;
     assert_eq!(status, 200);
@@ -373,7 +387,7 @@ async fn mtls_pools_take_only_the_right_client_certificates() {
     let (status, _, body) = at(coalesced, "m.localhost").await;
     assert_eq!(status, 421, "{body}");
     assert!(body.contains("\"misdirected\""), "{body}");
-    assert_eq!(up.total(), 2);
+    assert_eq!(up.total(), 3);
 
     // The access log says why, and who the certificate named.
     gw.flush_access_log().await;
@@ -452,4 +466,35 @@ async fn tls_config_errors_name_the_key_and_the_rule() {
     let toml = format!("{pool}[pools.upstream_tls]\ncert_file = \"{c}\"\n");
     let e = nthbouncer_config::Config::from_toml_str(&toml).unwrap_err();
     assert_eq!(e.key, "pools[0].upstream_tls.key_file", "{e}");
+}
+
+#[tokio::test]
+async fn curl_speaks_https_and_h2_to_the_gateway() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("root");
+    let toml = server_tls(dir.path(), &ca, "") + &pool_toml("p", &up.url(), "limit = 2");
+    let gw = gateway(&toml).await;
+    let ca_file = write(dir.path(), "ca.pem", &ca.pem());
+    let port = port(&gw);
+    let curl = |version: &'static str| {
+        tokio::process::Command::new("curl")
+            .args([
+                "-s",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_version} %{http_code}",
+            ])
+            .args(["--cacert", ca_file.to_str().unwrap(), version])
+            .args(["--resolve", &format!("p.localhost:{port}:127.0.0.1")])
+            .args(["-H", &format!("x-nthpool-key: {}", nthbouncer_testkit::KEY)])
+            .arg(format!("https://p.localhost:{port}/v1/curl"))
+            .output()
+    };
+    let h2 = curl("--http2").await.unwrap();
+    assert_eq!(String::from_utf8_lossy(&h2.stdout), "2 200");
+    let h1 = curl("--http1.1").await.unwrap();
+    assert_eq!(String::from_utf8_lossy(&h1.stdout), "1.1 200");
+    assert_eq!(up.total(), 2);
 }
