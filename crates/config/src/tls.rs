@@ -166,3 +166,78 @@ impl UpstreamTlsSpec {
         Ok(())
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use crate::Config;
+
+    const POOL: &str = "[[pools]]\nname = \"p\"\nupstream = \"https://10.0.0.5\"\n";
+    const TLS: &str = "[server.tls]\ncert_file = \"a.pem\"\nkey_file = \"a.key\"\n";
+
+    fn key_of(text: &str) -> String {
+        Config::from_toml_str(text).unwrap_err().key
+    }
+
+    #[test]
+    fn tls_tables_parse_and_name_what_is_wrong() {
+        let full = format!(
+            "{TLS}[[server.tls.certs]]\nnames = [\"a.example\", \"*.b.example\"]\ncert_file = \"b.pem\"\nkey_file = \"b.key\"\n\
+             {POOL}[pools.upstream_tls]\nca_file = \"corp.pem\"\nserver_name = \"origin.corp\"\n\
+             [pools.access.mtls]\nca_file = \"clients.pem\"\nallowed_sans = [\"w.internal\"]\n"
+        );
+        let c = Config::from_toml_str(&full).unwrap();
+        assert_eq!(c.server.tls.as_ref().unwrap().certs[0].names.len(), 2);
+        assert_eq!(
+            c.pools[0]
+                .upstream_tls
+                .as_ref()
+                .unwrap()
+                .server_name
+                .as_deref(),
+            Some("origin.corp")
+        );
+        assert!(c.pools[0].access.mtls.is_some());
+
+        assert_eq!(
+            key_of("[server.tls]\ncert_file = \"a.pem\"\n"),
+            "server.tls"
+        );
+        assert_eq!(
+            key_of("[server.tls]\ncert_file = \"\"\nkey_file = \"a.key\"\n"),
+            "server.tls.cert_file"
+        );
+        assert_eq!(
+            key_of(&format!(
+                "{TLS}[[server.tls.certs]]\nnames = []\ncert_file = \"b\"\nkey_file = \"c\"\n"
+            )),
+            "server.tls.certs[0].names"
+        );
+        assert_eq!(
+            key_of(&format!("{TLS}[[server.tls.certs]]\nnames = [\"bad name\"]\ncert_file = \"b\"\nkey_file = \"c\"\n")),
+            "server.tls.certs[0].names[0]"
+        );
+        assert_eq!(
+            key_of(&format!("{POOL}[pools.upstream_tls]\nkey_file = \"k\"\n")),
+            "pools[0].upstream_tls.cert_file"
+        );
+        assert_eq!(
+            key_of(&format!(
+                "{POOL}[pools.upstream_tls]\nserver_name = \"-x\"\n"
+            )),
+            "pools[0].upstream_tls.server_name"
+        );
+        assert_eq!(
+            key_of(&format!(
+                "{TLS}{POOL}[pools.access.mtls]\nca_file = \"c\"\nallowed_subjects = [\"\"]\n"
+            )),
+            "pools[0].access.mtls.allowed_subjects[0]"
+        );
+        let db =
+            "[[pools]]\nname = \"d\"\nkind = \"database\"\nupstream = \"postgres://u:p@h/db\"\n";
+        assert_eq!(
+            key_of(&format!("{db}[pools.upstream_tls]\nca_file = \"c\"\n")),
+            "pools[0].upstream_tls"
+        );
+    }
+}

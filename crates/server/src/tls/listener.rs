@@ -33,7 +33,8 @@ pub type WantsClientCerts = Arc<dyn Fn() -> bool + Send + Sync>;
 
 /// The listener's TLS: the settings it was started with and the certificates now served.
 pub struct ListenerTls {
-    spec: ServerTlsSpec,
+    /// The files to read: `[server.tls]` as last loaded (a config reload may name others).
+    spec: parking_lot::Mutex<ServerTlsSpec>,
     certs: Arc<ArcSwap<CertSet>>,
     acceptor: TlsAcceptor,
 }
@@ -41,7 +42,7 @@ pub struct ListenerTls {
 impl fmt::Debug for ListenerTls {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ListenerTls")
-            .field("spec", &self.spec)
+            .field("spec", &*self.spec.lock())
             .finish()
     }
 }
@@ -62,7 +63,7 @@ impl ListenerTls {
         config.ticketer = rustls::crypto::ring::Ticketer::new()
             .map_err(|e| ConfigError::new("server.tls", format!("no session tickets: {e}")))?;
         Ok(ListenerTls {
-            spec: spec.clone(),
+            spec: parking_lot::Mutex::new(spec.clone()),
             certs,
             acceptor: TlsAcceptor::from(Arc::new(config)),
         })
@@ -77,9 +78,18 @@ impl ListenerTls {
     /// open connections are untouched. A file that does not read changes nothing; the error
     /// names the key and is logged here.
     pub fn reload(&self) -> Result<(), ConfigError> {
-        match CertSet::load(&self.spec) {
+        let spec = self.spec.lock().clone();
+        self.use_spec(&spec)
+    }
+
+    /// Like [`ListenerTls::reload`], from a re-read config's `[server.tls]` (other files or
+    /// names); kept for later reloads only if every file reads. Turning TLS on or off needs a
+    /// restart.
+    pub fn use_spec(&self, spec: &ServerTlsSpec) -> Result<(), ConfigError> {
+        match CertSet::load(spec) {
             Ok(set) => {
                 self.certs.store(Arc::new(set));
+                *self.spec.lock() = spec.clone();
                 tracing::info!("TLS certificates reloaded");
                 Ok(())
             }

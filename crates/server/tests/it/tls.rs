@@ -202,7 +202,26 @@ async fn a_reload_swaps_certificates_for_new_connections_only() {
             .0,
         200
     );
-    assert_eq!(up.total(), 4);
+
+    // A re-read config may name other files: they are used, and reloaded from then on.
+    let third_ca = Ca::new("third root");
+    let (cert, key) = write_leaf(dir.path(), "third", &third_ca.server(&["p.localhost"]));
+    let spec = nthbouncer_config::ServerTlsSpec {
+        cert_file: cert.into(),
+        key_file: key.into(),
+        certs: Vec::new(),
+    };
+    tls.use_spec(&spec).unwrap();
+    tls.reload().unwrap();
+    let third = client(&[&third_ca.pem()], None, Alpn::Http1, None);
+    assert_eq!(
+        get(&third, "p.localhost", port(&gw), "/v1/6")
+            .await
+            .unwrap()
+            .0,
+        200
+    );
+    assert_eq!(up.total(), 5);
 }
 
 /// An HTTPS origin with a certificate from `ca` for `name`; with `client_ca`, it requires a
