@@ -1,11 +1,13 @@
 //! Access policies on every pool route (SPEC §2, §9): the pool key plus whatever the pool's
-//! `access` table configures — IP allowlist, JWT, Cloudflare Access, HMAC request signing — all
-//! of which must pass.
+//! `access` table configures — IP allowlist, client certificate (`mtls`, the chain from the
+//! connection's handshake, judged here per request), JWT, Cloudflare Access, HMAC request
+//! signing — all of which must pass.
 //!
 //! Order: the IP allowlist (`403`, decided by the address alone), the failure throttle (`429`
-//! for an address that failed too often), then the credentials, cheapest first: pool key, HMAC
-//! head (timestamp window, header shapes), JWT, Cloudflare Access, and last the HMAC signature
-//! and nonce. A failed credential is counted against the client address ([`throttle`]).
+//! for an address that failed too often), the client certificate (`mtls`: not counted, it is
+//! no guess), then the credentials, cheapest first: pool key, HMAC head (timestamp window,
+//! header shapes), JWT, Cloudflare Access, and last the HMAC signature and nonce. A failed
+//! credential is counted against the client address ([`throttle`]).
 //!
 //! Every refusal has the same body, `{"error":"unauthorized","message":CREDENTIALS_MESSAGE}`;
 //! only the status tells `401` from `403`. The precise reason goes to the access log.
