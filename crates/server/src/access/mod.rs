@@ -101,6 +101,7 @@ impl Failure {
             self,
             Failure::IpNotAllowed
                 | Failure::Throttled { .. }
+                | Failure::Mtls(_)
                 | Failure::Hmac(HmacFailure::NonceStoreFull)
                 | Failure::Hmac(HmacFailure::BodyIncomplete)
                 | Failure::Jwt(JwtFailure::KeysUnavailable)
