@@ -38,6 +38,9 @@ pub struct AccessSpec {
     pub hmac: Option<HmacSpec>,
     pub jwt: Option<JwtSpec>,
     pub cloudflare_access: Option<CloudflareAccessSpec>,
+    /// Client certificates (needs `[server.tls]`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mtls: Option<crate::tls::MtlsSpec>,
 }
 
 /// `[pools.access.hmac]`: request signing with replay protection.
@@ -131,6 +134,7 @@ impl AccessSpec {
             && self.hmac.is_none()
             && self.jwt.is_none()
             && self.cloudflare_access.is_none()
+            && self.mtls.is_none()
     }
 
     pub fn validate(&self, at: &str) -> Result<(), ConfigError> {
@@ -156,6 +160,9 @@ impl AccessSpec {
         }
         if let Some(c) = &self.cloudflare_access {
             c.validate(&format!("{at}.cloudflare_access"))?;
+        }
+        if let Some(m) = &self.mtls {
+            m.validate(&format!("{at}.mtls"))?;
         }
         Ok(())
     }

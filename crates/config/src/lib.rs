@@ -14,12 +14,14 @@ pub mod cache;
 pub mod coordination;
 pub mod database;
 pub mod keys;
+pub mod tls;
 
 pub use access::{AccessSpec, CloudflareAccessSpec, HmacSpec, JwtSpec};
 pub use async_jobs::{AsyncSpec, WebhookSpec};
 pub use cache::CacheSpec;
 pub use coordination::{Coordination, CoordinationFail, RedisCoordination};
 pub use database::DatabaseSpec;
+pub use tls::{MtlsSpec, ServerTlsSpec, SniCertSpec, UpstreamTlsSpec};
 
 use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
@@ -105,6 +107,9 @@ pub struct ServerSpec {
     pub max_connections: u64,
     /// Newest access-log entries kept per pool.
     pub access_log_keep: u64,
+    /// `[server.tls]`: HTTPS (and HTTP/2 by ALPN) on the main listener and pools' listeners.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls: Option<ServerTlsSpec>,
 }
 
 impl Default for ServerSpec {
@@ -133,6 +138,7 @@ impl Default for ServerSpec {
             idle_timeout_ms: 60_000,
             max_connections: 10_000,
             access_log_keep: 10_000,
+            tls: None,
         }
     }
 }
@@ -193,6 +199,10 @@ pub struct PoolSpec {
     /// The shared response cache (SPEC §4); absent, the pool has none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache: Option<CacheSpec>,
+    /// `[pools.upstream_tls]`: a private CA, a client certificate and an SNI override towards
+    /// the origin.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream_tls: Option<UpstreamTlsSpec>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
@@ -324,6 +334,12 @@ impl Config {
         for (i, pool) in self.pools.iter().enumerate() {
             let at = format!("pools[{i}]");
             pool.validate(&at)?;
+            if pool.access.mtls.is_some() && self.server.tls.is_none() {
+                return Err(ConfigError::new(
+                    format!("{at}.access.mtls"),
+                    "needs [server.tls]: client certificates are asked for in the TLS handshake",
+                ));
+            }
             // Port 0 asks the system for a free port: never a clash.
             if let Some(addr) = pool.listen_addr(&at)?.filter(|a| a.port() != 0) {
                 if !listeners.insert(addr) {
@@ -442,6 +458,9 @@ impl ServerSpec {
                 "must be at least 1",
             ));
         }
+        if let Some(tls) = &self.tls {
+            tls.validate("server.tls")?;
+        }
         Ok(())
     }
 
@@ -512,7 +531,7 @@ pub fn valid_pool_name(name: &str) -> bool {
         && b.iter().all(|c| ok(c) || *c == b'-')
 }
 
-fn check_hostname(key: &str, host: &str) -> Result<(), ConfigError> {
+pub(crate) fn check_hostname(key: &str, host: &str) -> Result<(), ConfigError> {
     let valid = !host.is_empty()
         && host.len() <= 253
         && host.split('.').all(|label| {
@@ -615,6 +634,15 @@ impl PoolSpec {
         self.access.validate(&format!("{at}.access"))?;
         if let Some(cache) = &self.cache {
             cache.validate(&format!("{at}.cache"))?;
+        }
+        if let Some(t) = &self.upstream_tls {
+            t.validate(&format!("{at}.upstream_tls"))?;
+            if self.kind == PoolKind::Database {
+                return Err(ConfigError::new(
+                    format!("{at}.upstream_tls"),
+                    "is only for proxy pools (a database pool has database.ca_file)",
+                ));
+            }
         }
         Ok(())
     }
@@ -1096,6 +1124,7 @@ mod tests {
             listen: None,
             database: None,
             cache: None,
+            upstream_tls: None,
         };
         let m = spec.masked();
         let shown = serde_json::to_string(&m).unwrap();

@@ -8,6 +8,8 @@
 //! - [`auth`]: pool-key authentication. [`admission`]: wait budgets, priorities, `x-nthpool-*`.
 //! - [`access`]: the pool's access policies (HMAC, JWT, Cloudflare Access, IP allowlist, failure
 //!   throttling), checked together with the pool key on every pool route.
+//! - [`tls`]: the listeners' certificates (by SNI, re-read on SIGHUP), client certificates as a
+//!   pool's access policy (`access.mtls`), TLS settings towards private origins.
 //! - [`database`]: a database pool's host (`POST /sql` in Neon's wire format, job polls).
 //! - [`proxy`]: the proxy and upstream client. [`outcome`]: upstream answers → governor outcomes.
 //! - [`api`], [`admin`]: the API host's routes. [`access_log`], [`metrics`]: observability.
@@ -30,6 +32,7 @@ pub mod jobs;
 pub mod lock;
 pub mod pools;
 pub mod proxy;
+pub mod tls;
 pub mod upstream;
 pub mod webhooks;
 

@@ -11,6 +11,7 @@ pub mod access;
 pub mod binary;
 pub mod gateway;
 pub mod loopback;
+pub mod tls;
 pub mod upstream;
 pub mod wait;
 

@@ -14,6 +14,7 @@ mod reload;
 mod scale_out;
 mod sdk;
 mod soak;
+mod tls_sighup;
 mod webhooks_crash;
 
 /// The binary under test (only this crate's tests know its path).

@@ -1,11 +1,13 @@
 //! Access policies on every pool route (SPEC §2, §9): the pool key plus whatever the pool's
-//! `access` table configures — IP allowlist, JWT, Cloudflare Access, HMAC request signing — all
-//! of which must pass.
+//! `access` table configures — IP allowlist, client certificate (`mtls`, the chain from the
+//! connection's handshake, judged here per request), JWT, Cloudflare Access, HMAC request
+//! signing — all of which must pass.
 //!
 //! Order: the IP allowlist (`403`, decided by the address alone), the failure throttle (`429`
-//! for an address that failed too often), then the credentials, cheapest first: pool key, HMAC
-//! head (timestamp window, header shapes), JWT, Cloudflare Access, and last the HMAC signature
-//! and nonce. A failed credential is counted against the client address ([`throttle`]).
+//! for an address that failed too often), the client certificate (`mtls`: not counted, it is
+//! no guess), then the credentials, cheapest first: pool key, HMAC head (timestamp window,
+//! header shapes), JWT, Cloudflare Access, and last the HMAC signature and nonce. A failed
+//! credential is counted against the client address ([`throttle`]).
 //!
 //! Every refusal has the same body, `{"error":"unauthorized","message":CREDENTIALS_MESSAGE}`;
 //! only the status tells `401` from `403`. The precise reason goes to the access log.
@@ -41,6 +43,7 @@ use crate::core::access_log::LogLine;
 use crate::core::error::{ApiError, ErrorCode};
 use crate::core::extract;
 use crate::core::metrics::PoolMetrics;
+use crate::tls::{CertIdentity, MtlsFailure, MtlsPolicy, PeerTls};
 use crate::upstream::UpstreamClient;
 use keys::{Accept, AuthFailure, Caller, KeyIndex};
 
@@ -57,10 +60,14 @@ pub const CF_ACCESS_HEADER: &str = "cf-access-jwt-assertion";
 pub enum Failure {
     Key(AuthFailure),
     IpNotAllowed,
-    Throttled { retry_after_ms: u64 },
+    Throttled {
+        retry_after_ms: u64,
+    },
     Hmac(HmacFailure),
     Jwt(JwtFailure),
     CloudflareAccess(JwtFailure),
+    /// `access.mtls`: no client certificate, or one the pool does not accept.
+    Mtls(MtlsFailure),
 }
 
 impl Failure {
@@ -83,6 +90,7 @@ impl Failure {
             Failure::Hmac(f) => f.as_str().to_string(),
             Failure::Jwt(f) => format!("jwt: {}", f.as_str()),
             Failure::CloudflareAccess(f) => format!("cloudflare access: {}", f.as_str()),
+            Failure::Mtls(f) => f.as_str().to_string(),
         }
     }
 
@@ -93,6 +101,7 @@ impl Failure {
             self,
             Failure::IpNotAllowed
                 | Failure::Throttled { .. }
+                | Failure::Mtls(_)
                 | Failure::Hmac(HmacFailure::NonceStoreFull)
                 | Failure::Hmac(HmacFailure::BodyIncomplete)
                 | Failure::Jwt(JwtFailure::KeysUnavailable)
@@ -170,6 +179,7 @@ pub struct AccessPolicy {
     hmac: Option<HmacPolicy>,
     jwt: Option<JwtSource>,
     cloudflare: Option<JwtPolicy>,
+    mtls: Option<MtlsPolicy>,
     /// Credential headers that must not reach the upstream (beyond `X-Nthpool-*`).
     credential_headers: Vec<HeaderName>,
     state: Arc<AccessState>,
@@ -232,11 +242,16 @@ impl AccessPolicy {
             }
             None => None,
         };
+        let mtls = match &spec.mtls {
+            Some(m) => Some(MtlsPolicy::build(&format!("{at}.mtls"), m)?),
+            None => None,
+        };
         Ok(AccessPolicy {
             ip_allow: spec.ip_allow_nets(),
             hmac,
             jwt,
             cloudflare,
+            mtls,
             credential_headers,
             state: Arc::new(AccessState::default()),
             accept,
@@ -260,6 +275,11 @@ impl AccessPolicy {
     /// Keeps the nonces and failure counts of the pool's previous settings.
     pub fn carry_state_from(&mut self, previous: &AccessPolicy) {
         self.state = previous.state.clone();
+    }
+
+    /// Whether callers must present a client certificate (`access.mtls`).
+    pub fn requires_client_cert(&self) -> bool {
+        self.mtls.is_some()
     }
 
     pub fn signs_requests(&self) -> bool {
@@ -294,6 +314,8 @@ pub enum BodyState<'a> {
 /// A caller that passed every policy that can be checked before the body.
 pub struct Authorized {
     pub caller: Caller,
+    /// Who the client certificate names, when the pool checked one (`access.mtls`).
+    pub client_cert: Option<CertIdentity>,
     /// The signature still needs the streamed body's hash.
     pub pending: Option<Pending>,
 }
@@ -308,6 +330,7 @@ pub async fn authorize(
     uri: &Uri,
     headers: &HeaderMap,
     body: BodyState<'_>,
+    tls: Option<&PeerTls>,
     now: u64,
 ) -> Result<Authorized, Failure> {
     if !policy.ip_allow.is_empty() && !policy.ip_allow.iter().any(|n| n.contains(&client)) {
@@ -316,7 +339,27 @@ pub async fn authorize(
     if let Some(ms) = policy.state.throttle.blocked(client, now) {
         return Err(Failure::Throttled { retry_after_ms: ms });
     }
-    let result = credentials(http, policy, method, uri, headers, body, now).await;
+    // The client certificate first: it costs no lookup, and a caller without the right one
+    // learns nothing about its key.
+    let client_cert = match &policy.mtls {
+        Some(m) => {
+            let (identity, checked) = m.check(tls.and_then(|t| t.chain.as_deref()));
+            if let Err(f) = checked {
+                if let Some(id) = &identity {
+                    tracing::info!(client = %client, cert = %id.describe(), reason = f.as_str(), "client certificate refused");
+                }
+                return Err(Failure::Mtls(f));
+            }
+            identity
+        }
+        None => None,
+    };
+    let result = credentials(http, policy, method, uri, headers, body, now)
+        .await
+        .map(|mut a| {
+            a.client_cert = client_cert;
+            a
+        });
     if let Err(f) = &result {
         if f.counts() {
             policy.state.throttle.record_failure(client, now);
@@ -376,7 +419,11 @@ async fn credentials(
         }
         (Some(p), BodyState::Streamed) => Some(p),
     };
-    Ok(Authorized { caller, pending })
+    Ok(Authorized {
+        caller,
+        client_cert: None,
+        pending,
+    })
 }
 
 /// Answers a refusal: the metric, the access-log line with the precise reason, the uniform body.

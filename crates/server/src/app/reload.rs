@@ -95,6 +95,7 @@ fn pending_restart(old: &ServerSpec, new: &ServerSpec) -> Vec<String> {
         "header_read_timeout_ms",
         "allow_private_webhooks",
         "max_destinations_per_pool",
+        "tls",
     ];
     let (Some(old), Some(new)) = (old.as_object(), new.as_object()) else {
         return Vec::new();
@@ -164,6 +165,18 @@ async fn reload_inner(state: &AppState) -> Result<Reloaded, ConfigError> {
     }
     let settings = ServerSettings::of(&config.server)?;
     state.pools.check_reload(&config)?;
+    // The certificate files are read again (rotated ones included) before anything else
+    // changes: a file that does not read refuses the whole reload.
+    match (&state.tls, &config.server.tls) {
+        (Some(tls), Some(spec)) => tls.use_spec(spec)?,
+        (None, None) => {}
+        _ => {
+            return Err(ConfigError::new(
+                "server.tls",
+                "turning TLS on or off needs a restart (the running server keeps its listeners as they are)",
+            ))
+        }
+    }
     let pools = state.pools.apply_config(&config).await?;
     state.live.store(settings);
     let restart_pending = pending_restart(&source.applied.server, &config.server);
@@ -177,6 +190,7 @@ async fn reload_inner(state: &AppState) -> Result<Reloaded, ConfigError> {
         header_read_timeout_ms: applied.server.header_read_timeout_ms,
         allow_private_webhooks: applied.server.allow_private_webhooks,
         max_destinations_per_pool: applied.server.max_destinations_per_pool,
+        tls: applied.server.tls.clone(),
         ..running.clone()
     };
     source.applied = applied;

@@ -35,6 +35,7 @@ use crate::core::error::{ApiError, ErrorCode};
 use crate::core::request_id::{self, RequestId};
 use crate::pools::listeners::Opened;
 use crate::pools::registry::PoolRuntime;
+use crate::tls::PeerTls;
 use nthbouncer_config::PoolKind;
 
 pub(super) struct Dispatcher {
@@ -60,6 +61,15 @@ fn request_host(req: &Request<Incoming>) -> Option<String> {
         })
     };
     Some(host.trim_end_matches('.').to_ascii_lowercase())
+}
+
+/// A request on a TLS connection opened for another name (SNI) than its `Host`, for a pool
+/// that checks client certificates: a connection opened (and perhaps authenticated) for one
+/// host must not be reused for such a pool (HTTP/2 coalescing); `421` makes the client open
+/// a new connection, whose handshake asks for the certificate.
+fn misdirected(pool: &PoolRuntime, req: &Request<Incoming>, host: &str) -> bool {
+    pool.access.requires_client_cert()
+        && PeerTls::of_request(req.extensions()).is_some_and(|t| t.sni.as_deref() != Some(host))
 }
 
 /// How a listener's requests find their role.
@@ -114,6 +124,11 @@ impl Dispatcher {
             };
         }
         match self.state.pools.by_host(&host) {
+            Some(pool) if misdirected(&pool, &req, &host) => ApiError::new(
+                ErrorCode::Misdirected,
+                "this connection was opened for another host; open a new one for this host",
+            )
+            .into_response(),
             Some(pool) => self.pool_host(pool, req, peer).await,
             None => ApiError::pool_not_found().into_response(),
         }
@@ -257,8 +272,9 @@ async fn shut_down(state: &AppState, drain: &watch::Sender<()>) {
 
 impl Serving {
     /// Counts a connection just accepted and spawns its task: served under the limit, answered
-    /// `503 overloaded` over it.
-    fn serve(&self, stream: TcpStream, peer: SocketAddr, route: Route) {
+    /// `503 overloaded` over it. With `[server.tls]` the task first completes the handshake,
+    /// within the header timeout (a slow handshake holds nothing longer than a slow head).
+    fn serve(self: &Arc<Self>, stream: TcpStream, peer: SocketAddr, route: Route) {
         let (counted, refused) = match self.connections.admit() {
             Admission::Serve(counted) => (counted, false),
             Admission::Refuse(counted) => (counted, true),
@@ -272,12 +288,51 @@ impl Serving {
             ..self.timeouts
         };
         let activity = Activity::new(timeouts);
-        let io = TokioIo::new(ConnIo::new(stream, activity.clone(), counted));
+        let io = ConnIo::new(stream, activity.clone(), counted);
+        let this = self.clone();
+        tokio::spawn(async move {
+            let conn = Conn {
+                peer,
+                route,
+                refused,
+                activity,
+            };
+            let Some(tls) = this.dispatcher.state.tls.clone() else {
+                return this.run(io, None, conn).await;
+            };
+            let budget = Duration::from_millis(this.timeouts.header_read_ms);
+            match tokio::time::timeout(budget, tls.acceptor().accept(io)).await {
+                Ok(Ok(stream)) => {
+                    let peer_tls = Arc::new(PeerTls::of(stream.get_ref().1));
+                    this.run(stream, Some(peer_tls), conn).await;
+                }
+                Ok(Err(e)) => tracing::debug!(error = %e, %peer, "TLS handshake failed"),
+                Err(_) => {
+                    tracing::debug!(%peer, "TLS handshake not done within the header timeout")
+                }
+            }
+        });
+    }
+
+    /// Serves one connection (plain, or TLS after its handshake) to its end.
+    async fn run<I>(&self, io: I, tls: Option<Arc<PeerTls>>, conn: Conn)
+    where
+        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let Conn {
+            peer,
+            route,
+            refused,
+            activity,
+        } = conn;
         let d = self.dispatcher.clone();
         let requests = activity.clone();
         // Each request is in flight, for the watchdog, until its response body is done.
-        let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
             let in_flight = requests.begin(req.version());
+            if let Some(tls) = &tls {
+                req.extensions_mut().insert(tls.clone());
+            }
             let d = d.clone();
             let route = route.clone();
             async move {
@@ -292,23 +347,29 @@ impl Serving {
         });
         let conn = self
             .builder
-            .serve_connection_with_upgrades(io, service)
+            .serve_connection_with_upgrades(TokioIo::new(io), service)
             .into_owned();
         let watchdog = Watchdog::new(activity.clone());
         let drain = self.drain.subscribe();
-        tokio::spawn(async move {
-            let closed = drive(conn, |c| c.graceful_shutdown(), watchdog, activity, drain);
-            match closed.await {
-                Closed::Done(Err(e)) => {
-                    tracing::debug!(error = %e, %peer, "connection ended with an error");
-                }
-                Closed::Done(Ok(())) => {}
-                Closed::Expired(why) => {
-                    tracing::debug!(?why, %peer, "connection closed by its timeout");
-                }
+        let closed = drive(conn, |c| c.graceful_shutdown(), watchdog, activity, drain);
+        match closed.await {
+            Closed::Done(Err(e)) => {
+                tracing::debug!(error = %e, %peer, "connection ended with an error");
             }
-        });
+            Closed::Done(Ok(())) => {}
+            Closed::Expired(why) => {
+                tracing::debug!(?why, %peer, "connection closed by its timeout");
+            }
+        }
     }
+}
+
+/// One accepted connection, handed from the accept to its task.
+struct Conn {
+    peer: SocketAddr,
+    route: Route,
+    refused: bool,
+    activity: Arc<Activity>,
 }
 
 /// The answer on a connection past `server.max_connections`; HTTP/1 says the connection

@@ -174,6 +174,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         destinations_changed: deliveries_pending.clone(),
         nonces,
         live: live.clone(),
+        upstream_timeouts: crate::upstream::ClientTimeouts::of(&server),
     }));
     let jobs = Arc::new(Jobs {
         intake: JobIntake::start(job_store.clone()),
@@ -189,6 +190,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
     });
     let cache = Arc::new(Caches::new(pools.clone(), clock.clone()));
     Ok(Arc::new(AppState {
+        tls: listener_tls(&server, &pools)?,
         database: Arc::new(DatabaseApi {
             http: client.clone(),
             live: live.clone(),
@@ -260,6 +262,27 @@ fn coordination_parts(
     }
 }
 
+/// `[server.tls]`, read now; client certificates are asked for while any pool wants them.
+fn listener_tls(
+    server: &ServerSpec,
+    pools: &Arc<Pools>,
+) -> Result<Option<Arc<crate::tls::ListenerTls>>, StartError> {
+    let Some(spec) = &server.tls else {
+        return Ok(None);
+    };
+    let pools = Arc::downgrade(pools);
+    let wants = Arc::new(move || {
+        pools.upgrade().is_some_and(|p| {
+            p.snapshot()
+                .pools
+                .values()
+                .any(|pool| pool.access.requires_client_cert())
+        })
+    });
+    let tls = crate::tls::ListenerTls::load(spec, wants).map_err(StartError::Config)?;
+    Ok(Some(Arc::new(tls)))
+}
+
 async fn bind(server: &ServerSpec) -> Result<(TcpListener, SocketAddr), StartError> {
     let listen_error = |source| StartError::Listen {
         addr: server.listen.clone(),
@@ -325,6 +348,9 @@ async fn open_coordination(
 /// Validates a config the way `serve` would, without binding anything.
 pub fn check_config(config: &Config) -> Result<(), ConfigError> {
     config.validate()?;
+    if let Some(tls) = &config.server.tls {
+        crate::tls::ListenerTls::check(tls)?;
+    }
     for (i, p) in config.pools.iter().enumerate() {
         let at = format!("pools[{i}]");
         match p.kind {
@@ -337,6 +363,9 @@ pub fn check_config(config: &Config) -> Result<(), ConfigError> {
             }
         }
         p.resolved_upstream_headers(&at)?;
+        if let Some(t) = &p.upstream_tls {
+            crate::tls::upstream_client_config(&format!("{at}.upstream_tls"), t)?;
+        }
         p.key_digests(&at)?;
         let keys = Arc::default();
         let accept = Accept::of(&p.auth_methods());

@@ -17,6 +17,7 @@ use crate::lock::LockApi;
 use crate::pools::guard::Guard;
 use crate::pools::{LoadError, Pools};
 use crate::proxy::Proxy;
+use crate::tls::ListenerTls;
 use crate::webhooks::Webhooks;
 
 pub struct AppState {
@@ -39,6 +40,8 @@ pub struct AppState {
     pub live: Arc<crate::core::live::LiveServer>,
     /// The config file and what was last applied from it (SIGHUP, `POST /admin/reload`).
     pub reload: crate::app::reload::Reloader,
+    /// `[server.tls]`: the listeners' certificates ([`ListenerTls::reload`] on SIGHUP).
+    pub tls: Option<Arc<ListenerTls>>,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -317,6 +317,9 @@ pub struct LogLine<'a> {
     pub route: String,
     /// The request's id (`core::request_id`).
     pub request_id: Option<String>,
+    /// The client certificate of the request's TLS connection (`subject="…" sans=…`), if it
+    /// presented one: joins the reason column.
+    pub client_cert: Option<String>,
 }
 
 impl LogLine<'_> {
@@ -378,7 +381,8 @@ impl LogLine<'_> {
             client_addr: self.peer.ip().to_string(),
             route: cut(self.route, MAX_ROUTE_BYTES),
             outcome: outcome.as_str().to_string(),
-            reason: reason.map(|r| cut(r.to_string(), MAX_ROUTE_BYTES)),
+            reason: with_client_cert(reason, self.client_cert.as_deref())
+                .map(|r| cut(r, MAX_ROUTE_BYTES)),
             status: status.as_u16(),
             queued_ms,
             upstream_status: upstream.status,
@@ -387,6 +391,16 @@ impl LogLine<'_> {
             request_id: self.request_id,
         };
         self.log.record(entry, foldable);
+    }
+}
+
+/// The reason column: the reason, and the client certificate when there was one.
+fn with_client_cert(reason: Option<&str>, cert: Option<&str>) -> Option<String> {
+    match (reason, cert) {
+        (Some(r), Some(c)) => Some(format!("{r}; client certificate {c}")),
+        (Some(r), None) => Some(r.to_string()),
+        (None, Some(c)) => Some(format!("client certificate {c}")),
+        (None, None) => None,
     }
 }
 

@@ -57,13 +57,16 @@ pub enum ErrorCode {
     SqlError,
     /// A database pool's answer grew past `database.max_response_bytes` (`507`).
     ResponseTooLarge,
+    /// A request whose `Host` is not the TLS name (SNI) its connection was opened for, on a
+    /// pool with `access.mtls` (`421`): the client opens a new connection for that host.
+    Misdirected,
     Internal,
 }
 
 impl ErrorCode {
     /// Every code, in declaration order (the OpenAPI document narrows error bodies by status
     /// with it; a test holds it to the enum).
-    pub const ALL: [ErrorCode; 27] = [
+    pub const ALL: [ErrorCode; 28] = [
         ErrorCode::NotFound,
         ErrorCode::PoolNotFound,
         ErrorCode::Unauthorized,
@@ -90,6 +93,7 @@ impl ErrorCode {
         ErrorCode::Overloaded,
         ErrorCode::SqlError,
         ErrorCode::ResponseTooLarge,
+        ErrorCode::Misdirected,
         ErrorCode::Internal,
     ];
 
@@ -122,6 +126,7 @@ impl ErrorCode {
             ErrorCode::Overloaded => "overloaded",
             ErrorCode::SqlError => "sql_error",
             ErrorCode::ResponseTooLarge => "response_too_large",
+            ErrorCode::Misdirected => "misdirected",
             ErrorCode::Internal => "internal",
         }
     }
@@ -139,6 +144,7 @@ impl ErrorCode {
                 StatusCode::BAD_REQUEST
             }
             ErrorCode::ResponseTooLarge => StatusCode::INSUFFICIENT_STORAGE,
+            ErrorCode::Misdirected => StatusCode::MISDIRECTED_REQUEST,
             ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorCode::TooManyRequests => StatusCode::TOO_MANY_REQUESTS,

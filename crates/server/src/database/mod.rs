@@ -82,6 +82,7 @@ pub async fn handle(
         peer: SocketAddr::new(client, peer.port()),
         route: format!("sql {} {}", parts.method, parts.uri.path()),
         request_id: RequestId::of(&parts.extensions),
+        client_cert: crate::tls::PeerTls::client_of(&parts.extensions),
     };
     let body_state = match op {
         Op::Poll(_) => BodyState::Empty,
@@ -97,6 +98,7 @@ pub async fn handle(
         &parts.uri,
         &parts.headers,
         body_state,
+        crate::tls::PeerTls::of_request(&parts.extensions),
         log.at,
     ))
     .await;

@@ -54,7 +54,9 @@ pub(super) async fn serve<'a>(
     body: Incoming,
     authorized: Authorized,
 ) -> Response<Body> {
-    let Authorized { caller, pending } = authorized;
+    let Authorized {
+        caller, pending, ..
+    } = authorized;
     let body = match read_body(state, body).await {
         Ok(b) => b,
         Err(e) => return log.refuse(Some(&caller.key_id), e),

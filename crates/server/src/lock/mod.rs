@@ -174,6 +174,8 @@ pub async fn acquire(
         peer,
         route: "lock acquire".into(),
         request_id: RequestId::in_header(&headers),
+        // Refusals carry the client certificate (logged by the guard); admissions do not.
+        client_cert: None,
     };
     let parsed = acquire_params(&bytes, &headers, &pool.concurrency);
     let (wait_ms, priority) = match parsed {

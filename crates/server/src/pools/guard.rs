@@ -89,6 +89,7 @@ pub async fn require(
         peer: SocketAddr::new(client, peer.port()),
         route,
         request_id: RequestId::of(req.extensions()),
+        client_cert: crate::tls::PeerTls::client_of(req.extensions()),
     };
     let (parts, mut body) = req.into_parts();
     let mut bytes = None;
@@ -117,6 +118,7 @@ pub async fn require(
         &parts.uri,
         &parts.headers,
         body_state,
+        crate::tls::PeerTls::of_request(&parts.extensions),
         log.at,
     ))
     .await;

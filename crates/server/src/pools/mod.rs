@@ -50,6 +50,8 @@ pub struct Pools {
     /// The live `[server]` settings: `allow_private_webhooks` (for the webhooks an API pool's
     /// body declares) and `max_destinations_per_pool`.
     live: Arc<crate::core::live::LiveServer>,
+    /// For the clients of pools with `[pools.upstream_tls]`.
+    upstream_timeouts: crate::upstream::ClientTimeouts,
 }
 
 /// What [`Pools::new`] is made of.
@@ -63,6 +65,7 @@ pub struct PoolsParts {
     pub destinations_changed: Arc<Notify>,
     pub nonces: NonceSource,
     pub live: Arc<crate::core::live::LiveServer>,
+    pub upstream_timeouts: crate::upstream::ClientTimeouts,
 }
 
 impl Pools {
@@ -81,6 +84,7 @@ impl Pools {
             nonces: parts.nonces,
             listeners: Listeners::default(),
             live: parts.live,
+            upstream_timeouts: parts.upstream_timeouts,
         }
     }
 

@@ -63,6 +63,7 @@ impl Pools {
             gate,
             keys,
             destinations,
+            upstream_timeouts: self.upstream_timeouts,
         };
         let mut runtime = PoolRuntime::build(at, spec, provenance, shared, database)?;
         match previous {

@@ -18,7 +18,7 @@ use crate::access::keys::{Accept, KeyIndex};
 use crate::access::AccessPolicy;
 use crate::core::metrics::PoolMetrics;
 use crate::core::ManagedBy;
-use crate::upstream::Target;
+use crate::upstream::{build_tls_client, ClientTimeouts, Target, UpstreamClient};
 
 /// Who owns a pool and since when.
 #[derive(Clone, Copy, Debug)]
@@ -71,9 +71,17 @@ pub struct PoolRuntime {
     /// Webhook destinations (from the store; config ones are synced there at start-up).
     pub destinations: Arc<ArcSwap<Vec<StoredDestination>>>,
     pub metrics: PoolMetrics,
+    /// The pool's own upstream client (`[pools.upstream_tls]`); otherwise the shared one.
+    pub client: Option<UpstreamClient>,
 }
 
 impl PoolRuntime {
+    /// The client this pool's upstream calls go through: its own (`[pools.upstream_tls]`),
+    /// else `shared`.
+    pub fn client<'a>(&'a self, shared: &'a UpstreamClient) -> &'a UpstreamClient {
+        self.client.as_ref().unwrap_or(shared)
+    }
+
     /// Resolves a validated spec into runtime form. `at` names the spec's origin in errors.
     /// A database pool uses `database` (the previous version's sessions) when given.
     pub fn build(
@@ -87,7 +95,16 @@ impl PoolRuntime {
             gate,
             keys,
             destinations,
+            upstream_timeouts,
         } = shared;
+        let client = match &spec.upstream_tls {
+            Some(t) => {
+                let (config, name) =
+                    crate::tls::upstream_client_config(&format!("{at}.upstream_tls"), t)?;
+                Some(build_tls_client(upstream_timeouts, config, name))
+            }
+            None => None,
+        };
         let upstream = match (spec.kind, database) {
             (PoolKind::Proxy, _) => Upstream::Http(Target::parse(at, &spec.upstream)?),
             (PoolKind::Database, Some(db)) => {
@@ -124,6 +141,7 @@ impl PoolRuntime {
             gate,
             access,
             destinations,
+            client,
         })
     }
 
@@ -176,6 +194,7 @@ pub struct Shared {
     pub gate: Arc<dyn PoolGate>,
     pub keys: Arc<ArcSwap<KeyIndex>>,
     pub destinations: Arc<ArcSwap<Vec<StoredDestination>>>,
+    pub upstream_timeouts: ClientTimeouts,
 }
 
 /// Whether a settings change keeps a database pool's sessions: same upstream, same

@@ -123,6 +123,7 @@ async fn serve(
         peer: SocketAddr::new(client, peer.port()),
         route: route(&parts.method, parts.uri.path()),
         request_id: RequestId::of(&parts.extensions),
+        client_cert: crate::tls::PeerTls::client_of(&parts.extensions),
     };
     // Boxed, like the promotion and `forward`: an `async fn`'s state is as large as its largest
     // await, and a parked waiter should carry only what waiting needs.
@@ -224,6 +225,7 @@ async fn authorize(
         &parts.uri,
         &parts.headers,
         body_state,
+        crate::tls::PeerTls::of_request(&parts.extensions),
         now,
     )
     .await
@@ -364,7 +366,13 @@ async fn forward(mut call: Call<'_>, body: CallBody, grant: Grant) -> Response<B
         }
     };
     let started = crate::core::time::now();
-    let sent = upstream::exchange(&call.state.client, request, guard, deadline).await;
+    let sent = upstream::exchange(
+        call.pool.client(&call.state.client),
+        request,
+        guard,
+        deadline,
+    )
+    .await;
     let latency_ms = started.elapsed().as_millis() as u64;
     let (resp, mut guard) = match sent {
         Ok(r) => r,

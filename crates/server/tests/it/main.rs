@@ -20,4 +20,5 @@ mod lock;
 mod pool_listener;
 mod proxy;
 mod request_id;
+mod tls;
 mod webhooks;
