@@ -74,6 +74,19 @@ enum Command {
     Lock(lock::LockArgs),
 }
 
+/// Prints a line of the demo's instructions. Unlike `println!`, which panics when stdout is
+/// closed (whoever read it went away), a write error is ignored: it must not stop the server.
+macro_rules! say {
+    () => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout());
+    }};
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
@@ -296,22 +309,22 @@ async fn add_demo_database(config: &mut Config, key: &str) -> Result<String, Str
 fn print_demo_database(database: &Result<String, String>, pool: &str, own: Option<SocketAddr>) {
     match database {
         Ok(target) => {
-            println!("  # pool `{DEMO_DB}` (limit 4): SQL over HTTP in front of {target}, Neon's wire format:");
-            println!("  curl -s {pool}/sql -H \"X-Nthpool-Key: $KEY\" -d '{{\"query\":\"SELECT $1::int + 1 AS n, now()\",\"params\":[41]}}'");
-            println!("  curl -s {pool}/sql -H \"X-Nthpool-Key: $KEY\" -H 'X-Nthpool-Async: 1' -d '{{\"query\":\"SELECT pg_sleep(1)\"}}'");
+            say!("  # pool `{DEMO_DB}` (limit 4): SQL over HTTP in front of {target}, Neon's wire format:");
+            say!("  curl -s {pool}/sql -H \"X-Nthpool-Key: $KEY\" -d '{{\"query\":\"SELECT $1::int + 1 AS n, now()\",\"params\":[41]}}'");
+            say!("  curl -s {pool}/sql -H \"X-Nthpool-Key: $KEY\" -H 'X-Nthpool-Async: 1' -d '{{\"query\":\"SELECT pg_sleep(1)\"}}'");
             if let Some(own) = own {
-                println!("  # the @neondatabase/serverless driver, on the pool's own listener:");
-                println!("  #   neonConfig.fetchEndpoint = 'http://{own}/sql'");
-                println!("  #   const sql = neon('postgresql://any:thing@localhost/db', {{ authToken: KEY }})");
+                say!("  # the @neondatabase/serverless driver, on the pool's own listener:");
+                say!("  #   neonConfig.fetchEndpoint = 'http://{own}/sql'");
+                say!("  #   const sql = neon('postgresql://any:thing@localhost/db', {{ authToken: KEY }})");
             }
         }
         Err(why) => {
-            println!(
+            say!(
                 "  # no database pool: PostgreSQL did not answer at {} ({why});",
                 redact(&demo_database_url())
             );
-            println!("  # set NTHBOUNCER_DEMO_DATABASE_URL=postgres://user:password@host/db, or add to the config:");
-            println!("  #   [[pools]] name = \"db\", kind = \"database\", upstream = \"env:DATABASE_URL\", keys = [...]");
+            say!("  # set NTHBOUNCER_DEMO_DATABASE_URL=postgres://user:password@host/db, or add to the config:");
+            say!("  #   [[pools]] name = \"db\", kind = \"database\", upstream = \"env:DATABASE_URL\", keys = [...]");
         }
     }
 }
@@ -371,39 +384,37 @@ async fn add_demo(config: &mut Config) -> Result<DemoLines, String> {
         move |port: u16, own: Option<SocketAddr>, db_own: Option<SocketAddr>| {
             let pool = format!("http://demo.{pool_domain}:{port}");
             let api = format!("http://{api_host}:{port}");
-            println!();
-            println!(
+            say!();
+            say!(
             "nthbouncer demo: pool `demo` (limit 4) in front of a sandbox origin at {sandbox_addr}"
         );
-            println!("  (hidden limits: 8 concurrent, 600 requests/minute, 200 ms latency)");
-            println!();
-            println!("  export KEY='{key}'");
-            println!("  export ADMIN='{token}'");
-            println!();
-            println!("  # a proxied call (the sandbox answers like an LLM API):");
-            println!("  curl -s {pool}/v1/chat/completions -H \"X-Nthpool-Key: $KEY\" -H 'content-type: application/json' \\");
-            println!("       -d '{{\"model\":\"demo\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'");
-            println!("  # a streamed answer holds its slot until it ends:");
-            println!(
-                "  curl -sN '{pool}/stream?chunks=5&interval_ms=300' -H \"X-Nthpool-Key: $KEY\""
-            );
-            println!(
+            say!("  (hidden limits: 8 concurrent, 600 requests/minute, 200 ms latency)");
+            say!();
+            say!("  export KEY='{key}'");
+            say!("  export ADMIN='{token}'");
+            say!();
+            say!("  # a proxied call (the sandbox answers like an LLM API):");
+            say!("  curl -s {pool}/v1/chat/completions -H \"X-Nthpool-Key: $KEY\" -H 'content-type: application/json' \\");
+            say!("       -d '{{\"model\":\"demo\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'");
+            say!("  # a streamed answer holds its slot until it ends:");
+            say!("  curl -sN '{pool}/stream?chunks=5&interval_ms=300' -H \"X-Nthpool-Key: $KEY\"");
+            say!(
             "  # what the upstream received (no X-Nthpool-Key, the managed credential instead):"
         );
-            println!("  curl -s {pool}/echo -H \"X-Nthpool-Key: $KEY\"");
-            println!("  # 20 at once: at most 4 reach the origin, the rest queue in order:");
-            println!("  for i in $(seq 20); do curl -s -o /dev/null -w '%{{http_code}} ' {pool}/v1/chat/completions -H \"X-Nthpool-Key: $KEY\" -d '{{}}' & done; wait; echo");
-            println!("  # live governor state:");
-            println!("  curl -s {api}/admin/pools/demo/state -H \"Authorization: Bearer $ADMIN\"");
+            say!("  curl -s {pool}/echo -H \"X-Nthpool-Key: $KEY\"");
+            say!("  # 20 at once: at most 4 reach the origin, the rest queue in order:");
+            say!("  for i in $(seq 20); do curl -s -o /dev/null -w '%{{http_code}} ' {pool}/v1/chat/completions -H \"X-Nthpool-Key: $KEY\" -d '{{}}' & done; wait; echo");
+            say!("  # live governor state:");
+            say!("  curl -s {api}/admin/pools/demo/state -H \"Authorization: Bearer $ADMIN\"");
             if let Some(own) = own {
-                println!("  # the same pool on its own listener: no Host header needed, so any SDK works");
-                println!("  # with a plain base URL (OpenAI's: base_url=\"http://{own}/v1\" and the key as");
-                println!("  # default_headers={{\"X-Nthpool-Key\": KEY}}):");
-                println!("  curl -s http://{own}/v1/chat/completions -H \"X-Nthpool-Key: $KEY\" -d '{{}}'");
+                say!("  # the same pool on its own listener: no Host header needed, so any SDK works");
+                say!("  # with a plain base URL (OpenAI's: base_url=\"http://{own}/v1\" and the key as");
+                say!("  # default_headers={{\"X-Nthpool-Key\": KEY}}):");
+                say!("  curl -s http://{own}/v1/chat/completions -H \"X-Nthpool-Key: $KEY\" -d '{{}}'");
             }
             let db_pool = format!("http://{DEMO_DB}.{pool_domain}:{port}");
             print_demo_database(&database, &db_pool, db_own);
-            println!();
+            say!();
         },
     ))
 }
@@ -427,8 +438,8 @@ async fn sandbox(
         ..Default::default()
     };
     let sandbox: Arc<nthbouncer_sandbox::Sandbox> = nthbouncer_sandbox::Sandbox::new(cfg);
-    println!("sandbox origin on http://{addr} (limit {limit}, rpm {rpm}, latency {latency_ms}+0..{jitter_ms} ms)");
-    println!("  endpoints: POST /v1/chat/completions, /echo, GET /stream?chunks=N&interval_ms=M, /status/CODE, /healthz");
+    say!("sandbox origin on http://{addr} (limit {limit}, rpm {rpm}, latency {latency_ms}+0..{jitter_ms} ms)");
+    say!("  endpoints: POST /v1/chat/completions, /echo, GET /stream?chunks=N&interval_ms=M, /status/CODE, /healthz");
     nthbouncer_sandbox::serve(listener, sandbox, shutdown_signal())
         .await
         .map_err(|e| e.to_string())
