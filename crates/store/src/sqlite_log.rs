@@ -396,42 +396,29 @@ fn rewrite_newest(tx: &Transaction<'_>, page: i64, keep: usize) -> Result<()> {
         )
         .ctx("trim_access_log")?;
     let unpacked = unpack(&body, usize::try_from(entries).unwrap_or(0))?;
-    let newest = &unpacked[unpacked.len().saturating_sub(keep)..];
+    let unpacked_len = unpacked.len();
+    let newest = &unpacked[unpacked_len.saturating_sub(keep)..];
     let (Some(first), Some(_)) = (newest.first(), newest.last()) else {
         return Ok(());
     };
+    let (first_id, kept) = (first.id, newest.len());
     let mut out = Vec::with_capacity(body.len());
     let (mut min_at, mut max_at) = (u64::MAX, 0);
-    for p in newest {
-        let packed = PackedRef {
-            id: p.id,
-            at: p.at,
-            key_id: p.key_id.as_deref(),
-            client_addr: &p.client_addr,
-            route: &p.route,
-            outcome: &p.outcome,
-            reason: p.reason.as_deref(),
-            status: p.status,
-            queued_ms: p.queued_ms,
-            upstream_status: p.upstream_status,
-            upstream_latency_ms: p.upstream_latency_ms,
-            count: p.count,
-            request_id: p.request_id.as_deref(),
-        };
-        out = postcard::to_extend(&packed, out)
-            .map_err(|e| StoreError::Backend(format!("packing an access-log entry: {e}")))?;
+    for p in unpacked.into_iter().skip(unpacked_len - kept) {
         min_at = min_at.min(p.at);
         max_at = max_at.max(p.at);
+        // The pool is the page's, not the entry's: none is packed.
+        pack(&mut out, p.id, &p.into_entry(""))?;
     }
     tx.execute(
         "UPDATE access_log_pages SET first_id = ?2, min_at = ?3, max_at = ?4, entries = ?5, \
          body = ?6 WHERE page = ?1",
         params![
             page,
-            clamp_i64(first.id),
+            clamp_i64(first_id),
             clamp_i64(min_at),
             clamp_i64(max_at),
-            newest.len() as i64,
+            kept as i64,
             out
         ],
     )
