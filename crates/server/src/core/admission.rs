@@ -174,6 +174,36 @@ pub fn async_requested(headers: &HeaderMap) -> Result<bool, ApiError> {
     }
 }
 
+/// What a caller of a pool host (a proxied call, a SQL request) asked of admission.
+pub struct Plan {
+    pub wait_ms: u64,
+    pub priority: Priority,
+    pub asked_async: bool,
+}
+
+/// Reads a pool-host caller's wait budget, priority and async wish (SPEC §3, §6); a job asked
+/// for on a pool that takes none is refused here, before any admission.
+pub fn plan(
+    headers: &HeaderMap,
+    concurrency: &ConcurrencySpec,
+    async_enabled: bool,
+) -> Result<Plan, ApiError> {
+    let wait_ms = wait_budget(headers, concurrency, Caller::Proxy, None)?;
+    let priority = priority_from_headers(headers)?;
+    let asked_async = async_requested(headers)?;
+    if asked_async && !async_enabled {
+        return Err(ApiError::new(
+            ErrorCode::AsyncDisabled,
+            "this pool does not take async jobs (async.enabled = false)",
+        ));
+    }
+    Ok(Plan {
+        wait_ms,
+        priority,
+        asked_async,
+    })
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {

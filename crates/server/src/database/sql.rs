@@ -9,10 +9,9 @@
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::response::IntoResponse;
 use bytes::Bytes;
 use http::request::Parts;
-use http::{HeaderMap, HeaderValue, Method, Response, StatusCode};
+use http::{HeaderMap, HeaderValue, Method, Response};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use nthbouncer_coord::{AcquireRequest, GateHeaders, Priority, Refusal, SlotKind};
@@ -21,8 +20,8 @@ use super::{DatabaseApi, SQL_PATH};
 use crate::access::keys::Caller;
 use crate::access::{self, Authorized};
 use crate::core::access_log::{LogLine, LogOutcome, UpstreamSeen};
-use crate::core::admission::{self, Caller as AdmissionCaller};
-use crate::core::error::{ApiError, ErrorCode};
+use crate::core::admission::{self, Plan};
+use crate::core::error::ApiError;
 use crate::jobs::{self, JobHead, Reason};
 use crate::pools::registry::PoolRuntime;
 use crate::upstream::sql::{self as run_sql, SqlAnswer};
@@ -36,13 +35,6 @@ struct Call<'a> {
     headers: HeaderMap,
     caller: Caller,
     body: Bytes,
-}
-
-/// What the caller asked of admission.
-struct Plan {
-    wait_ms: u64,
-    priority: Priority,
-    asked_async: bool,
 }
 
 /// Serves an authorized `POST /sql`.
@@ -106,25 +98,11 @@ async fn read_body(state: &DatabaseApi, body: Incoming) -> Result<Bytes, ApiErro
 /// The wait budget, the priority and whether a job is asked for (SPEC §3, §6).
 fn plan(call: &Call<'_>) -> Result<Plan, ApiError> {
     let headers = &call.headers;
-    let wait_ms = admission::wait_budget(
+    admission::plan(
         headers,
         &call.pool.concurrency,
-        AdmissionCaller::Proxy,
-        None,
-    )?;
-    let priority = admission::priority_from_headers(headers)?;
-    let asked_async = admission::async_requested(headers)?;
-    if asked_async && !call.pool.spec.async_jobs.enabled {
-        return Err(ApiError::new(
-            ErrorCode::AsyncDisabled,
-            "this pool does not take async jobs (async.enabled = false)",
-        ));
-    }
-    Ok(Plan {
-        wait_ms,
-        priority,
-        asked_async,
-    })
+        call.pool.spec.async_jobs.enabled,
+    )
 }
 
 /// Admission: a job when asked for or promoted from a wait, else a slot of the gate.
@@ -265,22 +243,8 @@ async fn accept_job(call: Call<'_>, priority: Priority, reason: Reason) -> Respo
         request_id: call.log.request_id.clone(),
         poll_base: poll_base(call.state.scheme, &call.headers),
     };
-    match jobs::accept(&call.state.jobs, call.pool, &call.caller, submission).await {
-        Ok(accepted) => {
-            call.log.write(
-                Some(&key_id),
-                LogOutcome::Accepted,
-                Some(reason.as_str()),
-                StatusCode::ACCEPTED,
-                0,
-                UpstreamSeen::default(),
-            );
-            let mut resp = axum::Json(accepted).into_response();
-            *resp.status_mut() = StatusCode::ACCEPTED;
-            resp
-        }
-        Err(e) => call.log.refuse(Some(&key_id), e),
-    }
+    let accepted = jobs::accept(&call.state.jobs, call.pool, &call.caller, submission).await;
+    jobs::answer(call.log, &key_id, reason.as_str(), accepted)
 }
 
 /// What a SQL job keeps of the request's headers: the `Neon-*` ones, which say how to run and

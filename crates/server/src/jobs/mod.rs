@@ -25,6 +25,7 @@ pub mod view;
 
 use std::sync::Arc;
 
+use axum::response::IntoResponse;
 use bytes::Bytes;
 use http::{HeaderMap, Method};
 use http_body_util::BodyExt;
@@ -195,6 +196,31 @@ pub struct Submission {
     /// Where the job is polled, when not `{public_url}/pools/{pool}`: a database pool's host
     /// as the request reached it (`{scheme}://{host}`, SPEC §8).
     pub poll_base: Option<String>,
+}
+
+/// The caller's answer once [`accept`] is done: `202` with the handle, or the refusal; either
+/// way with its access-log entry (`reason`: why the request became a job).
+pub fn answer(
+    log: crate::core::access_log::LogLine<'_>,
+    key_id: &str,
+    reason: &str,
+    accepted: Result<Accepted, ApiError>,
+) -> axum::response::Response {
+    use crate::core::access_log::{LogOutcome, UpstreamSeen};
+    match accepted {
+        Ok(accepted) => {
+            log.write(
+                Some(key_id),
+                LogOutcome::Accepted,
+                Some(reason),
+                http::StatusCode::ACCEPTED,
+                0,
+                UpstreamSeen::default(),
+            );
+            (http::StatusCode::ACCEPTED, axum::Json(accepted)).into_response()
+        }
+        Err(e) => log.refuse(Some(key_id), e),
+    }
 }
 
 /// Accepts a request as a job: writes it durably, starts its runner (which loads the body from

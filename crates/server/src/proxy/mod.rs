@@ -24,12 +24,12 @@ use http::request::Parts;
 use http::{HeaderMap, Request, Response};
 use http_body_util::{LengthLimitError, Limited};
 use hyper::body::Incoming;
-use nthbouncer_coord::{AcquireRequest, Clock, Grant, Priority, Refusal, SlotKind};
+use nthbouncer_coord::{AcquireRequest, Clock, Grant, Refusal, SlotKind};
 
 use crate::access::{self, keys::Caller};
 use crate::cache;
 use crate::core::access_log::{AccessLog, LogLine, LogOutcome, UpstreamSeen};
-use crate::core::admission::{self, Caller as AdmissionCaller};
+use crate::core::admission::{self, Plan};
 use crate::core::error::{ApiError, ErrorCode};
 use crate::core::request_id::RequestId;
 use crate::jobs::{Jobs, Reason};
@@ -77,13 +77,6 @@ struct Call<'a> {
 enum CallBody {
     Streamed(Incoming),
     Whole(Bytes),
-}
-
-/// What a caller asked of admission.
-struct Plan {
-    wait_ms: u64,
-    priority: Priority,
-    asked_async: bool,
 }
 
 /// Serves one request on a proxy pool's host.
@@ -278,25 +271,11 @@ fn plan(call: &Call<'_>) -> Result<Plan, ApiError> {
     if content_length(headers).is_some_and(|len| len > max_body) {
         return Err(ApiError::payload_too_large(max_body));
     }
-    let wait_ms = admission::wait_budget(
+    admission::plan(
         headers,
         &call.pool.concurrency,
-        AdmissionCaller::Proxy,
-        None,
-    )?;
-    let priority = admission::priority_from_headers(headers)?;
-    let asked_async = admission::async_requested(headers)?;
-    if asked_async && !call.pool.spec.async_jobs.enabled {
-        return Err(ApiError::new(
-            ErrorCode::AsyncDisabled,
-            "this pool does not take async jobs (async.enabled = false)",
-        ));
-    }
-    Ok(Plan {
-        wait_ms,
-        priority,
-        asked_async,
-    })
+        call.pool.spec.async_jobs.enabled,
+    )
 }
 
 /// Admission (SPEC §3, §6): a job when asked for or promoted from a wait, else the gate.

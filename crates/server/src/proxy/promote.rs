@@ -4,12 +4,10 @@
 //! will see it, and the job layer stores it durably before the `202`.
 
 use axum::body::Body;
-use axum::response::IntoResponse;
-use http::{Response, StatusCode};
+use http::Response;
 use nthbouncer_coord::Priority;
 
 use super::{consumed, forwarded, Call, CallBody};
-use crate::core::access_log::{LogOutcome, UpstreamSeen};
 use crate::jobs::{self, JobHead, Reason};
 use crate::upstream::prepare;
 
@@ -56,20 +54,5 @@ pub(super) async fn accept_job(
         poll_base: None,
     };
     let accepted = jobs::accept(&call.state.jobs, call.pool, &call.caller, submission).await;
-    match accepted {
-        Ok(accepted) => {
-            call.log.write(
-                Some(&key_id),
-                LogOutcome::Accepted,
-                Some(reason.as_str()),
-                StatusCode::ACCEPTED,
-                0,
-                UpstreamSeen::default(),
-            );
-            let mut resp = axum::Json(accepted).into_response();
-            *resp.status_mut() = StatusCode::ACCEPTED;
-            resp
-        }
-        Err(e) => call.log.refuse(Some(&key_id), e),
-    }
+    jobs::answer(call.log, &key_id, reason.as_str(), accepted)
 }
