@@ -14,7 +14,7 @@ use http::request::Parts;
 use http::{HeaderMap, HeaderValue, Method, Response};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
-use nthbouncer_coord::{AcquireRequest, GateHeaders, Priority, Refusal, SlotKind};
+use nthbouncer_coord::{GateHeaders, Priority};
 
 use super::{DatabaseApi, SQL_PATH};
 use crate::access::keys::Caller;
@@ -107,30 +107,12 @@ fn plan(call: &Call<'_>) -> Result<Plan, ApiError> {
 
 /// Admission: a job when asked for or promoted from a wait, else a slot of the gate.
 async fn admit(call: Call<'_>, plan: Plan) -> Response<Body> {
-    let live = call.pool.async_live();
-    if plan.asked_async && live {
-        return accept_job(call, plan.priority, Reason::Requested).await;
-    }
-    let async_jobs = &call.pool.spec.async_jobs;
-    let promote_busy = live && async_jobs.on_open_wait && plan.wait_ms > 0;
-    let promote_timeout = live && async_jobs.on_queue_timeout;
-    let request = AcquireRequest {
-        fairness_key: call.caller.fairness,
-        priority: plan.priority,
-        wait_ms: if promote_busy { 0 } else { plan.wait_ms },
-        kind: SlotKind::Exchange,
-    };
-    let grant = match call.pool.gate.acquire(request).await {
-        Ok(g) => g,
-        Err(refusal) => {
-            let promoted = match refusal {
-                Refusal::TooManyRequests { .. } if promote_busy => Some(Reason::Busy),
-                Refusal::QueueTimeout { .. } if promote_timeout => Some(Reason::WaitTimeout),
-                _ => None,
-            };
-            if let Some(reason) = promoted {
-                return accept_job(call, plan.priority, reason).await;
-            }
+    let grant = match crate::jobs::admit_or_promote(call.pool, call.caller.fairness, &plan).await {
+        crate::jobs::Admission::Slot(grant) => grant,
+        crate::jobs::Admission::Job(reason) => {
+            return accept_job(call, plan.priority, reason).await
+        }
+        crate::jobs::Admission::Refused(refusal) => {
             let key_id = call.caller.key_id.clone();
             return admission::refuse(&call.pool.metrics, call.log, &key_id, &refusal);
         }

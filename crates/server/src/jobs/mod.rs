@@ -198,6 +198,48 @@ pub struct Submission {
     pub poll_base: Option<String>,
 }
 
+/// What admitting a caller that may become a job came to.
+pub enum Admission {
+    /// A slot of the gate.
+    Slot(nthbouncer_coord::Grant),
+    /// Taken as a job instead, for this reason.
+    Job(Reason),
+    /// Refused by the gate, with no promotion to take it.
+    Refused(nthbouncer_coord::Refusal),
+}
+
+/// Admission for a pool-host caller (a proxied call, a SQL request; SPEC §3, §6): a job when
+/// asked for, else a slot of the gate; where the pool promotes, a call that would wait (or
+/// whose wait ran out) becomes a job. With no active webhook destination the pool behaves
+/// exactly as with async off.
+pub async fn admit_or_promote(
+    pool: &PoolRuntime,
+    fairness: u64,
+    plan: &crate::core::admission::Plan,
+) -> Admission {
+    use nthbouncer_coord::{AcquireRequest, Refusal, SlotKind};
+    let live = pool.async_live();
+    if plan.asked_async && live {
+        return Admission::Job(Reason::Requested);
+    }
+    let async_jobs = &pool.spec.async_jobs;
+    let promote_busy = live && async_jobs.on_open_wait && plan.wait_ms > 0;
+    let promote_timeout = live && async_jobs.on_queue_timeout;
+    let request = AcquireRequest {
+        fairness_key: fairness,
+        priority: plan.priority,
+        // A request that would wait is taken as a job instead: try without waiting first.
+        wait_ms: if promote_busy { 0 } else { plan.wait_ms },
+        kind: SlotKind::Exchange,
+    };
+    match pool.gate.acquire(request).await {
+        Ok(grant) => Admission::Slot(grant),
+        Err(Refusal::TooManyRequests { .. }) if promote_busy => Admission::Job(Reason::Busy),
+        Err(Refusal::QueueTimeout { .. }) if promote_timeout => Admission::Job(Reason::WaitTimeout),
+        Err(refusal) => Admission::Refused(refusal),
+    }
+}
+
 /// The caller's answer once [`accept`] is done: `202` with the handle, or the refusal; either
 /// way with its access-log entry (`reason`: why the request became a job).
 pub fn answer(

@@ -24,7 +24,7 @@ use http::request::Parts;
 use http::{HeaderMap, Request, Response};
 use http_body_util::{LengthLimitError, Limited};
 use hyper::body::Incoming;
-use nthbouncer_coord::{AcquireRequest, Clock, Grant, Refusal, SlotKind};
+use nthbouncer_coord::{Clock, Grant};
 
 use crate::access::{self, keys::Caller};
 use crate::cache;
@@ -32,7 +32,7 @@ use crate::core::access_log::{AccessLog, LogLine, LogOutcome, UpstreamSeen};
 use crate::core::admission::{self, Plan};
 use crate::core::error::{ApiError, ErrorCode};
 use crate::core::request_id::RequestId;
-use crate::jobs::{Jobs, Reason};
+use crate::jobs::Jobs;
 use crate::pools::registry::PoolRuntime;
 use crate::upstream::prepare::{self, Consumed, Forwarded, Origin};
 use crate::upstream::{self, SlotBody, SlotGuard, UpstreamClient, UpstreamError};
@@ -280,38 +280,12 @@ fn plan(call: &Call<'_>) -> Result<Plan, ApiError> {
 
 /// Admission (SPEC §3, §6): a job when asked for or promoted from a wait, else the gate.
 async fn admit(call: Call<'_>, body: CallBody, plan: Plan) -> Response<Body> {
-    // With no active webhook destination the pool behaves exactly as with async off.
-    let live = call.pool.async_live();
-    if plan.asked_async && live {
-        return Box::pin(promote::accept_job(
-            call,
-            body,
-            plan.priority,
-            Reason::Requested,
-        ))
-        .await;
-    }
-    let async_jobs = &call.pool.spec.async_jobs;
-    let promote_busy = live && async_jobs.on_open_wait && plan.wait_ms > 0;
-    let promote_timeout = live && async_jobs.on_queue_timeout;
-    let request = AcquireRequest {
-        fairness_key: call.caller.fairness,
-        priority: plan.priority,
-        // A request that would wait is taken as a job instead: try without waiting first.
-        wait_ms: if promote_busy { 0 } else { plan.wait_ms },
-        kind: SlotKind::Exchange,
-    };
-    let grant = match call.pool.gate.acquire(request).await {
-        Ok(g) => g,
-        Err(refusal) => {
-            let promoted = match refusal {
-                Refusal::TooManyRequests { .. } if promote_busy => Some(Reason::Busy),
-                Refusal::QueueTimeout { .. } if promote_timeout => Some(Reason::WaitTimeout),
-                _ => None,
-            };
-            if let Some(reason) = promoted {
-                return Box::pin(promote::accept_job(call, body, plan.priority, reason)).await;
-            }
+    let grant = match crate::jobs::admit_or_promote(call.pool, call.caller.fairness, &plan).await {
+        crate::jobs::Admission::Slot(grant) => grant,
+        crate::jobs::Admission::Job(reason) => {
+            return Box::pin(promote::accept_job(call, body, plan.priority, reason)).await;
+        }
+        crate::jobs::Admission::Refused(refusal) => {
             let key_id = call.caller.key_id.clone();
             return admission::refuse(&call.pool.metrics, call.log, &key_id, &refusal);
         }
