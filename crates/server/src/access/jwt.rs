@@ -25,7 +25,7 @@ use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use nthbouncer_config::ConfigError;
 use serde::Deserialize;
 
-use crate::upstream::UpstreamClient;
+use crate::upstream::SharedClient;
 
 /// Cached JWKS keys older than this are refreshed on the next verification.
 pub const JWKS_MAX_AGE_MS: u64 = 10 * 60 * 1000;
@@ -280,7 +280,7 @@ impl JwtPolicy {
     pub async fn verify(
         &self,
         token: &str,
-        client: &UpstreamClient,
+        client: &SharedClient,
         now_ms: u64,
     ) -> Result<(), JwtFailure> {
         if token.is_empty() {
@@ -394,7 +394,7 @@ fn pick(keys: &[VerifyKey], kid: Option<&str>, alg: Algorithm) -> Vec<VerifyKey>
 impl RemoteKeys {
     /// Fetches the key set unless another fetch happened within [`JWKS_MIN_REFRESH_MS`];
     /// returns whether the keys may have changed.
-    async fn refresh(&self, client: &UpstreamClient, now_ms: u64) -> bool {
+    async fn refresh(&self, client: &SharedClient, now_ms: u64) -> bool {
         let allowed = |attempted: u64| {
             attempted == 0 || now_ms.saturating_sub(attempted) >= JWKS_MIN_REFRESH_MS
         };
@@ -429,13 +429,13 @@ impl RemoteKeys {
 
 /// GETs a JWKS (or Cloudflare's certs document, which has the same `keys` array) and keeps the
 /// keys we can use; a key we cannot read is skipped, not fatal.
-async fn fetch_jwks(client: &UpstreamClient, url: &http::Uri) -> Result<Vec<VerifyKey>, String> {
+async fn fetch_jwks(client: &SharedClient, url: &http::Uri) -> Result<Vec<VerifyKey>, String> {
     let req = http::Request::get(url.clone())
         .header(http::header::ACCEPT, "application/json")
         .header(http::header::USER_AGENT, "nthbouncer")
         .body(axum::body::Body::empty())
         .map_err(|e| e.to_string())?;
-    let resp = tokio::time::timeout(JWKS_FETCH_TIMEOUT, client.request(req))
+    let resp = tokio::time::timeout(JWKS_FETCH_TIMEOUT, client.get().request(req))
         .await
         .map_err(|_| "timed out".to_string())?
         .map_err(|e| e.to_string())?;

@@ -44,7 +44,7 @@ use crate::core::error::{ApiError, ErrorCode};
 use crate::core::extract;
 use crate::core::metrics::PoolMetrics;
 use crate::tls::{CertIdentity, MtlsFailure, MtlsPolicy, PeerTls};
-use crate::upstream::UpstreamClient;
+use crate::upstream::SharedClient;
 use keys::{Accept, AuthFailure, Caller, KeyIndex};
 
 /// The one message of every authentication refusal: it must not say which part failed.
@@ -323,7 +323,7 @@ pub struct Authorized {
 /// Checks a request against the pool key and the pool's access policies at `now` (epoch ms).
 #[allow(clippy::too_many_arguments)]
 pub async fn authorize(
-    http: &UpstreamClient,
+    http: &SharedClient,
     policy: &AccessPolicy,
     client: IpAddr,
     method: &Method,
@@ -369,7 +369,7 @@ pub async fn authorize(
 }
 
 async fn credentials(
-    http: &UpstreamClient,
+    http: &SharedClient,
     policy: &AccessPolicy,
     method: &Method,
     uri: &Uri,

@@ -3,8 +3,16 @@
 //! anything wrong, or one that changes what only a restart can (`server.listen`, a pool's own
 //! `listen`, `data_dir`, `store`, `coordination`), changes nothing and is answered `400`
 //! naming the key and the rule. Otherwise the config-owned pools become the file's
-//! (`pools::reload`: in-flight calls, slots, leases, waiters and learned limits stay) and the
-//! live `[server]` settings are swapped (`core::live`).
+//! (`pools::reload`: in-flight calls, slots, leases, waiters and learned limits stay), the
+//! live `[server]` settings are swapped with them (`core::live`: every `[server]` key but
+//! those that own a socket or a store), and the shared upstream client is replaced if its
+//! timeouts changed (`upstream::SharedClient`: calls in flight keep the one they started on).
+//!
+//! Four keys are accepted but apply only at the next restart, and are listed in the answer's
+//! `restartPending`: `coordination_fail`, `expected_nodes`, `coordination_prefix` and
+//! `coordination_timeout_ms` set up the Redis coordination when it is opened at start (a
+//! prefix changed live would split every pool's slots, queue and RPM window across two key
+//! spaces); with in-process coordination they mean nothing.
 //!
 //! It owns the reload's sequence, its record (log, metrics) and the route; it must not change
 //! pools itself (the registry does) nor serve anything.
@@ -23,6 +31,7 @@ use crate::app::state::AppState;
 use crate::core::error::ApiError;
 use crate::core::live::ServerSettings;
 use crate::pools::reload::PoolChanges;
+use crate::upstream::ClientTimeouts;
 
 /// Where the configuration comes from and what was last applied. One reload at a time.
 #[derive(Default)]
@@ -42,9 +51,9 @@ pub struct Reloaded {
     pub status: &'static str,
     /// What happened to the config file's pools, by name.
     pub pools: PoolChanges,
-    /// `[server]` keys that changed in the file but are read only at start (the upstream
-    /// client's timeouts, the connection limits, the host names…): they apply at the next
-    /// restart.
+    /// `[server]` keys that changed in the file but are read only when the coordination is
+    /// opened at start (`coordination_fail`, `expected_nodes`, `coordination_prefix`,
+    /// `coordination_timeout_ms`): they apply at the next restart.
     #[serde(rename = "restartPending")]
     pub restart_pending: Vec<String>,
 }
@@ -82,31 +91,35 @@ fn restart_only(old: &ServerSpec, new: &ServerSpec) -> Option<ConfigError> {
     None
 }
 
-/// `[server]` keys whose change is accepted but applies at the next restart: read once at
-/// start by parts a reload does not rebuild.
+/// `[server]` keys whose change is accepted but applies at the next restart: the Redis
+/// coordination's settings, read once when it is opened at start.
 fn pending_restart(old: &ServerSpec, new: &ServerSpec) -> Vec<String> {
-    let (Ok(old), Ok(new)) = (serde_json::to_value(old), serde_json::to_value(new)) else {
-        return Vec::new();
-    };
-    const LIVE: &[&str] = &[
-        "admin_token",
-        "trusted_proxies",
-        "max_body_bytes",
-        "header_read_timeout_ms",
-        "allow_private_webhooks",
-        "max_destinations_per_pool",
-        "tls",
-    ];
-    let (Some(old), Some(new)) = (old.as_object(), new.as_object()) else {
-        return Vec::new();
-    };
-    let mut keys: Vec<String> = new
-        .iter()
-        .filter(|(k, v)| !LIVE.contains(&k.as_str()) && old.get(*k) != Some(*v))
-        .map(|(k, _)| format!("server.{k}"))
-        .collect();
-    keys.sort();
-    keys
+    let mut keys = Vec::new();
+    if old.coordination_fail != new.coordination_fail {
+        keys.push("server.coordination_fail");
+    }
+    if old.coordination_prefix != new.coordination_prefix {
+        keys.push("server.coordination_prefix");
+    }
+    if old.coordination_timeout_ms != new.coordination_timeout_ms {
+        keys.push("server.coordination_timeout_ms");
+    }
+    if old.expected_nodes != new.expected_nodes {
+        keys.push("server.expected_nodes");
+    }
+    keys.into_iter().map(String::from).collect()
+}
+
+/// `new` with the keys pending a restart at their running value (`running`'s): what a later
+/// reload compares with.
+fn as_applied(running: &ServerSpec, new: ServerSpec) -> ServerSpec {
+    ServerSpec {
+        coordination_fail: running.coordination_fail,
+        expected_nodes: running.expected_nodes,
+        coordination_prefix: running.coordination_prefix.clone(),
+        coordination_timeout_ms: running.coordination_timeout_ms,
+        ..new
+    }
 }
 
 /// Re-reads the config file and applies it; `trigger` says what asked (for the log).
@@ -163,8 +176,14 @@ async fn reload_inner(state: &AppState) -> Result<Reloaded, ConfigError> {
     if let Some(e) = restart_only(&source.applied.server, &config.server) {
         return Err(e);
     }
-    let settings = ServerSettings::of(&config.server)?;
+    let settings = ServerSettings::of(&config.server, state.live.port())?;
     state.pools.check_reload(&config)?;
+    // A new shared upstream client if its timeouts change, built before anything is published.
+    let timeouts = ClientTimeouts::of(&settings);
+    let client = state
+        .upstream
+        .prepare(timeouts)
+        .map_err(|e| ConfigError::new("server.upstream_connect_timeout_ms", e))?;
     // The certificate files are read again (rotated ones included) before anything else
     // changes: a file that does not read refuses the whole reload.
     match (&state.tls, &config.server.tls) {
@@ -177,22 +196,14 @@ async fn reload_inner(state: &AppState) -> Result<Reloaded, ConfigError> {
             ))
         }
     }
-    let pools = state.pools.apply_config(&config).await?;
-    state.live.store(settings);
+    // The pools and the live settings, published together.
+    let pools = state.pools.apply_config(&config, settings).await?;
+    if let Some(client) = client {
+        state.upstream.install(timeouts, client);
+    }
     let restart_pending = pending_restart(&source.applied.server, &config.server);
-    // What a later reload compares with: the keys pending a restart keep their running value.
     let mut applied = config;
-    let running = &source.applied.server;
-    applied.server = ServerSpec {
-        admin_token: applied.server.admin_token.clone(),
-        trusted_proxies: applied.server.trusted_proxies.clone(),
-        max_body_bytes: applied.server.max_body_bytes,
-        header_read_timeout_ms: applied.server.header_read_timeout_ms,
-        allow_private_webhooks: applied.server.allow_private_webhooks,
-        max_destinations_per_pool: applied.server.max_destinations_per_pool,
-        tls: applied.server.tls.clone(),
-        ..running.clone()
-    };
+    applied.server = as_applied(&source.applied.server, applied.server);
     source.applied = applied;
     Ok(Reloaded {
         status: "reloaded",
@@ -204,12 +215,21 @@ async fn reload_inner(state: &AppState) -> Result<Reloaded, ConfigError> {
 /// `POST /admin/reload`: re-reads the config file and applies it.
 #[utoipa::path(post, path = "/admin/reload", tag = "admin",
     description = "Re-reads the config file and applies it, as SIGHUP does: the file's pools are \
-        added, changed or removed without dropping a call, a slot or a waiter of a kept pool; the \
-        live `[server]` settings (admin_token, trusted_proxies, max_body_bytes, \
-        header_read_timeout_ms, allow_private_webhooks, max_destinations_per_pool) apply to the \
-        next request. A file with anything wrong, or one that changes `server.listen`, a pool's \
-        own `listen`, `data_dir`, `store` or `coordination` (those need a restart), changes \
-        nothing: `400 invalid` naming the key in `field` and the rule in `message`.",
+        added, changed or removed without dropping a call, a slot or a waiter of a kept pool. \
+        Every `[server]` key that owns no socket and no store applies live: admin_token, \
+        trusted_proxies, max_body_bytes and allow_private_webhooks to the next request; \
+        api_host, pool_domain and public_url to the next request's routing and `pollUrl`s; \
+        upstream_connect_timeout_ms and upstream_idle_timeout_ms to the next upstream call (calls \
+        in flight keep their client); header_read_timeout_ms, idle_timeout_ms and \
+        max_connections to the next connection accepted; max_destinations_per_pool to the next \
+        destination added; access_log_keep to the next trim; shutdown_grace_ms to the next \
+        shutdown; the `[server.tls]` certificates to the next handshake. coordination_fail, \
+        expected_nodes, coordination_prefix and coordination_timeout_ms are accepted but apply at \
+        the next restart (they set up the Redis coordination when it is opened): the answer lists \
+        them in `restartPending`. A file with anything wrong, or one that changes \
+        `server.listen`, a pool's own `listen`, `data_dir`, `store`, `coordination` or turns \
+        `[server.tls]` on or off (those need a restart), changes nothing: `400 invalid` naming \
+        the key in `field` and the rule in `message`.",
     responses(
         (status = 200, description = "applied", body = Reloaded),
         (status = 400, description = "invalid: refused, nothing changed"),
@@ -231,17 +251,30 @@ mod tests {
         let mut new = old.clone();
         new.admin_token = Some("another-admin-token-0123".into());
         new.max_body_bytes = 1;
+        new.idle_timeout_ms = 5;
+        new.api_host = "api.example".into();
+        new.pool_domain = "pools.example".into();
+        new.public_url = Some("https://gw.example".into());
+        new.upstream_connect_timeout_ms = 7;
+        new.upstream_idle_timeout_ms = 7;
+        new.max_connections = 7;
+        new.shutdown_grace_ms = 7;
+        new.access_log_keep = 7;
         assert!(restart_only(&old, &new).is_none());
         assert!(
             pending_restart(&old, &new).is_empty(),
             "live keys are not pending"
         );
-        new.idle_timeout_ms = 5;
-        new.api_host = "api.example".into();
+        new.coordination_prefix = "other".into();
+        new.expected_nodes = Some(3);
         assert_eq!(
             pending_restart(&old, &new),
-            ["server.api_host", "server.idle_timeout_ms"]
+            ["server.coordination_prefix", "server.expected_nodes"]
         );
+        // The pending keys keep their running value for the next comparison; the rest is new.
+        let applied = as_applied(&old, new.clone());
+        assert!(pending_restart(&old, &applied).is_empty());
+        assert_eq!(applied.api_host, "api.example");
         for (key, change) in [
             (
                 "server.listen",

@@ -35,6 +35,7 @@ use crate::core::error::{ApiError, ErrorCode};
 use crate::core::request_id::{self, RequestId};
 use crate::pools::listeners::Opened;
 use crate::pools::registry::PoolRuntime;
+use crate::pools::HostRole;
 use crate::tls::PeerTls;
 use nthbouncer_config::PoolKind;
 
@@ -116,21 +117,21 @@ impl Dispatcher {
         let Some(host) = request_host(&req) else {
             return ApiError::pool_not_found().into_response();
         };
-        if host == self.state.pools.api_host() {
-            req.extensions_mut().insert(ConnectInfo(peer));
-            return match self.api.clone().oneshot(req).await {
-                Ok(resp) => resp,
-                Err(never) => match never {},
-            };
-        }
-        match self.state.pools.by_host(&host) {
-            Some(pool) if misdirected(&pool, &req, &host) => ApiError::new(
+        match self.state.pools.host_role(&host) {
+            HostRole::Api => {
+                req.extensions_mut().insert(ConnectInfo(peer));
+                match self.api.clone().oneshot(req).await {
+                    Ok(resp) => resp,
+                    Err(never) => match never {},
+                }
+            }
+            HostRole::Pool(pool) if misdirected(&pool, &req, &host) => ApiError::new(
                 ErrorCode::Misdirected,
                 "this connection was opened for another host; open a new one for this host",
             )
             .into_response(),
-            Some(pool) => self.pool_host(pool, req, peer).await,
-            None => ApiError::pool_not_found().into_response(),
+            HostRole::Pool(pool) => self.pool_host(pool, req, peer).await,
+            HostRole::Unknown => ApiError::pool_not_found().into_response(),
         }
     }
 
@@ -155,13 +156,14 @@ impl Dispatcher {
     }
 }
 
-/// What every connection task shares: the dispatcher, the protocol settings, the count and
-/// timeouts it is held to, and the signal that the server is draining.
+/// What every connection task shares: the dispatcher, the protocol settings, the count it is
+/// held to, and the signal that the server is draining. Its bounds (`max_connections`, the
+/// header and idle timeouts) are read from the live settings at each accept, so a reload
+/// applies them to the connections accepted after it.
 struct Serving {
     dispatcher: Arc<Dispatcher>,
     builder: auto::Builder<TokioExecutor>,
     connections: Arc<Connections>,
-    timeouts: Timeouts,
     drain: watch::Sender<()>,
 }
 
@@ -184,11 +186,7 @@ pub(super) async fn accept_loop(
     let serving = Arc::new(Serving {
         dispatcher,
         builder,
-        connections: Connections::new(state.server.max_connections),
-        timeouts: Timeouts {
-            header_read_ms: state.server.header_read_timeout_ms,
-            idle_ms: state.server.idle_timeout_ms,
-        },
+        connections: Connections::new(),
         drain: watch::channel(()).0,
     });
     // Pools' own listeners, opened at start and whenever the admin API gives a pool one.
@@ -247,7 +245,7 @@ async fn shut_down(state: &AppState, drain: &watch::Sender<()>) {
     state.draining.store(true, Ordering::Relaxed);
     let attempts = state.jobs.drain.clone();
     attempts.start();
-    let grace = Duration::from_millis(state.server.shutdown_grace_ms);
+    let grace = state.live.load().shutdown_grace;
     tracing::info!(
         grace_ms = grace.as_millis() as u64,
         attempts_in_flight = attempts.in_flight(),
@@ -275,7 +273,16 @@ impl Serving {
     /// `503 overloaded` over it. With `[server.tls]` the task first completes the handshake,
     /// within the header timeout (a slow handshake holds nothing longer than a slow head).
     fn serve(self: &Arc<Self>, stream: TcpStream, peer: SocketAddr, route: Route) {
-        let (counted, refused) = match self.connections.admit() {
+        let (max_connections, bounds) = {
+            let live = self.dispatcher.state.live.load();
+            let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+            let bounds = Timeouts {
+                header_read_ms: ms(live.header_read_timeout),
+                idle_ms: ms(live.idle_timeout),
+            };
+            (live.max_connections, bounds)
+        };
+        let (counted, refused) = match self.connections.admit(max_connections) {
             Admission::Serve(counted) => (counted, false),
             Admission::Refuse(counted) => (counted, true),
             // Dropping the socket closes it: refusals are bounded too.
@@ -284,8 +291,8 @@ impl Serving {
         let _ = stream.set_nodelay(true);
         let timeouts = Timeouts {
             // A refused connection closes as soon as its answer is out.
-            idle_ms: if refused { 0 } else { self.timeouts.idle_ms },
-            ..self.timeouts
+            idle_ms: if refused { 0 } else { bounds.idle_ms },
+            ..bounds
         };
         let activity = Activity::new(timeouts);
         let io = ConnIo::new(stream, activity.clone(), counted);
@@ -300,7 +307,7 @@ impl Serving {
             let Some(tls) = this.dispatcher.state.tls.clone() else {
                 return this.run(io, None, conn).await;
             };
-            let budget = Duration::from_millis(this.timeouts.header_read_ms);
+            let budget = Duration::from_millis(timeouts.header_read_ms);
             match tokio::time::timeout(budget, tls.acceptor().accept(io)).await {
                 Ok(Ok(stream)) => {
                     let peer_tls = Arc::new(PeerTls::of(stream.get_ref().1));

@@ -23,6 +23,7 @@ use crate::admin::Admin;
 use crate::app::state::{AppState, StartError};
 use crate::cache::Caches;
 use crate::core::access_log::AccessLog;
+use crate::core::live::{LiveServer, ServerSettings};
 use crate::database::DatabaseApi;
 use crate::jobs::{JobIntake, Jobs};
 use crate::lock::leases::LeaseBook;
@@ -30,6 +31,7 @@ use crate::lock::LockApi;
 use crate::pools::guard::Guard;
 use crate::pools::{Pools, PoolsParts};
 use crate::proxy::Proxy;
+use crate::upstream::SharedClient;
 use crate::webhooks::Webhooks;
 
 /// What the embedding program may inject (tests inject a manual clock).
@@ -77,9 +79,11 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
         .unwrap_or_else(|| Arc::new(SystemClock::new()));
     let (store, job_store) = open_store(&server).await?;
     let shared = open_coordination(&server, clock.clone()).await?;
-    let (access_log, access_log_task) = AccessLog::start(store.clone(), server.access_log_keep);
+    let settings = ServerSettings::of(&server, addr.port()).map_err(StartError::Config)?;
+    let live = Arc::new(LiveServer::new(settings, addr.port()));
+    let (access_log, access_log_task) = AccessLog::start(store.clone(), live.clone());
     let state = wire(Parts {
-        public_url: server.public_url(addr.port()),
+        live,
         server,
         clock,
         store,
@@ -128,7 +132,8 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
 /// What [`wire`] builds the state from.
 struct Parts {
     server: ServerSpec,
-    public_url: String,
+    /// The `[server]` settings a reload changes.
+    live: Arc<LiveServer>,
     clock: Arc<dyn Clock>,
     store: Arc<dyn Store>,
     job_store: Arc<dyn JobStore>,
@@ -138,43 +143,28 @@ struct Parts {
 }
 
 /// Builds every feature's state from the shared parts: the one place that sees them all.
-/// The scheme of a database pool's `pollUrl`s: a deployment behind TLS says so in its public URL.
-fn poll_scheme(public_url: &str) -> &'static str {
-    if public_url.starts_with("https://") {
-        "https"
-    } else {
-        "http"
-    }
-}
-
 fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
     let Parts {
         server,
-        public_url,
+        live,
         clock,
         store,
         job_store,
         access_log,
         shared,
     } = parts;
-    let live = Arc::new(crate::core::live::LiveServer::new(
-        crate::core::live::ServerSettings::of(&server).map_err(StartError::Config)?,
-    ));
-    let client = crate::upstream::build_client(&server).map_err(StartError::Client)?;
+    let timeouts = crate::upstream::ClientTimeouts::of(&live.load());
+    let client = Arc::new(SharedClient::new(timeouts).map_err(StartError::Client)?);
     let deliveries_pending = Arc::new(Notify::new());
-    let scheme = poll_scheme(&public_url);
     let (coordination, nonces, leases) = coordination_parts(shared, &store, &clock);
     let pools = Arc::new(Pools::new(PoolsParts {
         store: store.clone(),
         jobs: job_store.clone(),
         coordination,
         clock: clock.clone(),
-        api_host: server.api_host.clone(),
-        pool_domain: server.pool_domain.clone(),
         destinations_changed: deliveries_pending.clone(),
         nonces,
         live: live.clone(),
-        upstream_timeouts: crate::upstream::ClientTimeouts::of(&server),
     }));
     let jobs = Arc::new(Jobs {
         intake: JobIntake::start(job_store.clone()),
@@ -182,7 +172,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         pools: pools.clone(),
         client: client.clone(),
         clock: clock.clone(),
-        public_url,
+        live: live.clone(),
         stopping: CancellationToken::new(),
         deliveries_pending,
         drain: crate::jobs::drain::Drain::new(),
@@ -197,7 +187,6 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
             access_log: access_log.clone(),
             clock: clock.clone(),
             jobs: jobs.clone(),
-            scheme,
         }),
         proxy: Arc::new(Proxy {
             client: client.clone(),
@@ -223,12 +212,11 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         webhooks: Arc::new(Webhooks {
             jobs: jobs.clone(),
             pools: pools.clone(),
-            server: server.clone(),
             live: live.clone(),
         }),
         guard: Arc::new(Guard {
             pools: pools.clone(),
-            http: client,
+            http: client.clone(),
             live: live.clone(),
             access_log: access_log.clone(),
             clock: clock.clone(),
@@ -241,6 +229,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         access_log,
         draining: AtomicBool::new(false),
         live,
+        upstream: client,
         reload: Default::default(),
         server,
     }))

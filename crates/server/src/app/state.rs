@@ -21,6 +21,8 @@ use crate::tls::ListenerTls;
 use crate::webhooks::Webhooks;
 
 pub struct AppState {
+    /// `[server]` as the process started with it: what only a restart changes is read from
+    /// here; what a reload changes is read from `live`.
     pub server: ServerSpec,
     pub clock: Arc<dyn Clock>,
     pub store: Arc<dyn Store>,
@@ -38,6 +40,8 @@ pub struct AppState {
     pub draining: AtomicBool,
     /// The `[server]` settings a reload changes live.
     pub live: Arc<crate::core::live::LiveServer>,
+    /// The shared upstream client (a reload that changes its timeouts replaces it).
+    pub upstream: Arc<crate::upstream::SharedClient>,
     /// The config file and what was last applied from it (SIGHUP, `POST /admin/reload`).
     pub reload: crate::app::reload::Reloader,
     /// `[server.tls]`: the listeners' certificates ([`ListenerTls::reload`] on SIGHUP).

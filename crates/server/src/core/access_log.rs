@@ -27,6 +27,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Duration;
 
 use crate::core::batch::{BatchConfig, Batcher, Commit};
+use crate::core::live::LiveServer;
 
 /// Longest route (method and path) a row keeps, in bytes, marker included.
 pub const MAX_ROUTE_BYTES: usize = 512;
@@ -126,7 +127,8 @@ struct Fold {
 /// every batch would double the write load).
 struct Append {
     store: Arc<dyn Store>,
-    keep: u64,
+    /// `server.access_log_keep` is read from here at each trim (a reload changes it).
+    live: Arc<LiveServer>,
     queued: Arc<Queued>,
     /// Appends since the last trim, per pool.
     since_trim: HashMap<String, u64>,
@@ -193,11 +195,12 @@ impl Append {
                 }
             }
         }
-        let trim_every = (self.keep / 10).max(100);
+        let keep = self.live.load().access_log_keep;
+        let trim_every = (keep / 10).max(100);
         for (pool, n) in self.since_trim.iter_mut() {
             if *n >= trim_every {
                 *n = 0;
-                if let Err(e) = self.store.trim_access_log(pool, self.keep).await {
+                if let Err(e) = self.store.trim_access_log(pool, keep).await {
                     tracing::warn!(error = %e, pool = %pool, "access log trim failed");
                 }
             }
@@ -236,11 +239,11 @@ pub struct AccessLog {
 
 impl AccessLog {
     /// Starts the writer. It ends once every `AccessLog` clone is dropped and the queue is drained.
-    pub fn start(store: Arc<dyn Store>, keep_per_pool: u64) -> (AccessLog, JoinHandle<()>) {
+    pub fn start(store: Arc<dyn Store>, live: Arc<LiveServer>) -> (AccessLog, JoinHandle<()>) {
         let queued = Arc::new(Queued::default());
         let append = Append {
             store,
-            keep: keep_per_pool,
+            live,
             queued: queued.clone(),
             since_trim: HashMap::new(),
             folds: HashMap::new(),

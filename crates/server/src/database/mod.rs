@@ -27,7 +27,7 @@ use crate::core::error::{ApiError, ErrorCode};
 use crate::core::request_id::RequestId;
 use crate::jobs::Jobs;
 use crate::pools::registry::PoolRuntime;
-use crate::upstream::UpstreamClient;
+use crate::upstream::SharedClient;
 
 /// The path of the SQL route, as the driver calls it.
 pub const SQL_PATH: &str = "/sql";
@@ -35,15 +35,14 @@ pub const SQL_PATH: &str = "/sql";
 /// What the database feature needs: the access checks' client and trusted proxies, the access
 /// log, the clock, the jobs a request may become, and the bounds on a request.
 pub struct DatabaseApi {
-    pub http: UpstreamClient,
+    pub http: Arc<SharedClient>,
     /// The live `[server]` settings: trusted proxies, the `/sql` body bound
-    /// (`max_body_bytes`) and the budget for reading it whole (`header_read_timeout`).
+    /// (`max_body_bytes`), the budget for reading it whole (`header_read_timeout`) and the
+    /// scheme of `pollUrl`s on the pool host (`public_url`'s).
     pub live: Arc<crate::core::live::LiveServer>,
     pub access_log: AccessLog,
     pub clock: Arc<dyn Clock>,
     pub jobs: Arc<Jobs>,
-    /// `http` or `https`: the scheme of `pollUrl`s on the pool host (`server.public_url`'s).
-    pub scheme: &'static str,
 }
 
 impl DatabaseApi {

@@ -223,7 +223,7 @@ async fn accept_job(call: Call<'_>, priority: Priority, reason: Reason) -> Respo
         reason,
         pending,
         request_id: call.log.request_id.clone(),
-        poll_base: poll_base(call.state.scheme, &call.headers),
+        poll_base: poll_base(call.state.live.load().poll_scheme(), &call.headers),
     };
     let accepted = jobs::accept(&call.state.jobs, call.pool, &call.caller, submission).await;
     jobs::answer(call.log, &key_id, reason.as_str(), accepted)

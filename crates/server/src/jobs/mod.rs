@@ -46,7 +46,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::pools::Pools;
-use crate::upstream::UpstreamClient;
+use crate::upstream::SharedClient;
 
 /// What the jobs feature needs: its store and writer, the pools its jobs run in, the upstream
 /// client, and the signals it shares with the webhook dispatcher and the shutdown.
@@ -54,10 +54,10 @@ pub struct Jobs {
     pub store: Arc<dyn JobStore>,
     pub intake: JobIntake,
     pub pools: Arc<Pools>,
-    pub client: UpstreamClient,
+    pub client: Arc<SharedClient>,
     pub clock: Arc<dyn Clock>,
-    /// Base of every `pollUrl`.
-    pub public_url: String,
+    /// The live `[server]` settings: `public_url`, the base of every `pollUrl`.
+    pub live: Arc<crate::core::live::LiveServer>,
     /// Cancelled when the server stops: runners end with it, leaving unfinished jobs in the
     /// store for the next start.
     pub stopping: CancellationToken,
@@ -342,7 +342,12 @@ pub async fn accept(
     Ok(Accepted {
         poll_url: match poll_base {
             Some(base) => format!("{base}/jobs/{}", job.id),
-            None => format!("{}/pools/{}/jobs/{}", state.public_url, pool.name, job.id),
+            None => format!(
+                "{}/pools/{}/jobs/{}",
+                state.live.load().public_url,
+                pool.name,
+                job.id
+            ),
         },
         job_id: job.id,
         status: "accepted",

@@ -276,7 +276,7 @@ async fn fetch(
     let req = origin_request(pool, job, body)?;
     let deadline = crate::core::time::deadline_in(pool.concurrency.request_timeout_ms);
     let (resp, guard) =
-        upstream::exchange(pool.client(&state.client), req, guard, deadline).await?;
+        upstream::exchange(&pool.client(&state.client), req, guard, deadline).await?;
     let max = pool.spec.async_jobs.max_body_bytes as usize;
     let (parts, collected) = upstream::collect(resp, max, deadline).await?;
     let outcome =

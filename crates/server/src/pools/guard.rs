@@ -20,12 +20,12 @@ use crate::access::{self, BodyState, MAX_SIGNED_API_BODY};
 use crate::core::access_log::{AccessLog, LogLine};
 use crate::core::error::ApiError;
 use crate::core::request_id::RequestId;
-use crate::upstream::UpstreamClient;
+use crate::upstream::SharedClient;
 
 /// What the guard needs: the pools, the access checks' client and trusted proxies, the log.
 pub struct Guard {
     pub pools: Arc<Pools>,
-    pub http: UpstreamClient,
+    pub http: Arc<SharedClient>,
     /// The live `[server]` settings (trusted proxies).
     pub live: Arc<crate::core::live::LiveServer>,
     pub access_log: AccessLog,

@@ -25,6 +25,15 @@ pub use ops::{
 };
 use registry::{PoolRuntime, Registry};
 
+/// What a request's host names (SPEC §1).
+pub enum HostRole {
+    /// `server.api_host`.
+    Api,
+    /// A pool's host: `{pool}.{pool_domain}` or one of its custom domains.
+    Pool(Arc<PoolRuntime>),
+    Unknown,
+}
+
 /// The live pools and what changing them needs.
 pub struct Pools {
     registry: ArcSwap<Registry>,
@@ -37,21 +46,17 @@ pub struct Pools {
     jobs: Arc<dyn JobStore>,
     coordination: Arc<dyn Coordination>,
     clock: Arc<dyn Clock>,
-    /// Lowercased `server.api_host`.
-    api_host: String,
-    /// `.{pool_domain}`, lowercased, for host matching.
-    pool_suffix: String,
     /// Notified when a pool's destinations change (the webhook dispatcher listens).
     destinations_changed: Arc<Notify>,
     /// Where every pool's HMAC nonces are recorded (and loaded from at start).
     nonces: NonceSource,
     /// Pools' own listeners.
     pub listeners: Listeners,
-    /// The live `[server]` settings: `allow_private_webhooks` (for the webhooks an API pool's
-    /// body declares) and `max_destinations_per_pool`.
+    /// The live `[server]` settings: the API host and the pool domain (host matching),
+    /// `allow_private_webhooks` (for the webhooks an API pool's body declares),
+    /// `max_destinations_per_pool`, and the timeouts of the clients of pools with
+    /// `[pools.upstream_tls]`. A reload publishes new ones with the pools ([`reload`]).
     live: Arc<crate::core::live::LiveServer>,
-    /// For the clients of pools with `[pools.upstream_tls]`.
-    upstream_timeouts: crate::upstream::ClientTimeouts,
 }
 
 /// What [`Pools::new`] is made of.
@@ -60,12 +65,9 @@ pub struct PoolsParts {
     pub jobs: Arc<dyn JobStore>,
     pub coordination: Arc<dyn Coordination>,
     pub clock: Arc<dyn Clock>,
-    pub api_host: String,
-    pub pool_domain: String,
     pub destinations_changed: Arc<Notify>,
     pub nonces: NonceSource,
     pub live: Arc<crate::core::live::LiveServer>,
-    pub upstream_timeouts: crate::upstream::ClientTimeouts,
 }
 
 impl Pools {
@@ -78,13 +80,10 @@ impl Pools {
             jobs: parts.jobs,
             coordination: parts.coordination,
             clock: parts.clock,
-            api_host: parts.api_host.to_ascii_lowercase(),
-            pool_suffix: format!(".{}", parts.pool_domain.to_ascii_lowercase()),
             destinations_changed: parts.destinations_changed,
             nonces: parts.nonces,
             listeners: Listeners::default(),
             live: parts.live,
-            upstream_timeouts: parts.upstream_timeouts,
         }
     }
 
@@ -102,12 +101,16 @@ impl Pools {
         self.get(name).ok_or_else(ApiError::pool_not_found)
     }
 
-    /// The pool a (lowercased, port-less) host names, if any.
-    pub fn by_host(&self, host: &str) -> Option<Arc<PoolRuntime>> {
-        self.registry
-            .load()
-            .by_host(host, &self.pool_suffix)
-            .cloned()
+    /// What a (lowercased, port-less) host names, by the API host and pool domain of now.
+    pub fn host_role(&self, host: &str) -> HostRole {
+        let live = self.live.load();
+        if host == live.api_host {
+            return HostRole::Api;
+        }
+        match self.registry.load().by_host(host, &live.pool_suffix) {
+            Some(pool) => HostRole::Pool(pool.clone()),
+            None => HostRole::Unknown,
+        }
     }
 
     /// The whole registry as it is now.
@@ -115,9 +118,14 @@ impl Pools {
         self.registry.load_full()
     }
 
-    /// The lowercased API host name.
-    pub fn api_host(&self) -> &str {
-        &self.api_host
+    /// The lowercased API host name, as it is now.
+    pub fn api_host(&self) -> String {
+        self.live.load().api_host.clone()
+    }
+
+    /// The timeouts a pool's own upstream client is built with, as they are now.
+    fn upstream_timeouts(&self) -> crate::upstream::ClientTimeouts {
+        crate::upstream::ClientTimeouts::of(&self.live.load())
     }
 
     /// Waits for the right to change destinations (held across the store write and refresh).

@@ -43,6 +43,20 @@ impl Pools {
         stored_keys: &[StoredKey],
         previous: Option<&Arc<PoolRuntime>>,
     ) -> Result<Arc<PoolRuntime>, ConfigError> {
+        let timeouts = self.upstream_timeouts();
+        self.build_pool_with(at, spec, provenance, stored_keys, previous, timeouts)
+    }
+
+    /// [`Pools::build_pool`] with the upstream timeouts a reload is about to publish.
+    pub(super) fn build_pool_with(
+        &self,
+        at: &str,
+        spec: PoolSpec,
+        provenance: Provenance,
+        stored_keys: &[StoredKey],
+        previous: Option<&Arc<PoolRuntime>>,
+        timeouts: crate::upstream::ClientTimeouts,
+    ) -> Result<Arc<PoolRuntime>, ConfigError> {
         let settings = PoolRuntime::gate_settings(&spec.concurrency);
         let (gate, keys, destinations) = match previous {
             Some(p) => (
@@ -63,7 +77,7 @@ impl Pools {
             gate,
             keys,
             destinations,
-            upstream_timeouts: self.upstream_timeouts,
+            upstream_timeouts: timeouts,
         };
         let mut runtime = PoolRuntime::build(at, spec, provenance, shared, database)?;
         match previous {
@@ -340,7 +354,7 @@ impl Pools {
     fn check_domains(&self, registry: &Registry, spec: &PoolSpec) -> Result<(), ApiError> {
         for (i, d) in spec.custom_domains.iter().enumerate() {
             let d = d.to_ascii_lowercase();
-            if d == self.api_host {
+            if d == self.live.load().api_host {
                 return Err(ApiError::invalid(
                     format!("custom_domains[{i}]"),
                     format!("{d:?} is the API host"),

@@ -18,7 +18,7 @@ use crate::access::keys::{Accept, KeyIndex};
 use crate::access::AccessPolicy;
 use crate::core::metrics::PoolMetrics;
 use crate::core::ManagedBy;
-use crate::upstream::{build_tls_client, ClientTimeouts, Target, UpstreamClient};
+use crate::upstream::{build_tls_client, ClientTimeouts, SharedClient, Target, UpstreamClient};
 
 /// Who owns a pool and since when.
 #[derive(Clone, Copy, Debug)]
@@ -72,14 +72,17 @@ pub struct PoolRuntime {
     pub destinations: Arc<ArcSwap<Vec<StoredDestination>>>,
     pub metrics: PoolMetrics,
     /// The pool's own upstream client (`[pools.upstream_tls]`); otherwise the shared one.
-    pub client: Option<UpstreamClient>,
+    pub client: Option<Arc<UpstreamClient>>,
 }
 
 impl PoolRuntime {
     /// The client this pool's upstream calls go through: its own (`[pools.upstream_tls]`),
     /// else `shared`.
-    pub fn client<'a>(&'a self, shared: &'a UpstreamClient) -> &'a UpstreamClient {
-        self.client.as_ref().unwrap_or(shared)
+    pub fn client(&self, shared: &SharedClient) -> Arc<UpstreamClient> {
+        match &self.client {
+            Some(own) => own.clone(),
+            None => shared.get(),
+        }
     }
 
     /// Resolves a validated spec into runtime form. `at` names the spec's origin in errors.
@@ -101,7 +104,7 @@ impl PoolRuntime {
             Some(t) => {
                 let (config, name) =
                     crate::tls::upstream_client_config(&format!("{at}.upstream_tls"), t)?;
-                Some(build_tls_client(upstream_timeouts, config, name))
+                Some(Arc::new(build_tls_client(upstream_timeouts, config, name)))
             }
             None => None,
         };

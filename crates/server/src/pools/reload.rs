@@ -7,9 +7,13 @@
 //! `404 pool_not_found`), its waiters are refused, and the calls it admitted run to their end
 //! on the runtime they hold. Pools created through the admin API are never touched.
 //!
+//! The live `[server]` settings are published here too, with the pools: the API host and the
+//! pool domain route the next request by the new pool set, and a pool with its own upstream
+//! client (`[pools.upstream_tls]`) is rebuilt on its gate when the upstream timeouts change.
+//!
 //! Everything that can fail is checked and built before anything is published: a reload that
-//! fails changes nothing. It must not read the file nor judge `[server]` (the app's reload
-//! does).
+//! fails changes nothing. It must not read the file nor judge which `[server]` keys may change
+//! (the app's reload does).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -19,7 +23,9 @@ use nthbouncer_config::{Config, ConfigError};
 use super::listeners::{Bound, Listeners};
 use super::registry::{same_database, PoolRuntime, Provenance, Registry};
 use super::Pools;
+use crate::core::live::ServerSettings;
 use crate::core::ManagedBy;
+use crate::upstream::ClientTimeouts;
 
 /// What a reload did to the pools, by name.
 #[derive(Debug, Default, Clone, serde::Serialize, utoipa::ToSchema)]
@@ -71,11 +77,22 @@ impl Pools {
         Ok(())
     }
 
-    /// Makes the config-owned pools exactly `config.pools`. Nothing changes if it fails.
-    pub async fn apply_config(&self, config: &Config) -> Result<PoolChanges, ConfigError> {
+    /// Makes the config-owned pools exactly `config.pools` and `settings` the live `[server]`
+    /// settings, published together. Nothing changes if it fails.
+    pub async fn apply_config(
+        &self,
+        config: &Config,
+        settings: ServerSettings,
+    ) -> Result<PoolChanges, ConfigError> {
         let _guard = self.changes.lock().await;
         self.check_reload(config)?;
         let registry = self.registry.load_full();
+        check_api_host(&registry, &settings.api_host)?;
+        let hosts = Hosts {
+            api_host: &settings.api_host,
+            timeouts: ClientTimeouts::of(&settings),
+            timeouts_changed: ClientTimeouts::of(&settings) != self.upstream_timeouts(),
+        };
         let wanted: HashSet<&str> = config.pools.iter().map(|p| p.name.as_str()).collect();
         let removed: Vec<Arc<PoolRuntime>> = registry
             .pools
@@ -89,7 +106,9 @@ impl Pools {
             .values()
             .filter(|p| p.managed_by == ManagedBy::Config)
             .fold((*registry).clone(), |r, p| r.without(&p.name));
-        let built = self.build_all(config, &registry, &mut candidate).await;
+        let built = self
+            .build_all(config, &registry, &mut candidate, &hosts)
+            .await;
         let next = match built {
             Ok(next) => next,
             Err((e, opened)) => {
@@ -135,7 +154,9 @@ impl Pools {
                 listeners.push((n.pool.name.clone(), bound));
             }
         }
+        // The pools and the host names they are found by change together.
         self.registry.store(Arc::new(candidate));
+        self.live.store(settings);
         for (name, bound) in listeners {
             self.listeners.serve(&name, bound);
         }
@@ -166,6 +187,7 @@ impl Pools {
         config: &Config,
         registry: &Registry,
         candidate: &mut Registry,
+        hosts: &Hosts<'_>,
     ) -> Result<Vec<Next>, (ConfigError, Vec<Arc<PoolRuntime>>)> {
         let mut next: Vec<Next> = Vec::new();
         let opened = |next: &[Next]| -> Vec<Arc<PoolRuntime>> {
@@ -191,11 +213,15 @@ impl Pools {
         for (i, spec) in config.pools.iter().enumerate() {
             let at = format!("pools[{i}]");
             let previous = registry.pools.get(&spec.name).cloned();
-            if let Err(e) = self.check_reload_domains(candidate, &at, spec) {
+            if let Err(e) = check_reload_domains(candidate, hosts.api_host, &at, spec) {
                 return Err((e, opened(&next)));
             }
-            // An unchanged pool stays as it is (its access policies' caches too).
-            if let Some(p) = previous.as_ref().filter(|p| p.spec == *spec) {
+            // An unchanged pool stays as it is (its access policies' caches too), unless its
+            // own upstream client must take new timeouts.
+            let keep = |p: &&Arc<PoolRuntime>| {
+                p.spec == *spec && !(hosts.timeouts_changed && p.client.is_some())
+            };
+            if let Some(p) = previous.as_ref().filter(keep) {
                 *candidate = candidate.with_pool(p.clone());
                 next.push(Next {
                     pool: p.clone(),
@@ -210,11 +236,17 @@ impl Pools {
                 updated_at: now,
             };
             let keys = keys_of.get(spec.name.as_str()).cloned().unwrap_or_default();
-            let pool =
-                match self.build_pool(&at, spec.clone(), provenance, &keys, previous.as_ref()) {
-                    Ok(p) => p,
-                    Err(e) => return Err((e, opened(&next))),
-                };
+            let pool = match self.build_pool_with(
+                &at,
+                spec.clone(),
+                provenance,
+                &keys,
+                previous.as_ref(),
+                hosts.timeouts,
+            ) {
+                Ok(p) => p,
+                Err(e) => return Err((e, opened(&next))),
+            };
             // A new pool's own listener is bound now, so a reload that cannot listen fails
             // whole (a kept pool keeps its listener: `check_reload` refused any change).
             let bound = match (&previous, spec.listen_addr(&format!("{at}.listen"))) {
@@ -250,27 +282,51 @@ impl Pools {
         }
         Ok(next)
     }
+}
 
-    /// A file pool's custom domains: not the API host, not another pool's.
-    fn check_reload_domains(
-        &self,
-        candidate: &Registry,
-        at: &str,
-        spec: &nthbouncer_config::PoolSpec,
-    ) -> Result<(), ConfigError> {
-        for (j, d) in spec.custom_domains.iter().enumerate() {
-            let d = d.to_ascii_lowercase();
-            let key = format!("{at}.custom_domains[{j}]");
-            if d == self.api_host {
-                return Err(ConfigError::new(key, format!("{d:?} is the API host")));
-            }
-            if let Some(owner) = candidate.domain_owner(&d, &spec.name) {
-                return Err(ConfigError::new(
-                    key,
-                    format!("{d:?} already belongs to pool {owner:?}"),
-                ));
-            }
+/// What the reload's `[server]` settings mean for building the pools.
+struct Hosts<'a> {
+    /// The API host to be, lowercased.
+    api_host: &'a str,
+    /// The upstream timeouts to be, and whether they differ from the running ones.
+    timeouts: ClientTimeouts,
+    timeouts_changed: bool,
+}
+
+/// A file pool's custom domains: not the API host to be, not another pool's.
+fn check_reload_domains(
+    candidate: &Registry,
+    api_host: &str,
+    at: &str,
+    spec: &nthbouncer_config::PoolSpec,
+) -> Result<(), ConfigError> {
+    for (j, d) in spec.custom_domains.iter().enumerate() {
+        let d = d.to_ascii_lowercase();
+        let key = format!("{at}.custom_domains[{j}]");
+        if d == api_host {
+            return Err(ConfigError::new(key, format!("{d:?} is the API host")));
         }
-        Ok(())
+        if let Some(owner) = candidate.domain_owner(&d, &spec.name) {
+            return Err(ConfigError::new(
+                key,
+                format!("{d:?} already belongs to pool {owner:?}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A new API host must not be a custom domain of a pool created through the admin API (the
+/// file's pools are checked against it one by one).
+fn check_api_host(registry: &Registry, api_host: &str) -> Result<(), ConfigError> {
+    match registry.domains.get(api_host) {
+        Some(pool) if pool.managed_by != ManagedBy::Config => Err(ConfigError::new(
+            "server.api_host",
+            format!(
+                "{api_host:?} is a custom domain of pool {:?} (created through the admin API)",
+                pool.name
+            ),
+        )),
+        _ => Ok(()),
     }
 }

@@ -35,14 +35,14 @@ use crate::core::request_id::RequestId;
 use crate::jobs::Jobs;
 use crate::pools::registry::PoolRuntime;
 use crate::upstream::prepare::{self, Consumed, Forwarded, Origin};
-use crate::upstream::{self, SlotBody, SlotGuard, UpstreamClient, UpstreamError};
+use crate::upstream::{self, SharedClient, SlotBody, SlotGuard, UpstreamError};
 
 pub use crate::core::admission::ASYNC_HEADER;
 
 /// What the proxy needs: the upstream client (also for JWKS), the trusted proxies, the access
 /// log, the clock, the jobs a request may be handed to, and the body bound.
 pub struct Proxy {
-    pub client: UpstreamClient,
+    pub client: Arc<SharedClient>,
     /// The live `[server]` settings: trusted proxies, the body bound, the body read budget.
     pub live: Arc<crate::core::live::LiveServer>,
     pub access_log: AccessLog,
@@ -320,7 +320,7 @@ async fn forward(mut call: Call<'_>, body: CallBody, grant: Grant) -> Response<B
     };
     let started = crate::core::time::now();
     let sent = upstream::exchange(
-        call.pool.client(&call.state.client),
+        &call.pool.client(&call.state.client),
         request,
         guard,
         deadline,

@@ -26,7 +26,6 @@ use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -38,7 +37,6 @@ use http::{header, HeaderValue, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use nthbouncer_config::ServerSpec;
 use nthbouncer_store::{AttemptApplied, AttemptRecord, DeliveryNext, DueDelivery, JobStore};
 use sha2::Sha256;
 use tokio::net::TcpStream;
@@ -46,12 +44,12 @@ use tokio::sync::mpsc;
 use tokio::task::{Id as TaskId, JoinSet};
 
 use crate::core::batch::{BatchConfig, Batcher, Commit};
+use crate::core::live::LiveServer;
 use crate::core::request_id;
 use crate::jobs::drain::Entered;
 use crate::jobs::JobView;
 use crate::jobs::Jobs;
 use crate::pools::Pools;
-use nthbouncer_config::ServerSpec as Settings;
 
 /// Retry delays after the first, second, … failed attempt of a round (SPEC §7): 5 s, 5 min,
 /// 30 min, 2 h, 5 h, 10 h, 10 h. After the last one the delivery has failed.
@@ -86,9 +84,9 @@ type HmacSha256 = Hmac<Sha256>;
 pub struct Webhooks {
     pub jobs: Arc<Jobs>,
     pub pools: Arc<Pools>,
-    pub server: Settings,
-    /// The live `[server]` settings (`allow_private_webhooks`, `max_destinations_per_pool`).
-    pub live: Arc<crate::core::live::LiveServer>,
+    /// The live `[server]` settings (`allow_private_webhooks`, `max_destinations_per_pool`,
+    /// `upstream_connect_timeout_ms`).
+    pub live: Arc<LiveServer>,
 }
 
 /// The HMAC key of a `whsec_` secret (the base64-decoded part after the prefix).
@@ -155,11 +153,11 @@ pub fn next_after_failure(
 
 /// A connector that resolves the destination itself and connects only to addresses that are
 /// not private (unless allowed): the check covers the address actually connected to.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct GuardedConnector {
-    /// `server.allow_private_webhooks`, as it is now (a reload changes it).
-    pub allow_private: Arc<AtomicBool>,
-    pub connect_timeout: Duration,
+    /// `server.allow_private_webhooks` and `server.upstream_connect_timeout_ms`, read at each
+    /// connection (a reload changes them).
+    pub live: Arc<LiveServer>,
 }
 
 /// A destination that resolves only to refused addresses.
@@ -174,7 +172,7 @@ pub struct PrivateAddress {
 
 impl GuardedConnector {
     fn allowed(&self, ip: &IpAddr) -> bool {
-        self.allow_private.load(Ordering::Relaxed) || !crate::core::netcheck::is_private(ip)
+        self.live.load().allow_private_webhooks || !crate::core::netcheck::is_private(ip)
     }
 
     async fn connect(self, uri: Uri) -> io::Result<TokioIo<TcpStream>> {
@@ -205,8 +203,9 @@ impl GuardedConnector {
             ));
         }
         let mut last = None;
+        let connect_timeout = self.live.load().upstream_connect_timeout;
         for addr in allowed {
-            match tokio::time::timeout(self.connect_timeout, TcpStream::connect(addr)).await {
+            match tokio::time::timeout(connect_timeout, TcpStream::connect(addr)).await {
                 Ok(Ok(stream)) => {
                     // Belt and braces: the peer we are connected to is the address we checked.
                     let peer = stream.peer_addr()?;
@@ -250,14 +249,8 @@ pub type WebhookClient = Client<hyper_rustls::HttpsConnector<GuardedConnector>, 
 
 /// The delivery client: HTTP/1.1 keep-alive, rustls, never follows redirects (hyper does not),
 /// through [`GuardedConnector`].
-pub fn build_client(
-    server: &ServerSpec,
-    allow_private: Arc<AtomicBool>,
-) -> Result<WebhookClient, String> {
-    let connector = GuardedConnector {
-        allow_private,
-        connect_timeout: Duration::from_millis(server.upstream_connect_timeout_ms),
-    };
+pub fn build_client(live: Arc<LiveServer>) -> Result<WebhookClient, String> {
+    let connector = GuardedConnector { live };
     let https = hyper_rustls::HttpsConnectorBuilder::new()
         .with_provider_and_webpki_roots(rustls::crypto::ring::default_provider())
         .map_err(|e| e.to_string())?
@@ -697,7 +690,7 @@ fn decrement(counts: &mut HashMap<String, usize>, key: &str) {
 /// `shutdown_grace_ms`, and any still running after it are abandoned: their deliveries stay
 /// pending and go out at the next start.
 pub async fn run_dispatcher(state: Arc<Webhooks>) {
-    let client = match build_client(&state.server, state.live.allow_private_webhooks()) {
+    let client = match build_client(state.live.clone()) {
         Ok(c) => Arc::new(c),
         Err(e) => {
             tracing::error!(error = %e, "cannot build the webhook client; webhooks are not sent");
@@ -855,10 +848,15 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let uri: Uri = format!("http://127.0.0.1:{port}/").parse().unwrap();
-        let guarded = GuardedConnector {
-            allow_private: Arc::new(AtomicBool::new(false)),
-            connect_timeout: Duration::from_secs(5),
+        let live = |allow_private_webhooks: bool| {
+            let server = nthbouncer_config::ServerSpec {
+                allow_private_webhooks,
+                ..Default::default()
+            };
+            let settings = crate::core::live::ServerSettings::of(&server, port).unwrap();
+            Arc::new(LiveServer::new(settings, port))
         };
+        let guarded = GuardedConnector { live: live(false) };
         let e = guarded.clone().connect(uri.clone()).await.unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::PermissionDenied);
         assert!(e.to_string().contains("refused"), "{e}");
@@ -866,10 +864,7 @@ mod tests {
         let by_name: Uri = format!("http://localhost:{port}/").parse().unwrap();
         let e = guarded.connect(by_name).await.unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::PermissionDenied);
-        let allowed = GuardedConnector {
-            allow_private: Arc::new(AtomicBool::new(true)),
-            connect_timeout: Duration::from_secs(5),
-        };
+        let allowed = GuardedConnector { live: live(true) };
         allowed.connect(uri).await.unwrap();
     }
 }

@@ -33,10 +33,11 @@ use crate::core::time;
 /// past this a new connection is closed at once, so refusing costs bounded descriptors too.
 pub(super) const REFUSING_AT_ONCE: usize = 64;
 
-/// The open connections, against `server.max_connections`.
+/// The open connections, against `server.max_connections` (given at each admission: a reload
+/// may change it; connections already open above a lowered one stay, and no new one is served
+/// until the count is under it).
 pub(super) struct Connections {
     open: AtomicUsize,
-    max: usize,
     refusing: AtomicUsize,
     /// Whether the last connection was refused: an overload is logged once, not per socket.
     overloaded: AtomicBool,
@@ -53,28 +54,25 @@ pub(super) enum Admission {
 }
 
 impl Connections {
-    pub(super) fn new(max_connections: u64) -> Arc<Self> {
+    pub(super) fn new() -> Arc<Self> {
         Arc::new(Connections {
             open: AtomicUsize::new(0),
-            max: usize::try_from(max_connections).unwrap_or(usize::MAX),
             refusing: AtomicUsize::new(0),
             overloaded: AtomicBool::new(false),
         })
     }
 
-    pub(super) fn admit(self: &Arc<Self>) -> Admission {
-        if let Some(counted) = self.take(&self.open, self.max, Kind::Open) {
+    pub(super) fn admit(self: &Arc<Self>, max_connections: u64) -> Admission {
+        let max = usize::try_from(max_connections).unwrap_or(usize::MAX);
+        if let Some(counted) = self.take(&self.open, max, Kind::Open) {
             if self.overloaded.swap(false, Ordering::Relaxed) {
-                tracing::info!(
-                    max = self.max,
-                    "connections back under server.max_connections"
-                );
+                tracing::info!(max, "connections back under server.max_connections");
             }
             return Admission::Serve(counted);
         }
         if !self.overloaded.swap(true, Ordering::Relaxed) {
             tracing::warn!(
-                max = self.max,
+                max,
                 "server.max_connections reached: refusing new connections with 503 overloaded"
             );
         }
@@ -379,24 +377,28 @@ mod tests {
 
     #[test]
     fn every_connection_counted_is_uncounted_when_dropped() {
-        let connections = Connections::new(2);
-        let (Admission::Serve(a), Admission::Serve(b)) = (connections.admit(), connections.admit())
+        let connections = Connections::new();
+        let (Admission::Serve(a), Admission::Serve(b)) =
+            (connections.admit(2), connections.admit(2))
         else {
             panic!("two connections fit under a limit of two");
         };
         let mut refused = Vec::new();
         for _ in 0..REFUSING_AT_ONCE {
-            match connections.admit() {
+            match connections.admit(2) {
                 Admission::Refuse(c) => refused.push(c),
                 _ => panic!("past the limit a connection is refused"),
             }
         }
-        assert!(matches!(connections.admit(), Admission::Close));
+        assert!(matches!(connections.admit(2), Admission::Close));
         drop(refused.pop());
-        assert!(matches!(connections.admit(), Admission::Refuse(_)));
+        assert!(matches!(connections.admit(2), Admission::Refuse(_)));
         drop(a);
         assert_eq!(connections.open(), 1);
-        assert!(matches!(connections.admit(), Admission::Serve(_)));
+        assert!(matches!(connections.admit(2), Admission::Serve(_)));
+        // A limit lowered under the open count serves nobody new; raised, it serves again.
+        assert!(matches!(connections.admit(1), Admission::Refuse(_)));
+        assert!(matches!(connections.admit(3), Admission::Serve(_)));
         drop(b);
         assert_eq!(connections.open(), 0);
     }
