@@ -103,3 +103,54 @@ async fn the_binary_refuses_connections_past_its_limit_and_closes_silent_ones() 
     let sent = until_closed(&mut silent, "a silent connection to be closed").await;
     assert_eq!(sent, "");
 }
+
+/// A reload changes the connection bounds for the connections accepted after it (issue #21):
+/// a lower `max_connections` refuses the next connection while those already open above it
+/// are still served; a lower header timeout closes the next silent socket, and a lower idle
+/// timeout the next idle keep-alive connection. Started with bounds no test would outwait
+/// (10 minutes), so each close seen here is the reloaded bound's.
+#[tokio::test]
+async fn a_reload_applies_connection_bounds_to_the_next_connection() {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+    let long = "header_read_timeout_ms = 600000\nidle_timeout_ms = 600000\n";
+    let server = Server::start(BIN, "warn", client, long).await;
+    let port = server.port;
+    let mut kept = vec![kept_alive(port).await, kept_alive(port).await];
+
+    server.rewrite_config(
+        "header_read_timeout_ms = 300\nidle_timeout_ms = 300\nmax_connections = 1\n",
+    );
+    let (status, body) = server.reload().await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["restartPending"], serde_json::json!([]), "{body}");
+
+    // Two open, one allowed: the next connection is refused.
+    let mut extra = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    extra.write_all(HEALTHZ).await.unwrap();
+    let answer = until_closed(&mut extra, "the refused connection to be closed").await;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(answer.contains(r#""error":"overloaded""#), "{answer}");
+    // Those already open are still served (and keep the idle timeout they were accepted with).
+    for s in &mut kept {
+        s.write_all(HEALTHZ).await.unwrap();
+        let again = bounded(
+            "an answer on a connection kept across the reload",
+            read_response(s),
+        )
+        .await;
+        assert!(again.starts_with("HTTP/1.1 200"), "{again}");
+    }
+
+    // Under the limit again, a new connection is served, and closed once idle.
+    drop(kept);
+    let mut idle = kept_alive(port).await;
+    let sent = until_closed(&mut idle, "an idle connection to be closed").await;
+    assert_eq!(sent, "", "nothing is sent on an idle connection's close");
+    // A socket that never sends a byte is closed by the new header timeout.
+    let mut silent = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    let sent = until_closed(&mut silent, "a silent connection to be closed").await;
+    assert_eq!(sent, "");
+}

@@ -237,8 +237,8 @@ async fn an_invalid_file_changes_nothing_and_names_the_key() {
     assert_eq!(r.status(), 401);
 }
 
-/// `listen` (the server's or a pool's own) needs a restart: a reload that changes it is refused
-/// with that reason and changes nothing else in the file either.
+/// `listen` (the server's or a pool's own) and `coordination` need a restart: a reload that
+/// changes one is refused with that reason and changes nothing else in the file either.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_that_changes_listen_is_refused() {
     let up = Upstream::start().await;
@@ -265,6 +265,32 @@ async fn a_reload_that_changes_listen_is_refused() {
     assert_eq!(status, 400, "{body}");
     assert_eq!(body["field"], "pools[0].listen", "{body}");
     assert_eq!(state(&server, "p").await["configuredLimit"], 3);
+
+    // The coordination owns the pools' shared state: the same refusal, and nothing else of
+    // the file (a live key beside it) applies either.
+    let redis = "coordination = \"redis://127.0.0.1:6379/0\"\nmax_body_bytes = 1\n";
+    server.rewrite_config(&format!("{redis}{}", pool(5)));
+    let (status, body) = server.reload().await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["field"], "server.coordination", "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("needs a restart")),
+        "{body}"
+    );
+    assert_eq!(state(&server, "p").await["configuredLimit"], 3);
+    let r = server
+        .pool("p", Method::POST, "/echo")
+        .body("xy")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.status(),
+        200,
+        "max_body_bytes changed with a refused reload"
+    );
 }
 
 /// SIGHUP reloads like the route. A lease held across it renews, and what the pool learned (a
@@ -335,8 +361,9 @@ async fn sighup_reloads_and_leases_and_learned_limits_survive() {
 }
 
 /// The `[server]` settings that own no socket apply to the next request: a new admin token
-/// (the old one is refused at once) and a lower body bound. A change read only at start is
-/// accepted and listed as pending a restart.
+/// (the old one is refused at once) and a lower body bound; a live key (`idle_timeout_ms`) is
+/// not pending. A change of the Redis coordination's settings, read only when it is opened,
+/// is accepted and listed as pending a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_settings_apply_to_the_next_request() {
     let up = Upstream::start().await;
@@ -350,13 +377,15 @@ async fn server_settings_apply_to_the_next_request() {
     assert_eq!(post_echo(4096).send().await.unwrap().status(), 200);
 
     let token = "a-new-admin-token-0123456789";
-    let rest = format!("max_body_bytes = 1024\nidle_timeout_ms = 30000\n{pool}");
+    let rest = format!(
+        "max_body_bytes = 1024\nidle_timeout_ms = 30000\ncoordination_prefix = \"other\"\n{pool}"
+    );
     server.rewrite_config_with_token(token, &rest);
     let (status, body) = server.reload().await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(
         body["restartPending"],
-        json!(["server.idle_timeout_ms"]),
+        json!(["server.coordination_prefix"]),
         "{body}"
     );
     let admin = |token: &str| {
@@ -438,4 +467,183 @@ async fn webhook_destinations_follow_the_file() {
     let (status, body) = server.reload().await;
     assert_eq!(status, 200, "{body}");
     assert!(urls().await.is_empty());
+}
+
+/// `POST /admin/reload` on the API host named `host`.
+async fn reload_at(server: &Server, host: &str) -> (u16, Value) {
+    let r = server
+        .client
+        .post(server.url("/admin/reload"))
+        .header("host", host)
+        .bearer_auth(nthbouncer_testkit::ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.json().await.unwrap())
+}
+
+/// `api_host`, `pool_domain` and `public_url` apply to the next request: the API and the pool
+/// answer on the new names only, and the next job's `pollUrl` is built on the new base (the
+/// API host's, then the public URL once one is set).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_names_and_public_url_apply_to_the_next_request() {
+    use nthbouncer_testkit::{webhook_toml, KEY};
+    let up = Upstream::start().await;
+    let pool = pool_toml("p", &up.url(), "limit = 4")
+        + "[pools.async]\nenabled = true\n"
+        + &webhook_toml("http://127.0.0.1:9/hook");
+    let server = Server::start(BIN, "warn", reqwest::Client::new(), &pool).await;
+    let port = server.port;
+    let get = |host: &str, path: &str| {
+        server
+            .client
+            .get(server.url(path))
+            .header("host", host)
+            .header("x-nthpool-key", KEY)
+    };
+    let poll_url = async |host: &str| -> String {
+        let r = server
+            .client
+            .post(server.url("/work"))
+            .header("host", host)
+            .header("x-nthpool-key", KEY)
+            .header("x-nthpool-async", "1")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 202);
+        let accepted: Value = r.json().await.unwrap();
+        accepted["pollUrl"].as_str().unwrap().to_string()
+    };
+    let first = poll_url("p.localhost").await;
+    let base = format!("http://api.localhost:{port}/pools/p/jobs/job_");
+    assert!(first.starts_with(&base), "{first}");
+
+    let names = "api_host = \"gw.test\"\npool_domain = \"pools.test\"\n";
+    server.rewrite_config(&format!("{names}{pool}"));
+    let (status, body) = server.reload().await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["restartPending"], json!([]), "{body}");
+    // The old names are nobody's now; the new ones serve.
+    let status = async |host: &str, path: &str| get(host, path).send().await.unwrap().status();
+    assert_eq!(status("api.localhost", "/healthz").await, 404);
+    assert_eq!(status("gw.test", "/healthz").await, 200);
+    assert_eq!(status("p.localhost", "/echo").await, 404);
+    assert_eq!(status("p.pools.test", "/echo").await, 200);
+    let second = poll_url("p.pools.test").await;
+    let base = format!("http://gw.test:{port}/pools/p/jobs/job_");
+    assert!(second.starts_with(&base), "{second}");
+    // The job is polled on the new API host.
+    let path = second.trim_start_matches(&format!("http://gw.test:{port}"));
+    assert_eq!(status("gw.test", path).await, 200);
+
+    let public = "public_url = \"https://jobs.example.com\"\n";
+    server.rewrite_config(&format!("{names}{public}{pool}"));
+    let (code, body) = reload_at(&server, "gw.test").await;
+    assert_eq!(code, 200, "{body}");
+    let third = poll_url("p.pools.test").await;
+    assert!(
+        third.starts_with("https://jobs.example.com/pools/p/jobs/job_"),
+        "{third}"
+    );
+}
+
+/// A listener that accepts no more connections: its accept queue is full, so a new
+/// connection's SYN is dropped and its connect hangs until the connecting side gives up. The
+/// sockets filling the queue are returned with it.
+async fn blackhole() -> (tokio::net::TcpListener, Vec<std::net::TcpStream>) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(0).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut filling = Vec::new();
+    for _ in 0..16 {
+        match std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(300)) {
+            Ok(s) => filling.push(s),
+            Err(_) => return (listener, filling),
+        }
+    }
+    panic!("the accept queue of {addr} never filled");
+}
+
+/// The upstream timeouts apply to the next upstream call: with a connect timeout longer than
+/// the pool's request timeout, a call to an origin that never accepts ends at the request
+/// deadline (`504 upstream_timeout`); after a reload that shortens the connect timeout, the
+/// next call gives up connecting first (`502 upstream_unreachable`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_timeout_change_applies_to_the_next_call() {
+    let (hole, _filling) = blackhole().await;
+    let origin = format!("http://{}", hole.local_addr().unwrap());
+    let pool = pool_toml("p", &origin, "limit = 4\nrequest_timeout_ms = 1500");
+    let slow = format!("upstream_connect_timeout_ms = 600000\n{pool}");
+    let server = Server::start(BIN, "warn", reqwest::Client::new(), &slow).await;
+    let call = async || -> (u16, Value) {
+        let r = server.pool_get("p", "/echo").send().await.unwrap();
+        (r.status().as_u16(), r.json().await.unwrap())
+    };
+    let (status, body) = call().await;
+    assert_eq!(
+        (status, &body["error"]),
+        (504, &json!("upstream_timeout")),
+        "{body}"
+    );
+
+    server.rewrite_config(&format!("upstream_connect_timeout_ms = 100\n{pool}"));
+    let (status, body) = server.reload().await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["pools"]["unchanged"], json!(["p"]), "{body}");
+    let (status, body) = call().await;
+    assert_eq!(
+        (status, &body["error"]),
+        (502, &json!("upstream_unreachable")),
+        "{body}"
+    );
+}
+
+/// `access_log_keep` applies at the next trim, and `shutdown_grace_ms` at the shutdown: a pool's
+/// log is cut to the new bound, and with a call held by the origin a SIGTERM ends the process
+/// after the new grace (it started with ten minutes, which no test would outwait).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn access_log_keep_and_shutdown_grace_apply_after_a_reload() {
+    let up = Upstream::start().await;
+    let pool = pool_toml("p", &up.url(), "limit = 4");
+    let start = format!("shutdown_grace_ms = 600000\n{pool}");
+    let mut server = Server::start(BIN, "warn", reqwest::Client::new(), &start).await;
+    server.rewrite_config(&format!(
+        "shutdown_grace_ms = 200\naccess_log_keep = 5\n{pool}"
+    ));
+    let (status, body) = server.reload().await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["restartPending"], json!([]), "{body}");
+
+    // A pool's log is trimmed once 100 rows were added since the last trim (with a bound
+    // this low): the 100th call's row makes one.
+    for _ in 0..100 {
+        let r = server.pool_get("p", "/echo").send().await.unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let mut rows = usize::MAX;
+    let trimmed = wait_until(1000, Duration::from_millis(20), async || {
+        let log = server
+            .admin_json("/admin/pools/p/access-log?limit=200")
+            .await;
+        rows = log["items"].as_array().map_or(usize::MAX, Vec::len);
+        rows <= 5
+    })
+    .await;
+    assert!(
+        trimmed,
+        "the access log kept {rows} rows past access_log_keep = 5"
+    );
+
+    let held = {
+        let req = server.pool_get("p", "/hold");
+        tokio::spawn(async move { req.send().await.map(|r| r.status().as_u16()) })
+    };
+    wait_upstream_in_flight(&up, 1).await;
+    server.sigterm();
+    let exited = server.exited().await;
+    assert!(exited.success(), "{exited:?}");
+    // The held call ends with the process, whatever its answer.
+    let _ = nthbouncer_testkit::bounded("the held call to end", held).await;
 }
