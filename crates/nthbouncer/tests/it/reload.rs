@@ -484,7 +484,8 @@ async fn reload_at(server: &Server, host: &str) -> (u16, Value) {
 
 /// `api_host`, `pool_domain` and `public_url` apply to the next request: the API and the pool
 /// answer on the new names only, and the next job's `pollUrl` is built on the new base (the
-/// API host's, then the public URL once one is set).
+/// API host's, then the public URL once one is set). A new API host that an admin-API pool
+/// already answers to is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn host_names_and_public_url_apply_to_the_next_request() {
     use nthbouncer_testkit::{webhook_toml, KEY};
@@ -518,6 +519,31 @@ async fn host_names_and_public_url_apply_to_the_next_request() {
     let first = poll_url("p.localhost").await;
     let base = format!("http://api.localhost:{port}/pools/p/jobs/job_");
     assert!(first.starts_with(&base), "{first}");
+
+    // A name a pool created through the admin API answers to cannot become the API host.
+    let api_pool = json!({"name": "q", "upstream": up.url(), "custom_domains": ["q.example.test"]});
+    let r = server
+        .client
+        .post(server.url("/admin/pools"))
+        .header("host", "api.localhost")
+        .bearer_auth(nthbouncer_testkit::ADMIN_TOKEN)
+        .json(&api_pool)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    server.rewrite_config(&format!("api_host = \"q.example.test\"\n{pool}"));
+    let (status, body) = server.reload().await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["field"], "server.api_host", "{body}");
+    assert_eq!(
+        get("api.localhost", "/healthz")
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
 
     let names = "api_host = \"gw.test\"\npool_domain = \"pools.test\"\n";
     server.rewrite_config(&format!("{names}{pool}"));
