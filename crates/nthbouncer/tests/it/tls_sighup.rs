@@ -119,3 +119,84 @@ async fn sighup_rotates_certificates_without_dropping_a_stream_or_a_lock() {
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("\"released\":true"), "{body}");
 }
+
+/// A reload refused after its certificate files were read changes nothing, the certificates
+/// included: they are served only once the whole file applied (issue #21). Here a new pool's
+/// own listener cannot bind, which only the reload's last step finds.
+#[tokio::test]
+async fn a_refused_reload_leaves_the_certificates_as_they_were() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (old_ca, new_ca) = (Ca::new("old root"), Ca::new("new root"));
+    let names = ["p.localhost", "api.localhost"];
+    let (cert, key) = write_leaf(dir.path(), "server", &old_ca.server(&names));
+    let port = free_port();
+    let head = format!(
+        "{}admin_token = \"{ADMIN_TOKEN}\"\n[server.tls]\ncert_file = \"{cert}\"\nkey_file = \"{key}\"\n",
+        server_toml(port, dir.path()),
+    );
+    let pool = pool_toml("p", &up.url(), "limit = 4");
+    let config = write_config(dir.path(), &format!("{head}{pool}"));
+    let proc = spawn(
+        BIN,
+        &["serve", "--config", config.to_str().unwrap()],
+        Some("warn"),
+    );
+    let serves = async |roots: &[&str]| {
+        let fresh = client(roots, None, Alpn::Http1, None);
+        matches!(
+            get(&fresh, "api.localhost", port, "/healthz").await,
+            Ok((200, _, _))
+        )
+    };
+    let (old_pem, new_pem) = (old_ca.pem(), new_ca.pem());
+    eventually("the server up over TLS", async || {
+        serves(&[&old_pem]).await.then_some(())
+    })
+    .await;
+    let either = client(&[&old_pem, &new_pem], None, Alpn::Http1, None);
+    let reloads = async |result: &str| -> Option<f64> {
+        let (_, _, text) = get(&either, "api.localhost", port, "/metrics").await.ok()?;
+        let name = format!("nthbouncer_config_reloads_total{{result=\"{result}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&name)?.trim().parse().ok())
+    };
+    let hup = || {
+        let pid = proc.0.id().to_string();
+        let sent = std::process::Command::new("kill")
+            .args(["-HUP", &pid])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+    };
+
+    // New certificates on disk, and a pool whose own address is taken.
+    write_leaf(dir.path(), "server", &new_ca.server(&names));
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = format!("listen = \"{}\"\nkeys = ", busy.local_addr().unwrap());
+    let bad = pool_toml("q", &up.url(), "limit = 1").replacen("keys = ", &taken, 1);
+    write_config(dir.path(), &format!("{head}{pool}{bad}"));
+    hup();
+    eventually("the reload refused", async || {
+        reloads("refused").await.map(drop)
+    })
+    .await;
+    assert!(
+        serves(&[&old_pem]).await,
+        "a refused reload changed the certificate"
+    );
+    assert!(!serves(&[&new_pem]).await);
+
+    // The same certificates with a file that applies: served from then on.
+    write_config(dir.path(), &format!("{head}{pool}"));
+    hup();
+    eventually("the reload applied", async || {
+        reloads("applied").await.map(drop)
+    })
+    .await;
+    assert!(
+        serves(&[&new_pem]).await,
+        "an applied reload kept the old certificate"
+    );
+    assert!(!serves(&[&old_pem]).await);
+}

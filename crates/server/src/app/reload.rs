@@ -31,6 +31,7 @@ use crate::app::state::AppState;
 use crate::core::error::ApiError;
 use crate::core::live::ServerSettings;
 use crate::pools::reload::PoolChanges;
+use crate::tls::ListenerTls;
 use crate::upstream::ClientTimeouts;
 
 /// Where the configuration comes from and what was last applied. One reload at a time.
@@ -184,22 +185,26 @@ async fn reload_inner(state: &AppState) -> Result<Reloaded, ConfigError> {
         .upstream
         .prepare(timeouts)
         .map_err(|e| ConfigError::new("server.upstream_connect_timeout_ms", e))?;
-    // The certificate files are read again (rotated ones included) before anything else
-    // changes: a file that does not read refuses the whole reload.
-    match (&state.tls, &config.server.tls) {
-        (Some(tls), Some(spec)) => tls.use_spec(spec)?,
-        (None, None) => {}
+    // The certificate files are read again (rotated ones included) before anything changes:
+    // a file that does not read refuses the whole reload. They are served once the rest
+    // applied.
+    let certs = match (&state.tls, &config.server.tls) {
+        (Some(tls), Some(spec)) => Some((tls, ListenerTls::prepare(spec)?)),
+        (None, None) => None,
         _ => {
             return Err(ConfigError::new(
                 "server.tls",
                 "turning TLS on or off needs a restart (the running server keeps its listeners as they are)",
             ))
         }
-    }
+    };
     // The pools and the live settings, published together.
     let pools = state.pools.apply_config(&config, settings).await?;
     if let Some(client) = client {
         state.upstream.install(timeouts, client);
+    }
+    if let Some((tls, certs)) = certs {
+        tls.install(certs);
     }
     let restart_pending = pending_restart(&source.applied.server, &config.server);
     let mut applied = config;

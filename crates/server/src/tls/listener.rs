@@ -86,11 +86,9 @@ impl ListenerTls {
     /// names); kept for later reloads only if every file reads. Turning TLS on or off needs a
     /// restart.
     pub fn use_spec(&self, spec: &ServerTlsSpec) -> Result<(), ConfigError> {
-        match CertSet::load(spec) {
-            Ok(set) => {
-                self.certs.store(Arc::new(set));
-                *self.spec.lock() = spec.clone();
-                tracing::info!("TLS certificates reloaded");
+        match ListenerTls::prepare(spec) {
+            Ok(prepared) => {
+                self.install(prepared);
                 Ok(())
             }
             Err(e) => {
@@ -100,9 +98,32 @@ impl ListenerTls {
         }
     }
 
+    /// Reads `spec`'s certificate and key files without serving them yet: a configuration
+    /// reload reads them before anything changes and installs them only once the rest of the
+    /// file applied ([`ListenerTls::install`]).
+    pub fn prepare(spec: &ServerTlsSpec) -> Result<PreparedCerts, ConfigError> {
+        Ok(PreparedCerts {
+            set: CertSet::load(spec)?,
+            spec: spec.clone(),
+        })
+    }
+
+    /// Serves `prepared` to the handshakes from now on, and keeps its spec for later reloads.
+    pub fn install(&self, prepared: PreparedCerts) {
+        self.certs.store(Arc::new(prepared.set));
+        *self.spec.lock() = prepared.spec;
+        tracing::info!("TLS certificates reloaded");
+    }
+
     pub fn acceptor(&self) -> &TlsAcceptor {
         &self.acceptor
     }
+}
+
+/// Certificates read by [`ListenerTls::prepare`], not served yet.
+pub struct PreparedCerts {
+    set: CertSet,
+    spec: ServerTlsSpec,
 }
 
 /// The certificates served: by exact name, by wildcard (`*.example.com` → `example.com`), and

@@ -17,7 +17,7 @@ use nthbouncer_config::{ConfigError, UpstreamTlsSpec};
 use rustls::crypto::CryptoProvider;
 use rustls_pki_types::{CertificateDer, ServerName};
 
-pub use listener::ListenerTls;
+pub use listener::{ListenerTls, PreparedCerts};
 pub use mtls::{CertIdentity, MtlsFailure, MtlsPolicy};
 
 /// The one crypto provider.
