@@ -34,6 +34,14 @@ pub struct Leaf {
     pub key: String,
 }
 
+/// A server certificate whose key is RSA (2048 bits), with that one key written both ways a
+/// PEM file holds it: PKCS#8 (`BEGIN PRIVATE KEY`) and PKCS#1 (`BEGIN RSA PRIVATE KEY`).
+pub struct RsaLeaf {
+    pub cert: String,
+    pub pkcs8: String,
+    pub pkcs1: String,
+}
+
 impl Ca {
     pub fn new(name: &str) -> Ca {
         let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
@@ -58,6 +66,28 @@ impl Ca {
         Leaf {
             cert: cert.pem(),
             key: key.serialize_pem(),
+        }
+    }
+
+    /// A server certificate for `names` on a fresh RSA key. The key is made by the `rsa` crate
+    /// (rcgen on ring cannot generate RSA keys, only sign with them); 2048 bits, the least
+    /// webpki accepts. CPU-heavy (a second or more in a debug build): call it off the runtime.
+    pub fn server_rsa(&self, names: &[&str]) -> RsaLeaf {
+        use rsa::pkcs1::EncodeRsaPrivateKey;
+        use rsa::pkcs8::{EncodePrivateKey, LineEnding};
+        let rsa = rsa::RsaPrivateKey::new(&mut rand::rngs::OsRng, 2048).unwrap();
+        let pkcs8 = rsa.to_pkcs8_pem(LineEnding::LF).unwrap().to_string();
+        let pkcs1 = rsa.to_pkcs1_pem(LineEnding::LF).unwrap().to_string();
+        let key = KeyPair::from_pkcs8_pem_and_sign_algo(&pkcs8, &rcgen::PKCS_RSA_SHA256).unwrap();
+        let mut p = CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+            .unwrap();
+        p.distinguished_name.push(DnType::CommonName, names[0]);
+        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        let cert = p.signed_by(&key, &self.cert, &self.key).unwrap();
+        RsaLeaf {
+            cert: cert.pem(),
+            pkcs8,
+            pkcs1,
         }
     }
 

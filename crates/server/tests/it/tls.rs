@@ -1,8 +1,8 @@
 //! TLS (SPEC §12) end to end over loopback, with certificates made at test time (rcgen): HTTPS
 //! and HTTP/2 on the listener, certificates by SNI, TLS 1.1 refused, certificates swapped by a
-//! reload while a connection stays open, client certificates as a pool's access policy (and
-//! the `421` that keeps a connection opened for one host from being reused for such a pool),
-//! and an origin behind a private CA reached with `[pools.upstream_tls]`.
+//! reload while a connection stays open, RSA keys (PKCS#8 and PKCS#1), client certificates as a
+//! pool's access policy (and the `421` that keeps a connection opened for one host from being
+//! reused for such a pool), and an origin behind a private CA reached with `[pools.upstream_tls]`.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -438,6 +438,57 @@ async fn mtls_pools_take_only_the_right_client_certificates() {
     assert!(
         has("client certificate subject=\"CN=worker-1\""),
         "{reasons:?}"
+    );
+}
+
+/// RSA keys serve as well as EC ones, in both PEM forms a key file comes in: PKCS#8 and the
+/// older PKCS#1 (`BEGIN RSA PRIVATE KEY`, what `openssl genrsa -traditional` and many CAs'
+/// tooling write). The client trusts only the CA that issued the RSA certificate, so a
+/// completed handshake means that certificate was served and its key signed the handshake.
+#[tokio::test]
+async fn rsa_keys_serve_as_pkcs8_and_as_pkcs1() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    // RSA key generation is seconds of CPU in a debug build: off the runtime's threads.
+    let (ca, leaf) = tokio::task::spawn_blocking(|| {
+        let ca = Ca::new("rsa root");
+        let leaf = ca.server_rsa(&["p.localhost", "api.localhost"]);
+        (ca, leaf)
+    })
+    .await
+    .unwrap();
+    assert!(leaf.pkcs8.starts_with("-----BEGIN PRIVATE KEY-----"));
+    assert!(leaf.pkcs1.starts_with("-----BEGIN RSA PRIVATE KEY-----"));
+    let cert = write(dir.path(), "rsa.crt", &leaf.cert)
+        .display()
+        .to_string();
+    let pem = ca.pem();
+    for (form, key) in [("pkcs8", &leaf.pkcs8), ("pkcs1", &leaf.pkcs1)] {
+        let key = write(dir.path(), &format!("rsa-{form}.key"), key)
+            .display()
+            .to_string();
+        let toml = format!("[server.tls]\ncert_file = \"{cert}\"\nkey_file = \"{key}\"\n")
+            + &pool_toml("p", &up.url(), "limit = 2");
+        let gw = gateway(&toml).await;
+        for (alpn, version) in [
+            (Alpn::Http1, http::Version::HTTP_11),
+            (Alpn::H2, http::Version::HTTP_2),
+        ] {
+            let (status, got, _) = get(
+                &client(&[&pem], None, alpn, None),
+                "p.localhost",
+                port(&gw),
+                &format!("/v1/{form}"),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{form} key, {version:?}: {e}"));
+            assert_eq!((status, got), (200, version), "{form} key");
+        }
+    }
+    assert_eq!(
+        up.total(),
+        4,
+        "two requests per key form reached the upstream"
     );
 }
 
