@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::wait::wait_until;
+use crate::wait::{poll, wait_until};
 use crate::{ADMIN_TOKEN, API_HOST, KEY};
 
 /// Kills (and reaps) the child when the test ends, whatever happens.
@@ -312,5 +312,25 @@ impl Server {
             .await
             .unwrap();
         (r.status().as_u16(), r.json().await.unwrap())
+    }
+
+    /// Waits (bounded, 30 s a job) until every job in `ids` has completed with `body` as its
+    /// result; a job that is lost (not 200), fails or expires fails the test.
+    pub async fn wait_completed(&self, pool: &str, ids: &[String], body: &str) {
+        for id in ids {
+            let finished = poll(3000, Duration::from_millis(10), async || {
+                let (status, v) = self.job(pool, id).await;
+                assert_eq!(status, 200, "job {id} was lost");
+                if v["status"] == "completed" {
+                    assert_eq!(v["result"]["body"], body);
+                    return Some(());
+                }
+                assert!(v["status"] != "failed" && v["status"] != "expired", "{v}");
+                None
+            })
+            .await
+            .is_some();
+            assert!(finished, "job {id} never completed");
+        }
     }
 }

@@ -3,57 +3,20 @@
 //! served, and a socket that never sends a byte is closed. Raw loopback sockets; no timings.
 
 use nthbouncer_testkit::binary::Server;
+use nthbouncer_testkit::raw::{
+    assert_refused_overloaded, closed_by_server, connect_and_send, read_response, HEALTHZ,
+};
 use nthbouncer_testkit::{bounded, eventually};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 use crate::BIN;
-
-const HEALTHZ: &[u8] = b"GET /healthz HTTP/1.1\r\nHost: api.localhost\r\n\r\n";
-
-/// Reads one HTTP/1 response with a `Content-Length` body, leaving the connection open.
-async fn read_response(s: &mut TcpStream) -> String {
-    let mut out = Vec::new();
-    let mut buf = [0u8; 4096];
-    loop {
-        let n = s.read(&mut buf).await.unwrap();
-        assert!(
-            n > 0,
-            "closed mid-response: {}",
-            String::from_utf8_lossy(&out)
-        );
-        out.extend_from_slice(&buf[..n]);
-        let text = String::from_utf8_lossy(&out).into_owned();
-        let Some((head, body)) = text.split_once("\r\n\r\n") else {
-            continue;
-        };
-        let length = head
-            .lines()
-            .find_map(|l| {
-                let (name, value) = l.split_once(':')?;
-                name.eq_ignore_ascii_case("content-length")
-                    .then(|| value.trim().parse::<usize>().ok())?
-            })
-            .unwrap_or(0);
-        if body.len() >= length {
-            return text;
-        }
-    }
-}
-
-/// Reads (bounded) until the server closes the connection; what it sent.
-async fn until_closed(s: &mut TcpStream, what: &str) -> String {
-    let mut out = Vec::new();
-    bounded(what, s.read_to_end(&mut out)).await.ok();
-    String::from_utf8_lossy(&out).into_owned()
-}
 
 /// A connection that made one request and stays open (keep-alive). Retried while refused: the
 /// readiness checks' connections may not all be closed yet.
 async fn kept_alive(port: u16) -> TcpStream {
     eventually("a kept-alive connection", async || {
-        let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
-        s.write_all(HEALTHZ).await.unwrap();
+        let mut s = connect_and_send(("127.0.0.1", port), HEALTHZ).await;
         let answer = bounded("a /healthz answer", read_response(&mut s)).await;
         answer.starts_with("HTTP/1.1 200").then_some(s)
     })
@@ -80,13 +43,8 @@ async fn the_binary_refuses_connections_past_its_limit_and_closes_silent_ones() 
         kept.push(kept_alive(port).await);
     }
 
-    let mut extra = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
-    extra.write_all(HEALTHZ).await.unwrap();
-    let answer = until_closed(&mut extra, "the refused connection to be closed").await;
-    let lower = answer.to_ascii_lowercase();
-    assert!(lower.starts_with("http/1.1 503"), "{answer}");
-    assert!(lower.contains("connection: close"), "{answer}");
-    assert!(answer.contains(r#""error":"overloaded""#), "{answer}");
+    let mut extra = connect_and_send(("127.0.0.1", port), HEALTHZ).await;
+    assert_refused_overloaded(&closed_by_server(&mut extra, "the refused one to be closed").await);
 
     // The connections it has are still answered.
     let first = &mut kept[0];
@@ -100,7 +58,7 @@ async fn the_binary_refuses_connections_past_its_limit_and_closes_silent_ones() 
 
     // A socket that never sends a byte is closed (served or refused, it gets nothing).
     let mut silent = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
-    let sent = until_closed(&mut silent, "a silent connection to be closed").await;
+    let sent = closed_by_server(&mut silent, "a silent connection to be closed").await;
     assert_eq!(sent, "");
 }
 

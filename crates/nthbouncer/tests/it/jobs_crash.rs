@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nthbouncer_testkit::binary::Server;
-use nthbouncer_testkit::{header, ok, poll, pool_toml, serve_http, wait_until, webhook_toml};
+use nthbouncer_testkit::{header, ok, pool_toml, serve_http, wait_until, webhook_toml};
 
 use crate::BIN;
 
@@ -64,21 +64,7 @@ async fn accepted_jobs_survive_kill_9() {
     );
 
     server.restart().await;
-    for id in &ids {
-        let finished = poll(3000, Duration::from_millis(10), async || {
-            let (status, v) = server.job("p", id).await;
-            assert_eq!(status, 200, "job {id} was lost");
-            if v["status"] == "completed" {
-                assert_eq!(v["result"]["body"], "done");
-                return Some(());
-            }
-            assert!(v["status"] != "failed" && v["status"] != "expired", "{v}");
-            None
-        })
-        .await
-        .is_some();
-        assert!(finished, "job {id} never completed");
-    }
+    server.wait_completed("p", &ids, "done").await;
 
     let seen = seen.lock().unwrap().clone();
     let mut counts: HashMap<&str, usize> = HashMap::new();

@@ -15,8 +15,9 @@ use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Empty};
 use hyper::client::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use nthbouncer_testkit::raw::*;
 use nthbouncer_testkit::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::task::JoinHandle;
 
@@ -32,23 +33,6 @@ async fn gateway_with_server(server: &str, up: &Upstream) -> Gateway {
         pool_toml("p", &up.url(), "limit = 8")
     );
     gateway(&toml).await
-}
-
-/// Reads until the server closes the connection (a reset counts as closed); what it sent.
-/// Bounded: a server that keeps the connection open fails the test naming `what`.
-async fn closed_by_server(s: &mut TcpStream, what: &str) -> String {
-    let mut out = Vec::new();
-    let mut buf = [0u8; 4096];
-    bounded(what, async {
-        loop {
-            match s.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => out.extend_from_slice(&buf[..n]),
-            }
-        }
-    })
-    .await;
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// An HTTP/1.1 client connection: its sender and the task driving it, which ends when the
@@ -117,14 +101,17 @@ async fn h2_get(
     .await
 }
 
+/// Waits (bounded) until a client connection's driving task ends: the server closed it.
+async fn closes(what: &str, conn: JoinHandle<()>) {
+    bounded(what, conn).await.unwrap();
+}
+
 /// Waits (bounded) until a fresh HTTP/1 connection that made one request is closed by the
 /// server as idle: proof that `idle_timeout_ms` has passed since this call.
 async fn idle_timeout_passes(addr: SocketAddr) {
     let (mut s, conn) = h1(addr).await;
     assert_eq!(h1_get(&mut s, API_HOST, "/healthz").await.status(), 200);
-    bounded("the witness idle connection to be closed", conn)
-        .await
-        .unwrap();
+    closes("the witness idle connection to be closed", conn).await;
 }
 
 /// A silent socket is closed: before the fix, hyper-util's HTTP/1-or-2 sniff waited for the
@@ -155,10 +142,7 @@ async fn half_a_request_head_is_closed() {
     s.write_all(&H2_PREFACE[..10]).await.unwrap();
     closed_by_server(&mut s, "half an HTTP/2 preface to be closed").await;
 
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: api.localhost\r\n\r\n")
-        .await
-        .unwrap();
+    let mut s = connect_and_send(addr, HEALTHZ).await;
     let first = bounded("the first answer", read_response(&mut s)).await;
     assert!(first.starts_with("HTTP/1.1 200"), "{first}");
     s.write_all(b"GET /healthz HTTP/1.1\r\nHost: api.loc")
@@ -166,36 +150,6 @@ async fn half_a_request_head_is_closed() {
         .unwrap();
     let sent = closed_by_server(&mut s, "half a second HTTP/1 head to be closed").await;
     assert_eq!(sent, "", "half a head is not answered");
-}
-
-/// Reads one HTTP/1 response with a `Content-Length` body off a raw socket.
-async fn read_response(s: &mut TcpStream) -> String {
-    let mut out = Vec::new();
-    let mut buf = [0u8; 4096];
-    loop {
-        let n = s.read(&mut buf).await.unwrap();
-        assert!(
-            n > 0,
-            "closed mid-response: {}",
-            String::from_utf8_lossy(&out)
-        );
-        out.extend_from_slice(&buf[..n]);
-        let text = String::from_utf8_lossy(&out).into_owned();
-        let Some((head, body)) = text.split_once("\r\n\r\n") else {
-            continue;
-        };
-        let length = head
-            .lines()
-            .find_map(|l| {
-                let (name, value) = l.split_once(':')?;
-                name.eq_ignore_ascii_case("content-length")
-                    .then(|| value.trim().parse::<usize>().ok())?
-            })
-            .unwrap_or(0);
-        if body.len() >= length {
-            return text;
-        }
-    }
 }
 
 /// An HTTP/2 connection that sends its preface and settings but never a request is closed.
@@ -218,9 +172,7 @@ async fn an_idle_http1_keep_alive_connection_is_closed() {
         gateway_with_server("header_read_timeout_ms = 60000\nidle_timeout_ms = 300", &up).await;
     let (mut s, conn) = h1(gw.running.addr).await;
     assert_eq!(h1_get(&mut s, API_HOST, "/healthz").await.status(), 200);
-    bounded("the idle keep-alive connection to be closed", conn)
-        .await
-        .unwrap();
+    closes("the idle keep-alive connection to be closed", conn).await;
 }
 
 /// Between two requests a keep-alive connection is idle, not reading a head: the header
@@ -248,9 +200,7 @@ async fn an_idle_http2_connection_is_closed() {
         gateway_with_server("header_read_timeout_ms = 60000\nidle_timeout_ms = 300", &up).await;
     let (mut s, conn) = h2(gw.running.addr).await;
     assert_eq!(h2_get(&mut s, API_HOST, "/healthz").await.status(), 200);
-    bounded("the idle HTTP/2 connection to be closed", conn)
-        .await
-        .unwrap();
+    closes("the idle HTTP/2 connection to be closed", conn).await;
 }
 
 /// A request in flight (a long poll) keeps its connection, HTTP/1 and HTTP/2 alike, however
@@ -275,12 +225,8 @@ async fn a_connection_with_a_request_in_flight_is_not_idle() {
     let ((r1, _one), (r2, _two)) = (held1.await.unwrap(), held2.await.unwrap());
     assert_eq!((r1.status(), r2.status()), (StatusCode::OK, StatusCode::OK));
     assert_eq!(r1.body().as_ref(), b"released");
-    bounded("the HTTP/1 connection to close once idle", one_conn)
-        .await
-        .unwrap();
-    bounded("the HTTP/2 connection to close once idle", two_conn)
-        .await
-        .unwrap();
+    closes("the HTTP/1 connection to close once idle", one_conn).await;
+    closes("the HTTP/2 connection to close once idle", two_conn).await;
 }
 
 /// A response that streams for longer than the idle timeout is not idle; once it has ended,
@@ -317,9 +263,7 @@ async fn a_streaming_response_is_not_idle() {
         .to_bytes();
     assert_eq!(rest.as_ref(), b"data: 1\n\ndata: [DONE]\n\n");
     // The client still holds the connection: the server closes it once idle.
-    bounded("the connection to close once idle", conn)
-        .await
-        .unwrap();
+    closes("the connection to close once idle", conn).await;
     drop(s);
 }
 
@@ -338,16 +282,8 @@ async fn past_max_connections_a_new_connection_is_refused_cleanly() {
         silent.push(TcpStream::connect(addr).await.unwrap());
     }
 
-    let mut extra = TcpStream::connect(addr).await.unwrap();
-    extra
-        .write_all(b"GET /healthz HTTP/1.1\r\nHost: api.localhost\r\n\r\n")
-        .await
-        .unwrap();
-    let answer = closed_by_server(&mut extra, "the refused connection to be closed").await;
-    let lower = answer.to_ascii_lowercase();
-    assert!(lower.starts_with("http/1.1 503"), "{answer}");
-    assert!(lower.contains("connection: close"), "{answer}");
-    assert!(answer.contains(r#""error":"overloaded""#), "{answer}");
+    let mut extra = connect_and_send(addr, HEALTHZ).await;
+    assert_refused_overloaded(&closed_by_server(&mut extra, "the refused one to be closed").await);
 
     let (mut extra2, extra2_conn) = h2(addr).await;
     let r = h2_get(&mut extra2, API_HOST, "/healthz").await;
@@ -359,9 +295,7 @@ async fn past_max_connections_a_new_connection_is_refused_cleanly() {
         r.headers()["x-request-id"].as_bytes(),
         body["requestId"].as_str().unwrap().as_bytes()
     );
-    bounded("the refused HTTP/2 connection to be closed", extra2_conn)
-        .await
-        .unwrap();
+    closes("the refused HTTP/2 connection to be closed", extra2_conn).await;
 
     // The connections the server has keep their answers.
     assert_eq!(h1_get(&mut kept, API_HOST, "/healthz").await.status(), 200);
@@ -370,12 +304,9 @@ async fn past_max_connections_a_new_connection_is_refused_cleanly() {
     eventually(
         "a new connection to be served once one closed",
         async || {
-            let mut s = TcpStream::connect(addr).await.unwrap();
-            s.write_all(
-                b"GET /healthz HTTP/1.1\r\nHost: api.localhost\r\nConnection: close\r\n\r\n",
-            )
-            .await
-            .unwrap();
+            let one_shot =
+                b"GET /healthz HTTP/1.1\r\nHost: api.localhost\r\nConnection: close\r\n\r\n";
+            let mut s = connect_and_send(addr, one_shot).await;
             let answer = closed_by_server(&mut s, "a one-shot connection to be closed").await;
             answer.starts_with("HTTP/1.1 200").then_some(())
         },
@@ -407,12 +338,8 @@ async fn shutdown_answers_requests_in_flight_and_closes_the_rest() {
     .await;
 
     let shutdown = tokio::spawn(gw.running.shutdown());
-    bounded("the idle HTTP/1 connection to close", idle1_conn)
-        .await
-        .unwrap();
-    bounded("the idle HTTP/2 connection to close", idle2_conn)
-        .await
-        .unwrap();
+    closes("the idle HTTP/1 connection to close", idle1_conn).await;
+    closes("the idle HTTP/2 connection to close", idle2_conn).await;
     closed_by_server(&mut silent, "the silent connection to close").await;
     assert!(
         !shutdown.is_finished(),
@@ -424,8 +351,6 @@ async fn shutdown_answers_requests_in_flight_and_closes_the_rest() {
         (r.status(), r.body().as_ref()),
         (StatusCode::OK, &b"released"[..])
     );
-    bounded("the held connection to close", held_conn)
-        .await
-        .unwrap();
-    bounded("the shutdown", shutdown).await.unwrap();
+    closes("the held connection to close", held_conn).await;
+    closes("the shutdown", shutdown).await;
 }
