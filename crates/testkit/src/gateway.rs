@@ -9,7 +9,7 @@ use nthbouncer_config::Config;
 use nthbouncer_coord::{Clock, ManualClock};
 use serde_json::Value;
 
-use crate::loopback::{call, json_of, send};
+use crate::loopback::{call, json_of, send, spawn_send};
 use crate::wait::eventually;
 use crate::{ADMIN_TOKEN, API_HOST, KEY, T0};
 
@@ -167,6 +167,22 @@ impl Gateway {
     /// The pool's slots in flight.
     pub async fn in_flight(&self, pool: &str) -> u64 {
         self.state(pool).await["inFlight"].as_u64().unwrap()
+    }
+
+    /// Waits (bounded) until exactly `n` requests wait in the pool's queue (`what` names them).
+    pub async fn wait_queued(&self, pool: &str, n: u64, what: &str) -> Value {
+        self.wait_state(pool, what, |s| s["queued"] == n).await
+    }
+
+    /// Waits (bounded) until the pool holds no slot (`what` says why it should be so).
+    pub async fn wait_freed(&self, pool: &str, what: &str) -> Value {
+        self.wait_state(pool, what, |s| s["inFlight"] == 0).await
+    }
+
+    /// A GET of `/hold` through pool `pool` with the test key and `x-seq: seq`, sent on a task
+    /// of its own: the counting upstream holds it until released.
+    pub fn hold(&self, pool: &str, seq: &str) -> tokio::task::JoinHandle<reqwest::Response> {
+        spawn_send(self.get(pool, "/hold").header("x-seq", seq))
     }
 
     /// Waits (bounded) until the pool's live state satisfies `pred`.

@@ -18,7 +18,9 @@ pub mod upstream;
 pub mod wait;
 
 pub use gateway::{clocked, clocked_at, gateway, gateway_with, Gateway};
-pub use loopback::{call, expect_error, header, json_of, ok, read_body, send, serve_http};
+pub use loopback::{
+    call, expect_error, header, json_of, ok, read_body, send, serve_http, spawn_send,
+};
 pub use upstream::{Seen, Upstream};
 pub use wait::{bounded, eventually, poll, wait_until};
 

@@ -111,6 +111,12 @@ pub async fn send(rb: reqwest::RequestBuilder) -> reqwest::Response {
     rb.send().await.unwrap()
 }
 
+/// Sends a request on a task of its own; awaiting the task gives the response (a transport
+/// error fails the test).
+pub fn spawn_send(rb: reqwest::RequestBuilder) -> tokio::task::JoinHandle<reqwest::Response> {
+    tokio::spawn(send(rb))
+}
+
 /// The JSON body of a response (a body that is not JSON fails the test).
 pub async fn json_of(r: reqwest::Response) -> Value {
     r.json().await.unwrap()

@@ -345,4 +345,9 @@ impl Upstream {
         })
         .await;
     }
+
+    /// Waits (bounded) until exactly `n` requests are in flight here (`what` says why).
+    pub async fn wait_in_flight(&self, n: i64, what: &str) {
+        eventually(what, async || (self.in_flight() == n).then_some(())).await;
+    }
 }

@@ -107,8 +107,7 @@ async fn a_lease_at_its_request_deadline_is_capped_then_reclaimed() {
     assert_eq!(holder.lease_deadline(), holder.request_deadline());
 
     // Not released: the gateway reclaims the slot at the cap on its own.
-    gw.wait_state("p", "capped slot reclaimed", |s| s["inFlight"] == 0)
-        .await;
+    gw.wait_freed("p", "capped slot reclaimed").await;
     let next = gw.lock_client("p").acquire(None).await.unwrap();
     assert!(!holder.release(None).await.unwrap(), "already reclaimed");
     assert!(next.release(None).await.unwrap());
@@ -127,8 +126,7 @@ async fn dropping_the_guard_releases_the_slot() {
         bounded("lost() after drop", lost).await,
         LeaseState::Released
     );
-    gw.wait_state("p", "dropped slot released", |s| s["inFlight"] == 0)
-        .await;
+    gw.wait_freed("p", "dropped slot released").await;
     let again = client.acquire(None).await.unwrap();
     assert!(again.release(None).await.unwrap());
 }
@@ -158,11 +156,10 @@ async fn waiting_acquires_are_served_in_priority_order() {
     let normal_client = gw.lock_client("p");
     let normal =
         tokio::spawn(async move { normal_client.acquire_with(wait(Priority::Normal)).await });
-    gw.wait_state("p", "one waiter", |s| s["queued"] == 1).await;
+    gw.wait_queued("p", 1, "one waiter").await;
     let high_client = gw.lock_client("p");
     let high = tokio::spawn(async move { high_client.acquire_with(wait(Priority::High)).await });
-    gw.wait_state("p", "two waiters", |s| s["queued"] == 2)
-        .await;
+    gw.wait_queued("p", 2, "two waiters").await;
 
     assert!(holder.release(Outcome::from_status(200)).await.unwrap());
     let high = bounded("high acquires", high).await.unwrap().unwrap();

@@ -130,6 +130,21 @@ impl<'a> Signed<'a> {
             )
     }
 
+    /// Sends it to `host` with the test key and `body` (which may differ from the signed one).
+    async fn send_body(
+        &self,
+        gw: &Gateway,
+        host: &str,
+        body: impl Into<reqwest::Body>,
+    ) -> reqwest::Response {
+        send(
+            self.request(gw, host)
+                .header("x-nthpool-key", KEY)
+                .body(body),
+        )
+        .await
+    }
+
     async fn send(&self, gw: &Gateway) -> (u16, Value) {
         let mut req = self.request(gw, "p.localhost").header("x-nthpool-key", KEY);
         if !self.body.is_empty() {
@@ -221,12 +236,12 @@ async fn hmac_signed_requests_pass_and_forgeries_are_refused() {
     // A tampered body: signed for one body, sent with another of the same length.
     let tampered = Signed::new(Method::POST, "/v1/chat", body, now);
     let r = tampered
-        .request(&gw, "p.localhost")
-        .header("x-nthpool-key", KEY)
-        .body(br#"{"model":"M","messages":[]}"#.to_vec())
-        .send()
-        .await
-        .unwrap();
+        .send_body(
+            &gw,
+            "p.localhost",
+            br#"{"model":"M","messages":[]}"#.to_vec(),
+        )
+        .await;
     refusals.push(status_and_body(r).await);
     // A tampered query.
     let q = Signed::new(Method::GET, "/v1/models?limit=1", b"", now);
@@ -243,7 +258,7 @@ async fn hmac_signed_requests_pass_and_forgeries_are_refused() {
         .unwrap();
     refusals.push(status_and_body(r).await);
     // No signature at all.
-    refusals.push(status_and_body(gw.get("p", "/v1/models").send().await.unwrap()).await);
+    refusals.push(status_and_body(send(gw.get("p", "/v1/models")).await).await);
 
     for (i, (status, body)) in refusals.iter().enumerate() {
         assert_eq!(*status, 401, "refusal {i}");
@@ -293,12 +308,8 @@ async fn hmac_signed_bodies_are_verified_before_anything_is_forwarded() {
     // Chunked (no Content-Length), signed over the whole body.
     let ok = Signed::new(Method::PUT, "/upload", &whole, now);
     let r = ok
-        .request(&gw, "p.localhost")
-        .header("x-nthpool-key", KEY)
-        .body(stream(chunks.to_vec()))
-        .send()
-        .await
-        .unwrap();
+        .send_body(&gw, "p.localhost", stream(chunks.to_vec()))
+        .await;
     assert_eq!(r.status(), 200);
     let seen = up.seen();
     assert_eq!(seen.len(), 1);
@@ -308,12 +319,12 @@ async fn hmac_signed_bodies_are_verified_before_anything_is_forwarded() {
     // The same signature over a body whose last chunk was changed in flight.
     let forged = Signed::new(Method::PUT, "/upload", &whole, now);
     let r = forged
-        .request(&gw, "p.localhost")
-        .header("x-nthpool-key", KEY)
-        .body(stream(vec!["first chunk;", "second chunk;", "THIRD CHUNK"]))
-        .send()
-        .await
-        .unwrap();
+        .send_body(
+            &gw,
+            "p.localhost",
+            stream(vec!["first chunk;", "second chunk;", "THIRD CHUNK"]),
+        )
+        .await;
     let (status, body) = status_and_body(r).await;
     assert_eq!(status, 401);
     assert_eq!(body, uniform());
@@ -322,8 +333,7 @@ async fn hmac_signed_bodies_are_verified_before_anything_is_forwarded() {
         1,
         "nothing of the forged request reached the upstream"
     );
-    gw.wait_state("p", "the slot freed", |s| s["inFlight"] == 0)
-        .await;
+    gw.wait_freed("p", "the slot freed").await;
     let reasons = log_reasons(&gw, "p").await;
     assert_eq!(
         reasons.first().map(String::as_str),
@@ -377,13 +387,7 @@ async fn a_signed_body_over_its_bound_is_413() {
     let gw = start(&toml, &clock).await;
     let big = vec![b'x'; 64];
     let signed = Signed::new(Method::POST, "/upload", &big, clock.now_s());
-    let r = signed
-        .request(&gw, "p.localhost")
-        .header("x-nthpool-key", KEY)
-        .body(big.clone())
-        .send()
-        .await
-        .unwrap();
+    let r = signed.send_body(&gw, "p.localhost", big.clone()).await;
     assert_eq!(r.status(), 413);
     assert_eq!(up.seen().len(), 0);
 }
@@ -404,13 +408,7 @@ async fn hmac_applies_to_the_lock_api() {
 
     let body = br#"{"waitMs":0}"#;
     let acquire = Signed::new(Method::POST, "/pools/p/lock/acquire", body, now);
-    let r = acquire
-        .request(&gw, api)
-        .header("x-nthpool-key", KEY)
-        .body(body.to_vec())
-        .send()
-        .await
-        .unwrap();
+    let r = acquire.send_body(&gw, api, body.to_vec()).await;
     assert_eq!(r.status(), 200);
     let grant: Value = r.json().await.unwrap();
     let slot = grant["slotId"].as_str().unwrap().to_string();
@@ -418,34 +416,19 @@ async fn hmac_applies_to_the_lock_api() {
     // Body tampered after signing.
     let tampered = Signed::new(Method::POST, "/pools/p/lock/acquire", body, now);
     let r = tampered
-        .request(&gw, api)
-        .header("x-nthpool-key", KEY)
-        .body(br#"{"waitMs":9}"#.to_vec())
-        .send()
-        .await
-        .unwrap();
+        .send_body(&gw, api, br#"{"waitMs":9}"#.to_vec())
+        .await;
     assert_eq!(status_and_body(r).await, (401, uniform()));
 
     let renew_path = format!("/pools/p/lock/{slot}/renew");
     let renew = Signed::new(Method::POST, &renew_path, b"", now);
-    let r = renew
-        .request(&gw, api)
-        .header("x-nthpool-key", KEY)
-        .send()
-        .await
-        .unwrap();
+    let r = send(renew.request(&gw, api).header("x-nthpool-key", KEY)).await;
     assert_eq!(r.status(), 200);
 
     let release_path = format!("/pools/p/lock/{slot}/release");
     let report = br#"{"status":200}"#;
     let release = Signed::new(Method::POST, &release_path, report, now);
-    let r = release
-        .request(&gw, api)
-        .header("x-nthpool-key", KEY)
-        .body(report.to_vec())
-        .send()
-        .await
-        .unwrap();
+    let r = release.send_body(&gw, api, report.to_vec()).await;
     assert_eq!(r.status(), 200);
     assert_eq!(r.json::<Value>().await.unwrap()["released"], true);
 }
@@ -528,12 +511,7 @@ async fn jwt_from_a_jwks_with_rotation_and_a_refresh_rate_limit() {
     let token = k1.sign(claims(3600)).unwrap();
     assert_eq!(with_jwt(&gw, &token).await.0, 200);
     assert_eq!(jwks_server.fetches(), 1);
-    let r = gw
-        .get("p", "/echo")
-        .bearer_auth(&token)
-        .send()
-        .await
-        .unwrap();
+    let r = send(gw.get("p", "/echo").bearer_auth(&token)).await;
     assert_eq!(r.status(), 200);
     let echo: Value = r.json().await.unwrap();
     assert!(
@@ -608,7 +586,7 @@ async fn jwt_from_a_jwks_with_rotation_and_a_refresh_rate_limit() {
     for (what, token) in &cases {
         assert_eq!(with_jwt(&gw, token).await, (401, uniform()), "{what}");
     }
-    let r = gw.get("p", "/anything").send().await.unwrap();
+    let r = send(gw.get("p", "/anything")).await;
     assert_eq!(status_and_body(r).await, (401, uniform()), "no token");
     let reasons = log_reasons(&gw, "p").await;
     for want in [
@@ -656,12 +634,11 @@ async fn jwt_with_static_public_keys() {
         (401, uniform())
     );
     // The token is needed *and* the key: a JWT does not replace the pool key.
-    let r = gw
-        .pool("p", Method::GET, "/anything")
-        .header("x-nthpool-jwt", plain.sign(claims(600)).unwrap())
-        .send()
-        .await
-        .unwrap();
+    let r = send(
+        gw.pool("p", Method::GET, "/anything")
+            .header("x-nthpool-jwt", plain.sign(claims(600)).unwrap()),
+    )
+    .await;
     assert_eq!(status_and_body(r).await, (401, uniform()));
 }
 
@@ -696,15 +673,15 @@ async fn cloudflare_access_tokens_against_a_local_certs_endpoint() {
             .with_audiences(HashSet::from([aud.to_string(), "another-app".to_string()]))
             .with_subject("user@example.com")
     };
-    let send = |token: Option<String>| {
+    let with_token = |token: Option<String>| {
         let mut r = gw.get("p", "/echo");
         if let Some(t) = token {
             r = r.header("cf-access-jwt-assertion", t);
         }
-        r.send()
+        send(r)
     };
 
-    let r = send(Some(cf(good()))).await.unwrap();
+    let r = with_token(Some(cf(good()))).await;
     assert_eq!(r.status(), 200);
     let echo: Value = r.json().await.unwrap();
     assert!(echo["headers"].get("cf-access-jwt-assertion").is_none());
@@ -727,16 +704,11 @@ async fn cloudflare_access_tokens_against_a_local_certs_endpoint() {
         ("ES256 (Cloudflare signs RS256)", Some(es)),
         ("no assertion", None),
     ] {
-        let r = send(token).await.unwrap();
+        let r = with_token(token).await;
         assert_eq!(status_and_body(r).await, (401, uniform()), "{what}");
     }
     // The assertion is read from its own header only.
-    let r = gw
-        .get("p", "/echo")
-        .header("x-nthpool-jwt", cf(good()))
-        .send()
-        .await
-        .unwrap();
+    let r = send(gw.get("p", "/echo").header("x-nthpool-jwt", cf(good()))).await;
     assert_eq!(r.status(), 401);
 }
 
@@ -755,15 +727,10 @@ async fn ip_allowlist_without_trusted_proxies_ignores_forwarded_for() {
     );
     let clock = clock();
     let gw = start(&toml, &clock).await;
-    assert_eq!(gw.get("near", "/x").send().await.unwrap().status(), 200);
+    assert_eq!(send(gw.get("near", "/x")).await.status(), 200);
     // The peer (127.0.0.1) is no proxy of ours: its X-Forwarded-For is the client's own claim.
     for _ in 0..12 {
-        let r = gw
-            .get("far", "/x")
-            .header("x-forwarded-for", "10.1.2.3")
-            .send()
-            .await
-            .unwrap();
+        let r = send(gw.get("far", "/x").header("x-forwarded-for", "10.1.2.3")).await;
         assert_eq!(status_and_body(r).await, (403, uniform()));
     }
     // Allowlist misses are not counted as guesses: still 403, never 429.
@@ -923,28 +890,27 @@ async fn hmac_signed_async_jobs_verify_the_body() {
     let now = clock.now_s();
     let body = br#"{"job":"real"}"#;
     let good = Signed::new(Method::POST, "/work", body, now);
-    let r = good
-        .request(&gw, "p.localhost")
-        .header("x-nthpool-key", KEY)
-        .header("x-nthpool-async", "1")
-        .body(body.to_vec())
-        .send()
-        .await
-        .unwrap();
+    let r = send(
+        good.request(&gw, "p.localhost")
+            .header("x-nthpool-key", KEY)
+            .header("x-nthpool-async", "1")
+            .body(body.to_vec()),
+    )
+    .await;
     assert_eq!(r.status(), 202);
     let job: Value = r.json().await.unwrap();
     assert!(job["jobId"].is_string());
 
     // The same signature over a different body: refused, no job.
     let forged = Signed::new(Method::POST, "/work", body, now);
-    let r = forged
-        .request(&gw, "p.localhost")
-        .header("x-nthpool-key", KEY)
-        .header("x-nthpool-async", "1")
-        .body(br#"{"job":"forged"}"#.to_vec())
-        .send()
-        .await
-        .unwrap();
+    let r = send(
+        forged
+            .request(&gw, "p.localhost")
+            .header("x-nthpool-key", KEY)
+            .header("x-nthpool-async", "1")
+            .body(br#"{"job":"forged"}"#.to_vec()),
+    )
+    .await;
     let (status, answer) = status_and_body(r).await;
     assert_eq!(status, 401);
     assert_eq!(answer, uniform());

@@ -46,7 +46,7 @@ async fn pools_crud_applies_without_restart() {
         "secret echoed back: {shown}"
     );
     assert!(!shown.contains(KEY), "plaintext key echoed back");
-    assert_eq!(gw.get("made", "/echo").send().await.unwrap().status(), 200);
+    assert_eq!(send(gw.get("made", "/echo")).await.status(), 200);
     assert_eq!(gw.state("made").await["configuredLimit"], 2);
 
     // Duplicate → 409; invalid → 400 naming the field.
@@ -74,7 +74,7 @@ async fn pools_crud_applies_without_restart() {
     assert_eq!(status, 200);
     assert_eq!(gw.state("made").await["configuredLimit"], 5);
     assert_eq!(
-        gw.get("made", "/").send().await.unwrap().status(),
+        send(gw.get("made", "/")).await.status(),
         200,
         "keys survive an update"
     );
@@ -136,12 +136,11 @@ async fn api_pools_and_keys_survive_a_restart() {
     gw.running.shutdown().await;
 
     let gw = gateway(&toml).await;
-    let r = gw
-        .pool("kept", Method::GET, "/")
-        .header("x-nthpool-key", &key)
-        .send()
-        .await
-        .unwrap();
+    let r = send(
+        gw.pool("kept", Method::GET, "/")
+            .header("x-nthpool-key", &key),
+    )
+    .await;
     assert_eq!(r.status(), 200);
     let keys = gw.admin_json("/admin/pools/kept/keys").await;
     assert_eq!(keys["items"].as_array().unwrap().len(), 1);
@@ -182,10 +181,7 @@ async fn keys_on_a_config_pool() {
 async fn access_log_records_admitted_and_refused() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
-    assert_eq!(
-        gw.get("p", "/status/201").send().await.unwrap().status(),
-        201
-    );
+    assert_eq!(send(gw.get("p", "/status/201")).await.status(), 201);
     assert_eq!(
         gw.pool("p", Method::GET, "/")
             .header("x-nthpool-key", "wrong-key-0123456789")
@@ -225,7 +221,7 @@ async fn access_log_records_admitted_and_refused() {
 async fn ops_routes() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("metered", &up.url(), "limit = 4")).await;
-    assert_eq!(gw.get("metered", "/").send().await.unwrap().status(), 200);
+    assert_eq!(send(gw.get("metered", "/")).await.status(), 200);
     let ops = |path: &str| send(gw.api_anon(Method::GET, path));
     assert_eq!(ops("/healthz").await.status(), 200);
     assert_eq!(ops("/readyz").await.status(), 200);
@@ -279,7 +275,7 @@ async fn bad_parameters_are_json_400s_naming_the_field() {
         ("/admin/pools/p/jobs?limit=-1", "limit"),
         ("/admin/pools/p/deliveries?limit=x", "limit"),
     ] {
-        let r = gw.api(Method::GET, path).send().await.unwrap();
+        let r = send(gw.api(Method::GET, path)).await;
         assert_eq!(r.status(), 400, "{path}");
         let v: Value = r
             .json()
@@ -371,7 +367,7 @@ async fn a_pools_get_body_put_back_changes_nothing() {
     }
     // The plain pool's key still opens it; the full pool's origin still gets the credential
     // (not its mask).
-    let r = gw.get("plain", "/x").send().await.unwrap();
+    let r = send(gw.get("plain", "/x")).await;
     assert_eq!(r.status(), 200);
     let (_, full) = gw.admin(Method::GET, "/admin/pools/full", None).await;
     let mut changed = full.clone();
@@ -381,7 +377,7 @@ async fn a_pools_get_body_put_back_changes_nothing() {
         .admin(Method::PUT, "/admin/pools/full", Some(changed))
         .await;
     assert_eq!(status, 200, "{v}");
-    let r = gw.get("full", "/echo").send().await.unwrap();
+    let r = send(gw.get("full", "/echo")).await;
     assert_eq!(r.status(), 200);
     let auth = up
         .seen()

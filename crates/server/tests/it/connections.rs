@@ -215,10 +215,8 @@ async fn a_connection_with_a_request_in_flight_is_not_idle() {
     // Each task gives its sender back: a client drops a connection whose senders are gone.
     let held1 = tokio::spawn(async move { (h1_get(&mut one, "p.localhost", "/hold").await, one) });
     let held2 = tokio::spawn(async move { (h2_get(&mut two, "p.localhost", "/hold").await, two) });
-    eventually("both requests to reach the upstream", async || {
-        (up.in_flight() == 2).then_some(())
-    })
-    .await;
+    up.wait_in_flight(2, "both requests to reach the upstream")
+        .await;
     idle_timeout_passes(addr).await;
     assert!(!one_conn.is_finished() && !two_conn.is_finished());
     up.release(2);
@@ -332,10 +330,8 @@ async fn shutdown_answers_requests_in_flight_and_closes_the_rest() {
     assert_eq!(h2_get(&mut idle2, API_HOST, "/healthz").await.status(), 200);
     let (mut held, held_conn) = h1(addr).await;
     let held = tokio::spawn(async move { (h1_get(&mut held, "p.localhost", "/hold").await, held) });
-    eventually("the held request to reach the upstream", async || {
-        (up.in_flight() == 1).then_some(())
-    })
-    .await;
+    up.wait_in_flight(1, "the held request to reach the upstream")
+        .await;
 
     let shutdown = tokio::spawn(gw.running.shutdown());
     closes("the idle HTTP/1 connection to close", idle1_conn).await;

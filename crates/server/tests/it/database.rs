@@ -109,18 +109,8 @@ impl Direct {
 }
 
 /// Polls `check` every 25 ms for up to 20 s; true once it held.
-async fn eventually<F, Fut>(mut check: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    for _ in 0..800 {
-        if check().await {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    false
+async fn eventually(check: impl AsyncFnMut() -> bool) -> bool {
+    nthbouncer_testkit::wait_until(800, Duration::from_millis(25), check).await
 }
 
 /// Polls a job until it is terminal (up to 20 s); its last poll body.
@@ -524,12 +514,12 @@ async fn a_caller_that_goes_away_has_its_query_cancelled() {
     let mut socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
     socket.write_all(head.as_bytes()).await.unwrap();
     assert!(
-        eventually(|| async { direct.backends(&app, Some("%pg_sleep(30)%")).await == 1 }).await,
+        eventually(async || direct.backends(&app, Some("%pg_sleep(30)%")).await == 1).await,
         "the query never showed up in pg_stat_activity"
     );
     drop(socket);
     assert!(
-        eventually(|| async { direct.backends(&app, Some("%pg_sleep(30)%")).await == 0 }).await,
+        eventually(async || direct.backends(&app, Some("%pg_sleep(30)%")).await == 0).await,
         "the query of a caller that went away is still running"
     );
     // Its slot is free again (limit 1): the next caller is served without waiting.

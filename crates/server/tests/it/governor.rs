@@ -1,9 +1,6 @@
 //! End-to-end admission through the real router over loopback: limits, FIFO, budgets,
 //! priorities, fair share, RPM on an injected clock.
 
-use std::sync::Arc;
-
-use nthbouncer_coord::ManualClock;
 use nthbouncer_testkit::*;
 use reqwest::Method;
 
@@ -13,26 +10,16 @@ use reqwest::Method;
 async fn limit_holds_and_queue_is_fifo() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("p", &up.url(), "limit = 3")).await;
-    let gw = Arc::new(gw);
     let mut tasks = Vec::new();
     for i in 0..50 {
-        let gw2 = gw.clone();
-        tasks.push(tokio::spawn(async move {
-            gw2.get("p", "/hold")
-                .header("x-seq", i.to_string())
-                .send()
-                .await
-                .unwrap()
-                .status()
-        }));
+        tasks.push(gw.hold("p", &i.to_string()));
         // Arrival order at the gateway is the order we wait for here: the first three are
         // admitted, every later one must be parked before the next is sent.
         if i < 3 {
             up.wait_arrivals(i + 1).await;
         } else {
             let queued = (i - 2) as u64;
-            gw.wait_state("p", "request parked", |s| s["queued"] == queued)
-                .await;
+            gw.wait_queued("p", queued, "request parked").await;
         }
     }
     // Free one at a time: each completion admits exactly the oldest waiter.
@@ -41,7 +28,7 @@ async fn limit_holds_and_queue_is_fifo() {
         up.wait_arrivals((n + 4).min(50)).await;
     }
     for t in tasks {
-        assert_eq!(t.await.unwrap(), 200);
+        assert_eq!(t.await.unwrap().status(), 200);
     }
     assert_eq!(
         up.max_in_flight(),
@@ -50,7 +37,7 @@ async fn limit_holds_and_queue_is_fifo() {
     );
     let expected: Vec<String> = (0..50).map(|i: i32| i.to_string()).collect();
     assert_eq!(up.arrivals(), expected);
-    let s = gw.wait_state("p", "drained", |s| s["inFlight"] == 0).await;
+    let s = gw.wait_freed("p", "drained").await;
     assert_eq!(s["queued"], 0);
 }
 
@@ -58,8 +45,7 @@ async fn limit_holds_and_queue_is_fifo() {
 async fn no_queue_gets_429_and_governor_headers() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
-    let gw2 = gw.client.clone();
-    let held = tokio::spawn(gw.get("p", "/hold").header("x-seq", "a").send());
+    let held = gw.hold("p", "a");
     up.wait_arrivals(1).await;
     let r = send(gw.no_queue("p", "/")).await;
     assert_eq!(r.headers()["x-nthpool-remaining-slots"], "0");
@@ -68,17 +54,16 @@ async fn no_queue_gets_429_and_governor_headers() {
     let body = expect_error(r, 429, "too_many_requests").await;
     assert!(body["message"].as_str().unwrap().contains("slot"));
     up.release(1);
-    let ok = held.await.unwrap().unwrap();
+    let ok = held.await.unwrap();
     assert_eq!(ok.status(), 200);
     assert_eq!(ok.headers()["x-nthpool-effective-limit"], "1");
-    drop(gw2);
 }
 
 #[tokio::test]
 async fn wait_budget_runs_out_with_504_queue_timeout() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
-    let held = tokio::spawn(gw.get("p", "/hold").header("x-seq", "a").send());
+    let held = gw.hold("p", "a");
     up.wait_arrivals(1).await;
     let r = send(gw.get("p", "/").header("x-nthpool-queue-timeout-ms", "100")).await;
     assert_eq!(r.status(), 504);
@@ -92,24 +77,14 @@ async fn wait_budget_runs_out_with_504_queue_timeout() {
     // The timed-out waiter left the queue.
     assert_eq!(gw.state("p").await["queued"], 0);
     up.release(1);
-    assert_eq!(held.await.unwrap().unwrap().status(), 200);
+    assert_eq!(held.await.unwrap().status(), 200);
 }
 
 #[tokio::test]
 async fn queue_overflow_gets_429() {
     let up = Upstream::start().await;
-    let gw = Arc::new(gateway(&pool_toml("p", &up.url(), "limit = 1\nqueue_size = 2")).await);
-    let mut tasks = Vec::new();
-    for i in 0..3 {
-        let g = gw.clone();
-        tasks.push(tokio::spawn(async move {
-            g.get("p", "/hold")
-                .header("x-seq", i.to_string())
-                .send()
-                .await
-                .unwrap()
-        }));
-    }
+    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1\nqueue_size = 2")).await;
+    let tasks: Vec<_> = (0..3).map(|i| gw.hold("p", &i.to_string())).collect();
     gw.wait_state("p", "one in flight and two queued", |s| {
         s["inFlight"] == 1 && s["queued"] == 2
     })
@@ -125,37 +100,30 @@ async fn queue_overflow_gets_429() {
 /// Queues requests one by one (each parked before the next), then frees slots one at a time
 /// and returns the order in which the upstream saw them.
 async fn admitted_order(
-    gw: &Arc<Gateway>,
+    gw: &Gateway,
     up: &Upstream,
-    requests: Vec<(&'static str, &'static str, &'static str)>,
+    requests: Vec<(&str, &str, &str)>,
 ) -> Vec<String> {
-    let held = tokio::spawn(gw.get("p", "/hold").header("x-seq", "holder").send());
+    let held = gw.hold("p", "holder");
     up.wait_arrivals(1).await;
     let mut tasks = Vec::new();
     for (i, (seq, key, priority)) in requests.iter().enumerate() {
-        let g = gw.clone();
-        let (seq, key, priority) = (*seq, *key, *priority);
-        tasks.push(tokio::spawn(async move {
-            g.pool("p", Method::GET, "/hold")
-                .header("x-nthpool-key", key)
-                .header("x-nthpool-priority", priority)
-                .header("x-seq", seq)
-                .send()
-                .await
-                .unwrap()
-                .status()
-        }));
+        tasks.push(spawn_send(
+            gw.pool("p", Method::GET, "/hold")
+                .header("x-nthpool-key", *key)
+                .header("x-nthpool-priority", *priority)
+                .header("x-seq", *seq),
+        ));
         let n = (i + 1) as u64;
-        gw.wait_state("p", "request parked", |s| s["queued"] == n)
-            .await;
+        gw.wait_queued("p", n, "request parked").await;
     }
     for n in 0..=requests.len() {
         up.release(1);
         up.wait_arrivals((n + 2).min(requests.len() + 1)).await;
     }
-    assert_eq!(held.await.unwrap().unwrap().status(), 200);
+    assert_eq!(held.await.unwrap().status(), 200);
     for t in tasks {
-        assert_eq!(t.await.unwrap(), 200);
+        assert_eq!(t.await.unwrap().status(), 200);
     }
     up.arrivals().into_iter().skip(1).collect()
 }
@@ -163,7 +131,7 @@ async fn admitted_order(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn high_priority_overtakes_normal_and_low() {
     let up = Upstream::start().await;
-    let gw = Arc::new(gateway(&pool_toml("p", &up.url(), "limit = 1")).await);
+    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
     let order = admitted_order(
         &gw,
         &up,
@@ -181,7 +149,7 @@ async fn high_priority_overtakes_normal_and_low() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_keys_flooding_unequally_alternate() {
     let up = Upstream::start().await;
-    let gw = Arc::new(gateway(&pool_toml("p", &up.url(), "limit = 1")).await);
+    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
     let order = admitted_order(
         &gw,
         &up,
@@ -201,7 +169,7 @@ async fn two_keys_flooding_unequally_alternate() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fair_share_off_is_strict_fifo() {
     let up = Upstream::start().await;
-    let gw = Arc::new(gateway(&pool_toml("p", &up.url(), "limit = 1\nfair_share = false")).await);
+    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1\nfair_share = false")).await;
     let order = admitted_order(
         &gw,
         &up,
@@ -220,12 +188,7 @@ async fn fair_share_off_is_strict_fifo() {
 #[tokio::test]
 async fn rpm_gate_admits_60_per_rolling_minute() {
     let up = Upstream::start().await;
-    let clock = Arc::new(ManualClock::new(1_700_000_000_000));
-    let gw = gateway_with(
-        &pool_toml("p", &up.url(), "limit = 100\nrpm = 60"),
-        Some(clock.clone()),
-    )
-    .await;
+    let (gw, clock) = clocked(&pool_toml("p", &up.url(), "limit = 100\nrpm = 60")).await;
     for i in 0..60u32 {
         if i == 30 {
             clock.advance(20_000);
@@ -261,30 +224,15 @@ async fn rpm_gate_admits_60_per_rolling_minute() {
 #[tokio::test]
 async fn rpm_waiter_is_admitted_when_the_window_rolls() {
     let up = Upstream::start().await;
-    let clock = Arc::new(ManualClock::new(1_700_000_000_000));
-    let gw = Arc::new(
-        gateway_with(
-            &pool_toml(
-                "p",
-                &up.url(),
-                "limit = 10\nrpm = 1\nqueue_timeout_ms = 3600000",
-            ),
-            Some(clock.clone()),
-        )
-        .await,
+    let pool = pool_toml(
+        "p",
+        &up.url(),
+        "limit = 10\nrpm = 1\nqueue_timeout_ms = 3600000",
     );
-    assert_eq!(gw.get("p", "/").send().await.unwrap().status(), 200);
-    let g = gw.clone();
-    let waiting = tokio::spawn(async move {
-        g.get("p", "/")
-            .header("x-seq", "w")
-            .send()
-            .await
-            .unwrap()
-            .status()
-    });
-    gw.wait_state("p", "waiter parked", |s| s["queued"] == 1)
-        .await;
+    let (gw, clock) = clocked(&pool).await;
+    assert_eq!(send(gw.get("p", "/")).await.status(), 200);
+    let waiting = spawn_send(gw.get("p", "/").header("x-seq", "w"));
+    gw.wait_queued("p", 1, "waiter parked").await;
     clock.advance(60_000);
-    assert_eq!(waiting.await.unwrap(), 200);
+    assert_eq!(waiting.await.unwrap().status(), 200);
 }

@@ -210,7 +210,7 @@ async fn busy_and_wait_timeout_promote_to_jobs() {
         "on_open_wait = true\non_queue_timeout = true",
     ))
     .await;
-    let held = tokio::spawn(gw.get("p", "/hold").header("x-seq", "holder").send());
+    let held = gw.hold("p", "holder");
     up.wait_arrivals(1).await;
     // Would wait → a job (busy).
     let busy = accepted_id(send(gw.get("p", "/hold").header("x-seq", "busy")).await).await;
@@ -219,7 +219,7 @@ async fn busy_and_wait_timeout_promote_to_jobs() {
     let (_, b) = poll(&gw, "p", &busy).await;
     assert_eq!(b["reason"], "busy");
     up.release(1);
-    assert_eq!(held.await.unwrap().unwrap().status(), 200);
+    assert_eq!(held.await.unwrap().status(), 200);
     up.wait_arrivals(2).await;
     up.release(1);
     wait_status(&gw, "p", &busy, "completed").await;
@@ -232,11 +232,10 @@ async fn busy_and_wait_timeout_promote_to_jobs() {
         "on_queue_timeout = true",
     ))
     .await;
-    let held = tokio::spawn(
+    let held = spawn_send(
         gw.pool("t", Method::GET, "/hold")
             .header("x-nthpool-key", KEY)
-            .header("x-seq", "h2")
-            .send(),
+            .header("x-seq", "h2"),
     );
     up.wait_arrivals(3).await;
     let r = send(gw.get("t", "/").header("x-nthpool-queue-timeout-ms", "50")).await;
@@ -244,7 +243,7 @@ async fn busy_and_wait_timeout_promote_to_jobs() {
     let (_, b) = gw_poll_t(&gw, &job).await;
     assert_eq!(b["reason"], "wait_timeout");
     up.release(1);
-    assert_eq!(held.await.unwrap().unwrap().status(), 200);
+    assert_eq!(held.await.unwrap().status(), 200);
 }
 
 async fn gw_poll_t(gw: &Gateway, job: &str) -> (u16, Value) {
@@ -282,7 +281,7 @@ async fn jobs_share_the_limit_with_sync_traffic() {
     for i in 0..12 {
         let g = gw.clone();
         syncs.push(tokio::spawn(async move {
-            g.get("p", "/sleep?ms=10").send().await.unwrap().status()
+            send(g.get("p", "/sleep?ms=10")).await.status()
         }));
         let r = gw
             .get_async("p", "/sleep?ms=10")

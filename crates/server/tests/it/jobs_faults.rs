@@ -31,10 +31,8 @@ async fn a_job_whose_result_cannot_be_written_for_a_while_still_ends() {
     assert_eq!(r.status(), 202);
     let job = json_of(r).await["jobId"].as_str().unwrap().to_string();
     // The attempt has started (its row says so) and the origin is working on it.
-    eventually("the job's fetch to reach the origin", async || {
-        (up.in_flight() == 1).then_some(())
-    })
-    .await;
+    up.wait_in_flight(1, "the job's fetch to reach the origin")
+        .await;
 
     let db = gw.dir().join("nthbouncer.db");
     let locker = std::thread::spawn(move || {
@@ -67,5 +65,5 @@ async fn a_job_whose_result_cannot_be_written_for_a_while_still_ends() {
     assert_eq!(done["result"]["status"], 200);
     assert_eq!(up.total(), 1, "the origin saw the job once");
     // The slot went back: the pool is idle again.
-    gw.wait_state("p", "idle", |s| s["inFlight"] == 0).await;
+    gw.wait_freed("p", "idle").await;
 }

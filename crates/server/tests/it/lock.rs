@@ -9,6 +9,7 @@ use std::collections::BTreeSet;
 use nthbouncer_testkit::*;
 use reqwest::{Method, RequestBuilder, Response};
 use serde_json::{json, Value};
+use tokio::task::JoinHandle;
 
 /// A POST to `/pools/{pool}/lock/{rest}` on the API host, with no key.
 fn lock_post(gw: &Gateway, pool: &str, rest: &str) -> RequestBuilder {
@@ -24,22 +25,19 @@ async fn send(rb: RequestBuilder) -> Response {
     bounded("a response", rb.send()).await.unwrap()
 }
 
+/// A fail-fast acquire on `pool` with the test key.
+async fn acquire(gw: &Gateway, pool: &str) -> Response {
+    send(keyed(gw, pool, "acquire")).await
+}
+
 /// Spawns an acquire with the test key that waits up to `wait_ms` for a slot.
-fn spawn_waiter(
-    gw: &Gateway,
-    pool: &str,
-    wait_ms: u64,
-) -> tokio::task::JoinHandle<reqwest::Result<Response>> {
-    tokio::spawn(
-        keyed(gw, pool, "acquire")
-            .json(&json!({ "waitMs": wait_ms }))
-            .send(),
-    )
+fn spawn_waiter(gw: &Gateway, pool: &str, wait_ms: u64) -> JoinHandle<Response> {
+    spawn_send(keyed(gw, pool, "acquire").json(&json!({ "waitMs": wait_ms })))
 }
 
 /// Awaits a spawned request.
-async fn finish(what: &str, task: tokio::task::JoinHandle<reqwest::Result<Response>>) -> Response {
-    bounded(what, task).await.unwrap().unwrap()
+async fn finish(what: &str, task: JoinHandle<Response>) -> Response {
+    bounded(what, task).await.unwrap()
 }
 
 fn header(r: &Response, name: &str) -> Option<String> {
@@ -138,7 +136,7 @@ async fn grant_has_the_seed_fields_exact_deadlines_and_governor_headers() {
     .await;
 
     // No body, no Content-Type.
-    let r = send(keyed(&gw, "p", "acquire")).await;
+    let r = acquire(&gw, "p").await;
     assert_eq!(r.status(), 200);
     assert!(header(&r, "content-type")
         .unwrap()
@@ -198,11 +196,11 @@ async fn rpm_pool_grants_carry_rpm_remaining_and_refusals_an_exact_retry_after()
     let up = Upstream::start().await;
     let (gw, clock) = clocked(&pool_toml("p", &up.url(), "limit = 5\nrpm = 2")).await;
     for left in ["1", "0"] {
-        let r = send(keyed(&gw, "p", "acquire")).await;
+        let r = acquire(&gw, "p").await;
         assert_eq!(r.status(), 200);
         assert_header(&r, "x-nthpool-rpm-remaining", Some(left));
     }
-    let r = send(keyed(&gw, "p", "acquire")).await;
+    let r = acquire(&gw, "p").await;
     assert_header(&r, "retry-after", Some("60"));
     assert_header(&r, "x-nthpool-rpm-remaining", Some("0"));
     assert_header(&r, "x-nthpool-remaining-slots", Some("3"));
@@ -210,11 +208,11 @@ async fn rpm_pool_grants_carry_rpm_remaining_and_refusals_an_exact_retry_after()
     assert_header(&r, "x-nthpool-queued-ms", Some("0"));
     expect_error(r, 429, "too_many_requests").await;
     clock.advance(15_000);
-    let r = send(keyed(&gw, "p", "acquire")).await;
+    let r = acquire(&gw, "p").await;
     assert_header(&r, "retry-after", Some("45"));
     expect_error(r, 429, "too_many_requests").await;
     clock.advance(45_000);
-    let r = send(keyed(&gw, "p", "acquire")).await;
+    let r = acquire(&gw, "p").await;
     assert_eq!(r.status(), 200);
     assert_header(&r, "x-nthpool-rpm-remaining", Some("1"));
 }
@@ -228,7 +226,7 @@ async fn acquire_fails_fast_by_default_with_429_and_governor_headers() {
     let up = Upstream::start().await;
     let (gw, clock) = clocked(&pool_toml("p", &up.url(), "limit = 1")).await;
     let held = grant(&gw, "p").await;
-    let r = send(keyed(&gw, "p", "acquire")).await;
+    let r = acquire(&gw, "p").await;
     assert_header(&r, "x-nthpool-remaining-slots", Some("0"));
     assert_header(&r, "x-nthpool-effective-limit", Some("1"));
     assert_header(&r, "x-nthpool-queued-ms", Some("0"));
@@ -272,30 +270,25 @@ async fn body_wait_ms_beats_the_queue_timeout_header() {
     let held = grant(&gw, "p").await;
 
     // Header 5000, body 50: times out after 50 ms.
-    let w = tokio::spawn(
+    let w = spawn_send(
         keyed(&gw, "p", "acquire")
             .header("x-nthpool-queue-timeout-ms", "5000")
-            .json(&json!({"waitMs": 50}))
-            .send(),
+            .json(&json!({"waitMs": 50})),
     );
-    gw.wait_state("p", "waiter parked", |s| s["queued"] == 1)
-        .await;
+    gw.wait_queued("p", 1, "waiter parked").await;
     clock.advance(50);
     let r = finish("the 50 ms waiter", w).await;
     assert_header(&r, "x-nthpool-queued-ms", Some("50"));
     expect_error(r, 504, "queue_timeout").await;
-    gw.wait_state("p", "waiter gone", |s| s["queued"] == 0)
-        .await;
+    gw.wait_queued("p", 0, "waiter gone").await;
 
     // Header 50, body 5000: still waiting after 4999 ms, and gets the slot when it frees.
-    let w = tokio::spawn(
+    let w = spawn_send(
         keyed(&gw, "p", "acquire")
             .header("x-nthpool-queue-timeout-ms", "50")
-            .json(&json!({"waitMs": 5000}))
-            .send(),
+            .json(&json!({"waitMs": 5000})),
     );
-    gw.wait_state("p", "waiter parked", |s| s["queued"] == 1)
-        .await;
+    gw.wait_queued("p", 1, "waiter parked").await;
     clock.advance(4_999);
     assert_eq!(gw.state("p").await["queued"], 1);
     assert!(released(&gw, "p", &slot(&held), None).await);
@@ -337,20 +330,14 @@ async fn wait_ms_is_clamped_to_the_pool_queue_timeout() {
     .await;
     let _held = grant(&gw, "p").await;
     let w = spawn_waiter(&gw, "p", 3_600_000);
-    gw.wait_state("p", "waiter parked", |s| s["queued"] == 1)
-        .await;
+    gw.wait_queued("p", 1, "waiter parked").await;
     clock.advance(100);
     let r = finish("the clamped waiter", w).await;
     assert_header(&r, "x-nthpool-queued-ms", Some("100"));
     expect_error(r, 504, "queue_timeout").await;
 
-    let w = tokio::spawn(
-        keyed(&gw, "p", "acquire")
-            .header("x-nthpool-queue-timeout-ms", "3600000")
-            .send(),
-    );
-    gw.wait_state("p", "waiter parked", |s| s["queued"] == 1)
-        .await;
+    let w = spawn_send(keyed(&gw, "p", "acquire").header("x-nthpool-queue-timeout-ms", "3600000"));
+    gw.wait_queued("p", 1, "waiter parked").await;
     clock.advance(100);
     let r = finish("the clamped header waiter", w).await;
     assert_header(&r, "x-nthpool-queued-ms", Some("100"));
@@ -364,8 +351,7 @@ async fn a_full_queue_refuses_lock_waiters_with_429() {
     let (gw, clock) = clocked(&pool_toml("p", &up.url(), "limit = 1\nqueue_size = 1")).await;
     let _held = grant(&gw, "p").await;
     let first = spawn_waiter(&gw, "p", 1000);
-    gw.wait_state("p", "first waiter parked", |s| s["queued"] == 1)
-        .await;
+    gw.wait_queued("p", 1, "first waiter parked").await;
     let r = send(keyed(&gw, "p", "acquire").json(&json!({"waitMs": 1000}))).await;
     assert_header(&r, "x-nthpool-remaining-slots", Some("0"));
     let e = expect_error(r, 429, "too_many_requests").await;
@@ -390,13 +376,11 @@ async fn body_priority_overtakes_queued_normal_waiters() {
     let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
     let held = grant(&gw, "p").await;
     let normal = spawn_waiter(&gw, "p", 10_000);
-    gw.wait_state("p", "normal waiter parked", |s| s["queued"] == 1)
-        .await;
-    let high = tokio::spawn(
+    gw.wait_queued("p", 1, "normal waiter parked").await;
+    let high = spawn_send(
         keyed(&gw, "p", "acquire")
             .header("x-nthpool-priority", "low")
-            .json(&json!({"waitMs": 10_000, "priority": "high"}))
-            .send(),
+            .json(&json!({"waitMs": 10_000, "priority": "high"})),
     );
     let s = gw
         .wait_state("p", "high waiter parked", |s| s["queued"] == 2)
@@ -423,11 +407,9 @@ async fn a_waiter_that_goes_away_leaves_the_queue() {
     let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
     let held = grant(&gw, "p").await;
     let w = spawn_waiter(&gw, "p", 10_000);
-    gw.wait_state("p", "waiter parked", |s| s["queued"] == 1)
-        .await;
+    gw.wait_queued("p", 1, "waiter parked").await;
     w.abort();
-    gw.wait_state("p", "waiter gone", |s| s["queued"] == 0)
-        .await;
+    gw.wait_queued("p", 0, "waiter gone").await;
     assert!(released(&gw, "p", &slot(&held), None).await);
     let s = gw.state("p").await;
     assert_eq!(s["inFlight"], 0, "no slot went to the vanished waiter");
@@ -490,7 +472,7 @@ async fn authorization_forms_follow_the_pool_auth_accept() {
     )
     .await;
     assert_eq!(r.status(), 200);
-    let r = send(keyed(&gw, "p", "acquire")).await;
+    let r = acquire(&gw, "p").await;
     expect_error(r, 401, "unauthorized").await;
     let r = send(lock_post(&gw, "p", &format!("{id}/release")).bearer_auth(KEY)).await;
     assert_eq!(r.json::<Value>().await.unwrap(), json!({"released": true}));
@@ -757,7 +739,7 @@ async fn a_release_that_freed_nothing_teaches_nothing_and_pauses_are_capped() {
         s["effectiveLimit"], 4,
         "a bogus release taught the limit: {s}"
     );
-    assert_eq!(send(keyed(&gw, "p", "acquire")).await.status(), 200);
+    assert_eq!(acquire(&gw, "p").await.status(), 200);
 
     // A real release reports once, and its pause is capped.
     let gw2 = gateway(&pool_toml("q", &up.url(), "limit = 4\nmax_pause_ms = 5000")).await;
@@ -792,7 +774,7 @@ async fn a_reported_throttle_pauses_admission() {
         )
         .await
     );
-    let r = send(keyed(&gw, "p", "acquire")).await;
+    let r = acquire(&gw, "p").await;
     assert_header(&r, "retry-after", Some("2"));
     assert!(header(&r, "x-nthpool-effective-limit").is_some());
     expect_error(r, 429, "too_many_requests").await;
@@ -811,17 +793,17 @@ async fn a_reported_throttle_pauses_admission() {
     );
     // Even a waiter cannot get in during the pause, but is admitted when it ends.
     let w = spawn_waiter(&gw, "p", 10_000);
-    gw.wait_state("p", "waiter parked behind the pause", |s| s["queued"] == 1)
+    gw.wait_queued("p", 1, "waiter parked behind the pause")
         .await;
     clock.advance(1_999);
-    let r = send(keyed(&gw, "p", "acquire")).await;
+    let r = acquire(&gw, "p").await;
     assert_header(&r, "retry-after", Some("1"));
     expect_error(r, 429, "too_many_requests").await;
     clock.advance(1);
     let r = finish("the waiter behind the pause", w).await;
     assert_eq!(r.status(), 200);
     assert_header(&r, "x-nthpool-queued-ms", Some("2000"));
-    let r = send(keyed(&gw, "p", "acquire")).await;
+    let r = acquire(&gw, "p").await;
     assert_eq!(r.status(), 200);
     assert!(gw.state("p").await["pausedUntil"].is_null());
 }
@@ -844,7 +826,7 @@ async fn release_headers_are_parsed_and_rate_wins_over_them() {
     assert!(released(&gw, "p", &id, Some(report)).await);
     let s = gw.state("p").await;
     assert_eq!(s["pausedUntil"], T0 + 30_000, "{s}");
-    let r = send(keyed(&gw, "p", "acquire")).await;
+    let r = acquire(&gw, "p").await;
     assert_header(&r, "retry-after", Some("30"));
     expect_error(r, 429, "too_many_requests").await;
     clock.advance(30_000);
@@ -913,8 +895,7 @@ async fn an_unrenewed_lease_is_reclaimed_at_its_deadline() {
     let g = grant(&gw, "p").await;
     assert_eq!(g["leaseDeadline"], T0 + 30_000);
     let w = spawn_waiter(&gw, "p", 600_000);
-    gw.wait_state("p", "waiter parked", |s| s["queued"] == 1)
-        .await;
+    gw.wait_queued("p", 1, "waiter parked").await;
     clock.advance(29_999);
     let s = gw.state("p").await;
     assert_eq!(
@@ -947,8 +928,7 @@ async fn an_unrenewed_lease_is_reclaimed_for_real() {
     let g = grant(&gw, "p").await;
     assert_eq!(g["termMs"], 200);
     assert_eq!(g["renewIntervalMs"], 100);
-    gw.wait_state("p", "the unrenewed slot reclaimed", |s| s["inFlight"] == 0)
-        .await;
+    gw.wait_freed("p", "the unrenewed slot reclaimed").await;
     expect_error(renew(&gw, "p", &slot(&g)).await, 404, "not_found").await;
     assert!(!released(&gw, "p", &slot(&g), None).await);
     grant(&gw, "p").await;
@@ -965,12 +945,11 @@ async fn lock_paths_on_a_pool_host_go_upstream() {
         "/pools/p/lock/acquire",
         "/pools/p/lock/0123456789abcdef0123456789abcdef/renew",
     ] {
-        let r = gw
-            .pool("p", Method::POST, path)
-            .header("x-nthpool-key", KEY)
-            .send()
-            .await
-            .unwrap();
+        let r = send(
+            gw.pool("p", Method::POST, path)
+                .header("x-nthpool-key", KEY),
+        )
+        .await;
         assert_eq!(r.status(), 200);
         assert_eq!(r.text().await.unwrap(), "ok", "the upstream answered");
     }
@@ -984,8 +963,7 @@ async fn lock_paths_on_a_pool_host_go_upstream() {
         ]
     );
     assert!(seen.iter().all(|s| s.method == "POST"));
-    gw.wait_state("p", "no slot left held", |s| s["inFlight"] == 0)
-        .await;
+    gw.wait_freed("p", "no slot left held").await;
 }
 
 /// Locks and proxied requests count against one limit.
@@ -994,10 +972,10 @@ async fn locks_and_proxied_requests_share_one_limit() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("p", &up.url(), "limit = 2")).await;
     let lock = grant(&gw, "p").await;
-    let proxied = tokio::spawn(gw.get("p", "/hold").header("x-seq", "held").send());
+    let proxied = gw.hold("p", "held");
     up.wait_arrivals(1).await;
 
-    let r = send(keyed(&gw, "p", "acquire")).await;
+    let r = acquire(&gw, "p").await;
     assert_header(&r, "x-nthpool-remaining-slots", Some("0"));
     assert_header(&r, "x-nthpool-effective-limit", Some("2"));
     expect_error(r, 429, "too_many_requests").await;
@@ -1021,7 +999,7 @@ async fn locks_and_proxied_requests_share_one_limit() {
         200
     );
     assert!(released(&gw, "p", &slot(&again), None).await);
-    gw.wait_state("p", "idle", |s| s["inFlight"] == 0).await;
+    gw.wait_freed("p", "idle").await;
 }
 
 /// One FIFO queue for both: a queued lock and a queued proxied request are admitted in their
@@ -1034,11 +1012,9 @@ async fn queued_locks_and_proxied_requests_are_admitted_in_arrival_order() {
     // Lock first, then the proxied request.
     let holder = grant(&gw, "p").await;
     let lock = spawn_waiter(&gw, "p", 10_000);
-    gw.wait_state("p", "lock parked", |s| s["queued"] == 1)
-        .await;
-    let proxied = tokio::spawn(gw.get("p", "/hold").header("x-seq", "proxy-1").send());
-    gw.wait_state("p", "proxy parked", |s| s["queued"] == 2)
-        .await;
+    gw.wait_queued("p", 1, "lock parked").await;
+    let proxied = gw.hold("p", "proxy-1");
+    gw.wait_queued("p", 2, "proxy parked").await;
     assert!(released(&gw, "p", &slot(&holder), None).await);
     let r = finish("the queued lock", lock).await;
     assert_eq!(r.status(), 200, "the lock came first");
@@ -1059,16 +1035,14 @@ async fn queued_locks_and_proxied_requests_are_admitted_in_arrival_order() {
         finish("the queued proxy request", proxied).await.status(),
         200
     );
-    gw.wait_state("p", "idle", |s| s["inFlight"] == 0).await;
+    gw.wait_freed("p", "idle").await;
 
     // Proxied request first, then the lock.
     let holder = grant(&gw, "p").await;
-    let proxied = tokio::spawn(gw.get("p", "/hold").header("x-seq", "proxy-2").send());
-    gw.wait_state("p", "proxy parked", |s| s["queued"] == 1)
-        .await;
+    let proxied = gw.hold("p", "proxy-2");
+    gw.wait_queued("p", 1, "proxy parked").await;
     let lock = spawn_waiter(&gw, "p", 10_000);
-    gw.wait_state("p", "lock parked", |s| s["queued"] == 2)
-        .await;
+    gw.wait_queued("p", 2, "lock parked").await;
     assert!(released(&gw, "p", &slot(&holder), None).await);
     up.wait_arrivals(2).await;
     assert_eq!(up.arrivals(), vec!["proxy-1", "proxy-2"]);
@@ -1095,12 +1069,7 @@ async fn acquire_attempts_are_access_logged_renew_and_release_are_not() {
     let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
     let id = slot(&grant(&gw, "p").await);
     assert!(renewed(&gw, "p", &id).await > 0);
-    expect_error(
-        send(keyed(&gw, "p", "acquire")).await,
-        429,
-        "too_many_requests",
-    )
-    .await;
+    expect_error(acquire(&gw, "p").await, 429, "too_many_requests").await;
     let r = send(keyed(&gw, "p", "acquire").json(&json!({"waitMs": 20}))).await;
     expect_error(r, 504, "queue_timeout").await;
     expect_error(
@@ -1164,7 +1133,7 @@ async fn an_announced_budget_is_spent_then_holds_admission_until_its_reset() {
     // 10 left, 1 kept back: 9 go out at once, with a slot to spare; the 10th waits.
     let mut granted = 0;
     let refused = loop {
-        let r = send(keyed(&gw, "p", "acquire")).await;
+        let r = acquire(&gw, "p").await;
         if r.status() != 200 {
             break r;
         }
@@ -1180,5 +1149,5 @@ async fn an_announced_budget_is_spent_then_holds_admission_until_its_reset() {
         "holding back for a budget is not a pause: {s}"
     );
     clock.advance(10_000);
-    assert_eq!(send(keyed(&gw, "p", "acquire")).await.status(), 200);
+    assert_eq!(acquire(&gw, "p").await.status(), 200);
 }

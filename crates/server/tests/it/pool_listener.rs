@@ -2,7 +2,7 @@
 //! host whatever its `Host` header, so clients that cannot set `Host` (SDKs, Node's `fetch`)
 //! reach a pool with a plain base URL. Set in the config file or through the admin API.
 
-use nthbouncer_testkit::{gateway, pool_toml, Upstream, KEY};
+use nthbouncer_testkit::{gateway, pool_toml, send, Upstream, KEY};
 use serde_json::json;
 
 /// A plain request to `addr`: its `Host` is that address, as any SDK would send it.
@@ -46,7 +46,7 @@ async fn a_config_pool_is_served_on_its_own_listener_whatever_the_host() {
     let paths: Vec<String> = up.seen().iter().map(|s| s.path.clone()).collect();
     assert_eq!(paths, ["/v1/echo-me", "/admin/pools"]);
     // The main listener still routes by host.
-    assert_eq!(gw.get("p", "/x").send().await.unwrap().status(), 200);
+    assert_eq!(send(gw.get("p", "/x")).await.status(), 200);
 }
 
 #[tokio::test]

@@ -17,17 +17,16 @@ async fn upstream_sees_managed_credentials_never_our_headers() {
         pool_toml("p", &up.url(), "limit = 2")
     );
     let gw = gateway(&toml).await;
-    let r = gw
-        .get("p", "/echo?a=1&b=two")
-        .header("authorization", "Bearer caller-supplied")
-        .header("x-nthpool-priority", "high")
-        .header("connection", "x-hop-secret")
-        .header("x-hop-secret", "must-not-cross")
-        .header("x-forwarded-for", "10.9.9.9")
-        .header("x-custom", "kept")
-        .send()
-        .await
-        .unwrap();
+    let r = send(
+        gw.get("p", "/echo?a=1&b=two")
+            .header("authorization", "Bearer caller-supplied")
+            .header("x-nthpool-priority", "high")
+            .header("connection", "x-hop-secret")
+            .header("x-hop-secret", "must-not-cross")
+            .header("x-forwarded-for", "10.9.9.9")
+            .header("x-custom", "kept"),
+    )
+    .await;
     assert_eq!(r.status(), 200);
     // The upstream's own hop-by-hop response headers do not reach the caller either.
     assert!(!r.headers().contains_key("x-upstream-hop"));
@@ -68,15 +67,14 @@ async fn pool_key_in_authorization_is_not_forwarded() {
     );
     let gw = gateway(&toml).await;
     // The header form is not accepted by this pool.
-    let r = gw.get("p", "/echo").send().await.unwrap();
+    let r = send(gw.get("p", "/echo")).await;
     assert_eq!(r.status(), 401);
     for scheme in ["Bearer", "Nthbouncer"] {
-        let r = gw
-            .pool("p", Method::GET, "/echo")
-            .header("authorization", format!("{scheme} {KEY}"))
-            .send()
-            .await
-            .unwrap();
+        let r = send(
+            gw.pool("p", Method::GET, "/echo")
+                .header("authorization", format!("{scheme} {KEY}")),
+        )
+        .await;
         assert_eq!(r.status(), 200, "{scheme}");
         let echo: serde_json::Value = r.json().await.unwrap();
         assert!(
@@ -90,7 +88,7 @@ async fn pool_key_in_authorization_is_not_forwarded() {
 async fn upstream_base_path_is_prefixed() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("p", &format!("{}/base/", up.url()), "")).await;
-    let r = gw.get("p", "/x/y?z=1").send().await.unwrap();
+    let r = send(gw.get("p", "/x/y?z=1")).await;
     assert_eq!(r.status(), 200);
     assert_eq!(up.seen()[0].path, "/base/x/y?z=1");
 }
@@ -99,14 +97,13 @@ async fn upstream_base_path_is_prefixed() {
 async fn lock_paths_on_a_pool_host_are_proxied() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("p", &up.url(), "")).await;
-    let r = gw
-        .pool("p", Method::POST, "/pools/p/lock/acquire")
-        .header("x-nthpool-key", KEY)
-        .send()
-        .await
-        .unwrap();
+    let r = send(
+        gw.pool("p", Method::POST, "/pools/p/lock/acquire")
+            .header("x-nthpool-key", KEY),
+    )
+    .await;
     assert_eq!(r.status(), 200);
-    let r = gw.get("p", "/admin/pools").send().await.unwrap();
+    let r = send(gw.get("p", "/admin/pools")).await;
     assert_eq!(r.status(), 200);
     let paths: Vec<String> = up.seen().into_iter().map(|s| s.path).collect();
     assert_eq!(paths, vec!["/pools/p/lock/acquire", "/admin/pools"]);
@@ -116,7 +113,7 @@ async fn lock_paths_on_a_pool_host_are_proxied() {
 async fn sse_stream_holds_its_slot_until_it_ends() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
-    let mut resp = gw.get("p", "/sse?n=3").send().await.unwrap();
+    let mut resp = send(gw.get("p", "/sse?n=3")).await;
     assert_eq!(resp.status(), 200);
     up.release(1);
     let first = resp.chunk().await.unwrap().unwrap();
@@ -133,8 +130,7 @@ async fn sse_stream_holds_its_slot_until_it_ends() {
         String::from_utf8(rest).unwrap(),
         "data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
     );
-    gw.wait_state("p", "slot freed at stream end", |s| s["inFlight"] == 0)
-        .await;
+    gw.wait_freed("p", "slot freed at stream end").await;
     assert_eq!(send(gw.no_queue("p", "/")).await.status(), 200);
 }
 
@@ -154,10 +150,8 @@ async fn a_client_killed_mid_request_frees_its_slot_when_the_upstream_answers() 
     assert_eq!(send(gw.no_queue("p", "/")).await.status(), 429);
     // Its answer frees the slot, and the pool serves again.
     up.release(1);
-    gw.wait_state("p", "slot freed once the upstream answered", |s| {
-        s["inFlight"] == 0
-    })
-    .await;
+    gw.wait_freed("p", "slot freed once the upstream answered")
+        .await;
     assert_eq!(send(gw.no_queue("p", "/")).await.status(), 200);
     assert_eq!(up.max_in_flight(), 1);
 }
@@ -171,19 +165,14 @@ async fn a_client_killed_mid_request_to_a_hung_upstream_frees_its_slot_at_the_ti
         "limit = 1\nrequest_timeout_ms = 300",
     ))
     .await;
-    let task = tokio::spawn(gw.get("p", "/hold").header("x-seq", "doomed").send());
+    let task = gw.hold("p", "doomed");
     up.wait_arrivals(1).await;
     task.abort();
-    gw.wait_state("p", "slot freed at the request timeout", |s| {
-        s["inFlight"] == 0
-    })
-    .await;
+    gw.wait_freed("p", "slot freed at the request timeout")
+        .await;
     // The upstream call was cancelled with it.
-    eventually("upstream request cancelled", async || {
-        (up.in_flight() == 0).then_some(())
-    })
-    .await;
-    let r = gw.get("p", "/").send().await.unwrap();
+    up.wait_in_flight(0, "upstream request cancelled").await;
+    let r = send(gw.get("p", "/")).await;
     assert_eq!(r.status(), 200);
 }
 
@@ -191,17 +180,15 @@ async fn a_client_killed_mid_request_to_a_hung_upstream_frees_its_slot_at_the_ti
 async fn a_client_killed_while_queued_leaves_the_queue() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
-    let held = tokio::spawn(gw.get("p", "/hold").header("x-seq", "holder").send());
+    let held = gw.hold("p", "holder");
     up.wait_arrivals(1).await;
-    let waiter = tokio::spawn(gw.get("p", "/hold").header("x-seq", "waiter").send());
-    gw.wait_state("p", "waiter parked", |s| s["queued"] == 1)
-        .await;
+    let waiter = gw.hold("p", "waiter");
+    gw.wait_queued("p", 1, "waiter parked").await;
     waiter.abort();
-    gw.wait_state("p", "waiter gone", |s| s["queued"] == 0)
-        .await;
+    gw.wait_queued("p", 0, "waiter gone").await;
     up.release(1);
-    assert_eq!(held.await.unwrap().unwrap().status(), 200);
-    gw.wait_state("p", "idle", |s| s["inFlight"] == 0).await;
+    assert_eq!(held.await.unwrap().status(), 200);
+    gw.wait_freed("p", "idle").await;
     // The vanished waiter never reached the upstream.
     assert_eq!(up.arrivals(), vec!["holder"]);
 }
@@ -283,8 +270,7 @@ async fn oversized_bodies_get_413() {
     let body = reqwest::Body::wrap_stream(futures_util::stream::iter(chunks));
     let r = send(post_body().body(body)).await;
     assert_eq!(r.status(), 413);
-    gw.wait_state("p", "slot freed", |s| s["inFlight"] == 0)
-        .await;
+    gw.wait_freed("p", "slot freed").await;
     // Within the limit: fine.
     let r = send(post_body().body(vec![b'x'; 1000])).await;
     assert_eq!(r.status(), 200);
@@ -340,8 +326,7 @@ async fn unreachable_and_slow_upstreams() {
 
     let r = send(gw.get("slow", "/hold").header("x-seq", "h")).await;
     expect_error(r, 504, "upstream_timeout").await;
-    gw.wait_state("slow", "slot freed", |s| s["inFlight"] == 0)
-        .await;
+    gw.wait_freed("slow", "slot freed").await;
     up.release(1);
 }
 
@@ -350,7 +335,7 @@ async fn unreachable_and_slow_upstreams() {
 async fn a_stream_past_the_request_timeout_is_cut() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("p", &up.url(), "request_timeout_ms = 300")).await;
-    let mut resp = gw.get("p", "/sse?n=5").send().await.unwrap();
+    let mut resp = send(gw.get("p", "/sse?n=5")).await;
     up.release(1);
     assert!(resp.chunk().await.unwrap().is_some());
     // No more permits: the upstream stalls; the gateway cuts the body at the deadline.
@@ -365,8 +350,7 @@ async fn a_stream_past_the_request_timeout_is_cut() {
         }
     }
     assert!(ended);
-    gw.wait_state("p", "slot freed", |s| s["inFlight"] == 0)
-        .await;
+    gw.wait_freed("p", "slot freed").await;
     up.release(10);
 }
 
@@ -423,15 +407,15 @@ async fn idle_upstream_connections_are_retired() {
     let mut toml = pool_toml("p", &up.url(), "");
     toml.insert_str(0, "[server]\nupstream_idle_timeout_ms = 100\n");
     let gw = gateway(&toml).await;
-    assert_eq!(gw.get("p", "/").send().await.unwrap().status(), 200);
-    assert_eq!(gw.get("p", "/").send().await.unwrap().status(), 200);
+    assert_eq!(send(gw.get("p", "/")).await.status(), 200);
+    assert_eq!(send(gw.get("p", "/")).await.status(), 200);
     assert_eq!(
         up.state.connections.load(Ordering::SeqCst),
         1,
         "keep-alive reuses the connection"
     );
     tokio::time::sleep(Duration::from_millis(400)).await;
-    assert_eq!(gw.get("p", "/").send().await.unwrap().status(), 200);
+    assert_eq!(send(gw.get("p", "/")).await.status(), 200);
     assert_eq!(
         up.state.connections.load(Ordering::SeqCst),
         2,
@@ -448,7 +432,7 @@ async fn many_clients_never_exceed_the_limit() {
     for _ in 0..40 {
         let g = gw.clone();
         tasks.push(tokio::spawn(async move {
-            g.get("p", "/sleep?ms=5").send().await.unwrap().status()
+            send(g.get("p", "/sleep?ms=5")).await.status()
         }));
     }
     for t in tasks {
@@ -482,13 +466,10 @@ async fn a_client_that_stops_reading_is_cut_off_at_the_deadline() {
     let n = stalled.read(&mut first).await.unwrap();
     assert!(first[..n].starts_with(b"HTTP/1.1 200"), "the head arrived");
     // From here on nothing is read: the socket buffers fill and the body is no longer polled.
-    eventually("the upstream stream is cut at the deadline", async || {
-        (up.in_flight() == 0).then_some(())
-    })
-    .await;
-    gw.wait_state("p", "the slot is freed", |s| s["inFlight"] == 0)
+    up.wait_in_flight(0, "the upstream stream is cut at the deadline")
         .await;
-    let r = gw.get("p", "/").send().await.unwrap();
+    gw.wait_freed("p", "the slot is freed").await;
+    let r = send(gw.get("p", "/")).await;
     assert_eq!(r.status(), 200);
     drop(stalled);
 }
@@ -509,20 +490,19 @@ async fn a_hung_call_frees_its_slot_only_once_its_connection_is_closed() {
     ))
     .await;
     for round in 0..5 {
-        let hung = tokio::spawn(gw.get("p", "/hang").send());
+        let hung = spawn_send(gw.get("p", "/hang"));
         eventually("the hung call reached the origin", async || {
             (up.in_flight() >= 1).then_some(())
         })
         .await;
-        let next = tokio::spawn(gw.get("p", "/sleep?ms=5").send());
-        assert_eq!(hung.await.unwrap().unwrap().status(), 504, "round {round}");
-        assert_eq!(next.await.unwrap().unwrap().status(), 200, "round {round}");
+        let next = spawn_send(gw.get("p", "/sleep?ms=5"));
+        assert_eq!(hung.await.unwrap().status(), 504, "round {round}");
+        assert_eq!(next.await.unwrap().status(), 200, "round {round}");
         assert!(
             up.max_in_flight() <= 1,
             "round {round}: the origin had {} open calls at once",
             up.max_in_flight()
         );
     }
-    gw.wait_state("p", "the slot is freed", |s| s["inFlight"] == 0)
-        .await;
+    gw.wait_freed("p", "the slot is freed").await;
 }
