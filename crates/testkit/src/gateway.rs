@@ -152,6 +152,26 @@ impl Gateway {
         .await
     }
 
+    /// An admin POST of `body`: the status and the JSON body.
+    pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        self.admin(reqwest::Method::POST, path, Some(body)).await
+    }
+
+    /// An admin PUT of `body`: the status and the JSON body.
+    pub async fn put(&self, path: &str, body: Value) -> (u16, Value) {
+        self.admin(reqwest::Method::PUT, path, Some(body)).await
+    }
+
+    /// An admin PATCH of `body`: the status and the JSON body.
+    pub async fn patch(&self, path: &str, body: Value) -> (u16, Value) {
+        self.admin(reqwest::Method::PATCH, path, Some(body)).await
+    }
+
+    /// An admin DELETE: the status and the JSON body.
+    pub async fn delete(&self, path: &str) -> (u16, Value) {
+        self.admin(reqwest::Method::DELETE, path, None).await
+    }
+
     /// The JSON body of an admin GET (the status is not checked; the body must be JSON).
     pub async fn admin_json(&self, path: &str) -> Value {
         json_of(send(self.api(reqwest::Method::GET, path)).await).await

@@ -30,9 +30,7 @@ async fn pools_crud_applies_without_restart() {
         "upstream_headers": {"authorization": "Bearer sk-secret-credential"},
         "concurrency": {"limit": 2}
     });
-    let (status, created) = gw
-        .admin(Method::POST, "/admin/pools", Some(body.clone()))
-        .await;
+    let (status, created) = gw.post("/admin/pools", body.clone()).await;
     assert_eq!(status, 201);
     assert_eq!(created["managedBy"], "api");
     assert_eq!(created["concurrency"]["limit"], 2);
@@ -50,7 +48,7 @@ async fn pools_crud_applies_without_restart() {
     assert_eq!(gw.state("made").await["configuredLimit"], 2);
 
     // Duplicate → 409; invalid → 400 naming the field.
-    let create = |b: Value| gw.admin(Method::POST, "/admin/pools", Some(b));
+    let create = |b: Value| gw.post("/admin/pools", b);
     assert_eq!(create(body.clone()).await.0, 409);
     let (status, e) =
         create(json!({"name": "bad", "upstream": up.url(), "concurrency": {"limit": 0}})).await;
@@ -68,9 +66,7 @@ async fn pools_crud_applies_without_restart() {
     // Update: the new limit applies to the live gate.
     let mut updated = body.clone();
     updated["concurrency"]["limit"] = json!(5);
-    let (status, _) = gw
-        .admin(Method::PUT, "/admin/pools/made", Some(updated))
-        .await;
+    let (status, _) = gw.put("/admin/pools/made", updated).await;
     assert_eq!(status, 200);
     assert_eq!(gw.state("made").await["configuredLimit"], 5);
     assert_eq!(
@@ -104,14 +100,10 @@ async fn pools_crud_applies_without_restart() {
             .json(&json!({"upstream": up.url()})),
     );
     expect_error(r.await, 409, "managed_by_config").await;
-    let (status, _) = gw
-        .admin(Method::DELETE, "/admin/pools/fromfile", None)
-        .await;
-    assert_eq!(status, 409);
+    assert_eq!(gw.delete("/admin/pools/fromfile").await.0, 409);
 
     // Delete: gone at once.
-    let (status, _) = gw.admin(Method::DELETE, "/admin/pools/made", None).await;
-    assert_eq!(status, 204);
+    assert_eq!(gw.delete("/admin/pools/made").await.0, 204);
     expect_error(send(gw.get("made", "/")).await, 404, "pool_not_found").await;
     let (status, _) = gw.admin(Method::GET, "/admin/pools/made", None).await;
     assert_eq!(status, 404);
@@ -127,10 +119,7 @@ async fn api_pools_and_keys_survive_a_restart() {
     );
     let gw = gateway(&toml).await;
     let pool = json!({"name": "kept", "upstream": up.url()});
-    assert_eq!(
-        gw.admin(Method::POST, "/admin/pools", Some(pool)).await.0,
-        201
-    );
+    assert_eq!(gw.post("/admin/pools", pool).await.0, 201);
     let key = json_of(send(gw.api(Method::POST, "/admin/pools/kept/keys")).await).await;
     let key = key["key"].as_str().unwrap().to_string();
     gw.running.shutdown().await;
@@ -166,11 +155,11 @@ async fn keys_on_a_config_pool() {
     let config_key = items.iter().find(|k| k["managedBy"] == "config").unwrap();
     let path = format!("/admin/pools/p/keys/{}", config_key["id"].as_str().unwrap());
     assert_eq!(
-        gw.admin(Method::DELETE, &path, None).await.0,
+        gw.delete(&path).await.0,
         409,
         "config keys are revoked by editing the file"
     );
-    let create_key = |b: Value| gw.admin(Method::POST, "/admin/pools/p/keys", Some(b));
+    let create_key = |b: Value| gw.post("/admin/pools/p/keys", b);
     let (status, e) = create_key(json!({"expiresAt": 1})).await;
     assert_eq!(status, 400);
     assert_eq!(e["field"], "expiresAt");
@@ -290,10 +279,9 @@ async fn bad_parameters_are_json_400s_naming_the_field() {
     }
     // A key expiring past what the store can hold.
     let (status, v) = gw
-        .admin(
-            Method::POST,
+        .post(
             "/admin/pools/p/keys",
-            Some(json!({"expiresAt": 9_223_372_036_854_775_808u64})),
+            json!({"expiresAt": 9_223_372_036_854_775_808u64}),
         )
         .await;
     assert_eq!(
@@ -303,10 +291,9 @@ async fn bad_parameters_are_json_400s_naming_the_field() {
     );
     // The largest allowed still works.
     let (status, v) = gw
-        .admin(
-            Method::POST,
+        .post(
             "/admin/pools/p/keys",
-            Some(json!({"expiresAt": 253_402_300_799_999u64})),
+            json!({"expiresAt": 253_402_300_799_999u64}),
         )
         .await;
     assert_eq!(status, 201, "{v}");
@@ -344,7 +331,7 @@ async fn a_pools_get_body_put_back_changes_nothing() {
     ];
     for body in bodies {
         let name = body["name"].as_str().unwrap().to_string();
-        let (status, created) = gw.admin(Method::POST, "/admin/pools", Some(body)).await;
+        let (status, created) = gw.post("/admin/pools", body).await;
         assert_eq!(status, 201, "{created}");
         let path = format!("/admin/pools/{name}");
         let (_, before) = gw.admin(Method::GET, &path, None).await;
@@ -352,7 +339,7 @@ async fn a_pools_get_body_put_back_changes_nothing() {
             !before.to_string().contains("db-password-never-shown"),
             "{before}"
         );
-        let (status, put) = gw.admin(Method::PUT, &path, Some(before.clone())).await;
+        let (status, put) = gw.put(&path, before.clone()).await;
         assert_eq!(status, 200, "{name}: {put}");
         let (_, after) = gw.admin(Method::GET, &path, None).await;
         let strip = |mut v: Value| {
@@ -373,9 +360,7 @@ async fn a_pools_get_body_put_back_changes_nothing() {
     let mut changed = full.clone();
     changed["concurrency"]["limit"] = json!(4);
     changed["access"] = json!({});
-    let (status, v) = gw
-        .admin(Method::PUT, "/admin/pools/full", Some(changed))
-        .await;
+    let (status, v) = gw.put("/admin/pools/full", changed).await;
     assert_eq!(status, 200, "{v}");
     let r = send(gw.get("full", "/echo")).await;
     assert_eq!(r.status(), 200);
@@ -393,9 +378,7 @@ async fn a_pools_get_body_put_back_changes_nothing() {
     // A shortened hash that is none of the pool's keys cannot be turned back into a key.
     let mut bogus = full.clone();
     bogus["keys"] = json!(["sha256:0000000000…"]);
-    let (status, v) = gw
-        .admin(Method::PUT, "/admin/pools/full", Some(bogus))
-        .await;
+    let (status, v) = gw.put("/admin/pools/full", bogus).await;
     assert_eq!((status, v["field"].as_str()), (400, Some("keys[0]")), "{v}");
 }
 
@@ -407,7 +390,7 @@ async fn a_pool_bodys_private_webhook_is_refused() {
         "name": "p", "upstream": NO_UPSTREAM, "async": {"enabled": true},
         "webhooks": [{"url": "http://127.0.0.1:9/hook", "secret": WEBHOOK_SECRET}],
     });
-    let (status, v) = gw.admin(Method::POST, "/admin/pools", Some(body)).await;
+    let (status, v) = gw.post("/admin/pools", body).await;
     assert_eq!(
         (status, v["field"].as_str()),
         (400, Some("webhooks[0].url")),

@@ -295,7 +295,7 @@ async fn purge_by_path_prefix_through_the_admin_api() {
     }
     let purge = async |pool: &str, body: Value| {
         let path = format!("/admin/pools/{pool}/cache/purge");
-        gw.admin(Method::POST, &path, Some(body)).await
+        gw.post(&path, body).await
     };
     let (status, v) = purge("p", json!({"prefix": "/respond/v1/models"})).await;
     assert_eq!((status, v), (200, json!({"purged": 2})));
@@ -389,32 +389,18 @@ async fn settings_changes_through_the_admin_api() {
     let gw = gateway("").await;
     let mut body =
         json!({"name": "p", "upstream": up.url(), "keys": [KEY], "cache": {"ttl_s": 30}});
-    let (status, v) = gw
-        .admin(Method::POST, "/admin/pools", Some(body.clone()))
-        .await;
+    let (status, v) = gw.post("/admin/pools", body.clone()).await;
     assert_eq!(status, 201, "{v}");
     assert_eq!(v["cache"]["ttl_s"], 30, "defaults filled in: {v}");
     assert_eq!(fetch(gw.get("p", "/respond")).await.1, "miss");
     body["concurrency"] = json!({"limit": 3});
-    assert_eq!(
-        gw.admin(Method::PUT, "/admin/pools/p", Some(body.clone()))
-            .await
-            .0,
-        200
-    );
+    assert_eq!(gw.put("/admin/pools/p", body.clone()).await.0, 200);
     assert_eq!(fetch(gw.get("p", "/respond")).await.1, "hit");
     body["cache"]["ttl_s"] = json!(20);
-    assert_eq!(
-        gw.admin(Method::PUT, "/admin/pools/p", Some(body.clone()))
-            .await
-            .0,
-        200
-    );
+    assert_eq!(gw.put("/admin/pools/p", body.clone()).await.0, 200);
     assert_eq!(fetch(gw.get("p", "/respond")).await.1, "miss");
     body["cache"]["max_entry_bytes"] = json!(0);
-    let (status, v) = gw
-        .admin(Method::PUT, "/admin/pools/p", Some(body.clone()))
-        .await;
+    let (status, v) = gw.put("/admin/pools/p", body.clone()).await;
     assert_eq!((status, v["error"].as_str()), (400, Some("invalid")), "{v}");
     assert!(
         v["field"]
@@ -424,10 +410,7 @@ async fn settings_changes_through_the_admin_api() {
         "{v}"
     );
     body.as_object_mut().unwrap().remove("cache");
-    assert_eq!(
-        gw.admin(Method::PUT, "/admin/pools/p", Some(body)).await.0,
-        200
-    );
+    assert_eq!(gw.put("/admin/pools/p", body).await.0, 200);
     let r = send(gw.get("p", "/respond")).await;
     assert_eq!(hdr(&r, "x-nthpool-cache"), None);
     assert!(gw.state("p").await.get("cache").is_none());

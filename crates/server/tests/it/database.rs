@@ -442,7 +442,7 @@ async fn past_max_response_bytes_the_answer_is_507_and_an_unreachable_database_5
         for (k, v) in extra.as_object().unwrap() {
             body[k] = v.clone();
         }
-        let (status, v) = gw.admin(Method::POST, "/admin/pools", Some(body)).await;
+        let (status, v) = gw.post("/admin/pools", body).await;
         seen.keep(status, &Default::default(), &v.to_string());
         assert_eq!((status, v["field"].as_str()), (400, Some(field)), "{v}");
     }

@@ -171,8 +171,7 @@ async fn async_disabled_and_the_fallback_to_sync() {
         "the secret must be masked"
     );
     let dest_path = format!("/admin/pools/p/webhooks/{dest}");
-    let set_active =
-        |active: bool| gw.admin(Method::PATCH, &dest_path, Some(json!({ "active": active })));
+    let set_active = |active: bool| gw.patch(&dest_path, json!({ "active": active }));
     assert_eq!(set_active(false).await.0, 200);
     let r = send(gw.get_async("p", "/status/201")).await;
     assert_eq!(
@@ -368,7 +367,7 @@ async fn destinations_crud_and_cap() {
         pool_toml("p", &up.url(), "")
     ))
     .await;
-    let add = |body: Value| gw.admin(Method::POST, "/admin/pools/p/webhooks", Some(body));
+    let add = |body: Value| gw.post("/admin/pools/p/webhooks", body);
     assert_eq!(
         add(json!({"url": "http://127.0.0.1:9/hook"})).await.0,
         400,
@@ -400,6 +399,6 @@ async fn destinations_crud_and_cap() {
         "/admin/pools/p/webhooks/{}",
         created["id"].as_str().unwrap()
     );
-    assert_eq!(gw.admin(Method::DELETE, &path, None).await.0, 204);
-    assert_eq!(gw.admin(Method::DELETE, &path, None).await.0, 404);
+    assert_eq!(gw.delete(&path).await.0, 204);
+    assert_eq!(gw.delete(&path).await.0, 404);
 }

@@ -49,9 +49,7 @@ async fn status_with_key(gw: &Gateway, key: &str) -> u16 {
 async fn a_key_revoked_while_the_pool_is_updated_stays_revoked() {
     let up = Upstream::start().await;
     let gw = gateway("[server]\ntrusted_proxies = [\"127.0.0.1/32\"]\n").await;
-    let (status, _) = gw
-        .admin(Method::POST, "/admin/pools", Some(spec(&up.url(), 0)))
-        .await;
+    let (status, _) = gw.post("/admin/pools", spec(&up.url(), 0)).await;
     assert_eq!(status, 201);
     let mut keys = Vec::new();
     let labels: Vec<Value> = (0..KEYS)
@@ -61,7 +59,7 @@ async fn a_key_revoked_while_the_pool_is_updated_stays_revoked() {
         let created = join_all(
             chunk
                 .iter()
-                .map(|l| gw.admin(Method::POST, "/admin/pools/racy/keys", Some(l.clone()))),
+                .map(|l| gw.post("/admin/pools/racy/keys", l.clone())),
         )
         .await;
         for (status, k) in created {
@@ -82,16 +80,13 @@ async fn a_key_revoked_while_the_pool_is_updated_stays_revoked() {
             .iter()
             .map(|(id, _)| format!("/admin/pools/racy/keys/{id}"))
             .collect();
-        let revokes = join_all(paths.iter().map(|p| gw.admin(Method::DELETE, p, None)));
-        let updates = join_all(
-            (1..=UPDATES)
-                .map(|n| gw.admin(Method::PUT, "/admin/pools/racy", Some(spec(&up.url(), n)))),
-        );
+        let revokes = join_all(paths.iter().map(|p| gw.delete(p)));
+        let updates =
+            join_all((1..=UPDATES).map(|n| gw.put("/admin/pools/racy", spec(&up.url(), n))));
         let adds = join_all((0..ADDS).map(|i| {
-            gw.admin(
-                Method::POST,
+            gw.post(
                 "/admin/pools/racy/keys",
-                Some(json!({"label": format!("late{i}")})),
+                json!({"label": format!("late{i}")}),
             )
         }));
         let (revokes, updates, adds) = tokio::join!(revokes, updates, adds);
@@ -108,10 +103,7 @@ async fn a_key_revoked_while_the_pool_is_updated_stays_revoked() {
     }
 
     // The concurrent updates arrived in any order; one more settles the spec's own keys.
-    let (status, _) = gw
-        .admin(Method::PUT, "/admin/pools/racy", Some(spec(&up.url(), 0)))
-        .await;
-    assert_eq!(status, 200);
+    assert_eq!(gw.put("/admin/pools/racy", spec(&up.url(), 0)).await.0, 200);
 
     let mut came_back = Vec::new();
     for (id, key) in &revoked {

@@ -127,10 +127,8 @@ fn is_slot_id(s: &str) -> bool {
 /// work.
 #[tokio::test]
 async fn grant_has_the_seed_fields_exact_deadlines_and_governor_headers() {
-    let up = Upstream::start().await;
-    let (gw, clock) = clocked(&pool_toml(
+    let (gw, clock) = clocked(&lock_pool_toml(
         "p",
-        &up.url(),
         "limit = 3\nlease_term_ms = 20000\nrenew_interval_ms = 5000\nrequest_timeout_ms = 90000",
     ))
     .await;
@@ -193,8 +191,7 @@ async fn grant_has_the_seed_fields_exact_deadlines_and_governor_headers() {
 /// minute is spent carries the exact `Retry-After`.
 #[tokio::test]
 async fn rpm_pool_grants_carry_rpm_remaining_and_refusals_an_exact_retry_after() {
-    let up = Upstream::start().await;
-    let (gw, clock) = clocked(&pool_toml("p", &up.url(), "limit = 5\nrpm = 2")).await;
+    let (gw, clock) = clocked(&lock_pool_toml("p", "limit = 5\nrpm = 2")).await;
     for left in ["1", "0"] {
         let r = acquire(&gw, "p").await;
         assert_eq!(r.status(), 200);
@@ -223,8 +220,7 @@ async fn rpm_pool_grants_carry_rpm_remaining_and_refusals_an_exact_retry_after()
 /// governor headers, `Retry-After` only once an estimate exists (here: one measured hold of 4 s).
 #[tokio::test]
 async fn acquire_fails_fast_by_default_with_429_and_governor_headers() {
-    let up = Upstream::start().await;
-    let (gw, clock) = clocked(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let (gw, clock) = clocked(&lock_pool_toml("p", "limit = 1")).await;
     let held = grant(&gw, "p").await;
     let r = acquire(&gw, "p").await;
     assert_header(&r, "x-nthpool-remaining-slots", Some("0"));
@@ -247,8 +243,7 @@ async fn acquire_fails_fast_by_default_with_429_and_governor_headers() {
 /// the governor headers, and the waiter has left the queue.
 #[tokio::test]
 async fn wait_ms_on_a_busy_pool_ends_in_504_queue_timeout() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let gw = gateway(&lock_pool_toml("p", "limit = 1")).await;
     let held = grant(&gw, "p").await;
     let r = send(keyed(&gw, "p", "acquire").json(&json!({"waitMs": 50}))).await;
     assert_header(&r, "x-nthpool-remaining-slots", Some("0"));
@@ -265,8 +260,7 @@ async fn wait_ms_on_a_busy_pool_ends_in_504_queue_timeout() {
 /// The body's `waitMs` beats `X-Nthpool-Queue-Timeout-Ms` both ways (exact on a manual clock).
 #[tokio::test]
 async fn body_wait_ms_beats_the_queue_timeout_header() {
-    let up = Upstream::start().await;
-    let (gw, clock) = clocked(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let (gw, clock) = clocked(&lock_pool_toml("p", "limit = 1")).await;
     let held = grant(&gw, "p").await;
 
     // Header 5000, body 50: times out after 50 ms.
@@ -303,8 +297,7 @@ async fn body_wait_ms_beats_the_queue_timeout_header() {
 /// hang, so an answer at all proves there was none).
 #[tokio::test]
 async fn no_queue_header_beats_wait_ms() {
-    let up = Upstream::start().await;
-    let (gw, _clock) = clocked(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let (gw, _clock) = clocked(&lock_pool_toml("p", "limit = 1")).await;
     let _held = grant(&gw, "p").await;
     let r = send(
         keyed(&gw, "p", "acquire")
@@ -321,13 +314,7 @@ async fn no_queue_header_beats_wait_ms() {
 /// header alike.
 #[tokio::test]
 async fn wait_ms_is_clamped_to_the_pool_queue_timeout() {
-    let up = Upstream::start().await;
-    let (gw, clock) = clocked(&pool_toml(
-        "p",
-        &up.url(),
-        "limit = 1\nqueue_timeout_ms = 100",
-    ))
-    .await;
+    let (gw, clock) = clocked(&lock_pool_toml("p", "limit = 1\nqueue_timeout_ms = 100")).await;
     let _held = grant(&gw, "p").await;
     let w = spawn_waiter(&gw, "p", 3_600_000);
     gw.wait_queued("p", 1, "waiter parked").await;
@@ -347,8 +334,7 @@ async fn wait_ms_is_clamped_to_the_pool_queue_timeout() {
 /// A waiter that finds the queue full is refused at once with 429 too_many_requests.
 #[tokio::test]
 async fn a_full_queue_refuses_lock_waiters_with_429() {
-    let up = Upstream::start().await;
-    let (gw, clock) = clocked(&pool_toml("p", &up.url(), "limit = 1\nqueue_size = 1")).await;
+    let (gw, clock) = clocked(&lock_pool_toml("p", "limit = 1\nqueue_size = 1")).await;
     let _held = grant(&gw, "p").await;
     let first = spawn_waiter(&gw, "p", 1000);
     gw.wait_queued("p", 1, "first waiter parked").await;
@@ -372,8 +358,7 @@ async fn a_full_queue_refuses_lock_waiters_with_429() {
 /// The body's `priority` (which beats `X-Nthpool-Priority`) lets a lock waiter overtake.
 #[tokio::test]
 async fn body_priority_overtakes_queued_normal_waiters() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let gw = gateway(&lock_pool_toml("p", "limit = 1")).await;
     let held = grant(&gw, "p").await;
     let normal = spawn_waiter(&gw, "p", 10_000);
     gw.wait_queued("p", 1, "normal waiter parked").await;
@@ -403,8 +388,7 @@ async fn body_priority_overtakes_queued_normal_waiters() {
 /// A waiter whose client goes away leaves the queue and holds nothing.
 #[tokio::test]
 async fn a_waiter_that_goes_away_leaves_the_queue() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let gw = gateway(&lock_pool_toml("p", "limit = 1")).await;
     let held = grant(&gw, "p").await;
     let w = spawn_waiter(&gw, "p", 10_000);
     gw.wait_queued("p", 1, "waiter parked").await;
@@ -423,9 +407,8 @@ async fn a_waiter_that_goes_away_leaves_the_queue() {
 /// per route keeps each address under the failure throttle's bound.)
 #[tokio::test]
 async fn bad_or_missing_keys_get_401_on_every_lock_route() {
-    let up = Upstream::start().await;
     for route in ["acquire", "renew", "release"] {
-        let gw = gateway(&pool_toml("p", &up.url(), "limit = 2")).await;
+        let gw = gateway(&lock_pool_toml("p", "limit = 2")).await;
         let id = slot(&grant(&gw, "p").await);
         let rest = match route {
             "acquire" => "acquire".to_string(),
@@ -457,10 +440,9 @@ async fn bad_or_missing_keys_get_401_on_every_lock_route() {
 /// and then refuses the header form it does not accept.
 #[tokio::test]
 async fn authorization_forms_follow_the_pool_auth_accept() {
-    let up = Upstream::start().await;
     let toml = format!(
         "{}[pools.auth]\naccept = [\"bearer\", \"nthbouncer\"]\n",
-        pool_toml("p", &up.url(), "limit = 2")
+        lock_pool_toml("p", "limit = 2")
     );
     let gw = gateway(&toml).await;
     let r = send(lock_post(&gw, "p", "acquire").bearer_auth(KEY)).await;
@@ -481,8 +463,7 @@ async fn authorization_forms_follow_the_pool_auth_accept() {
 /// An unknown pool is 404 pool_not_found on every lock route.
 #[tokio::test]
 async fn unknown_pool_is_404_pool_not_found() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "")).await;
+    let gw = gateway(&lock_pool_toml("p", "")).await;
     let id = slot(&grant(&gw, "p").await);
     for rest in [
         "acquire".to_string(),
@@ -512,8 +493,7 @@ async fn unknown_pool_is_404_pool_not_found() {
 /// A body over 64 KiB is 413 payload_too_large, declared or streamed; exactly 64 KiB is fine.
 #[tokio::test]
 async fn bodies_over_64_kib_get_413() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 5")).await;
+    let gw = gateway(&lock_pool_toml("p", "limit = 5")).await;
     let padded = |total: usize| {
         let mut b = vec![b' '; total - 2];
         b.extend_from_slice(b"{}");
@@ -548,8 +528,7 @@ async fn bodies_over_64_kib_get_413() {
 /// `400 invalid` naming the field; none of them takes or frees a slot.
 #[tokio::test]
 async fn malformed_bodies_get_400_invalid() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 5")).await;
+    let gw = gateway(&lock_pool_toml("p", "limit = 5")).await;
     let id = slot(&grant(&gw, "p").await);
 
     for (body, field) in [
@@ -614,10 +593,8 @@ async fn malformed_bodies_get_400_invalid() {
 /// gone. A lease never exceeds `requestDeadline`.
 #[tokio::test]
 async fn renew_extends_by_one_term_and_is_capped_at_the_request_deadline() {
-    let up = Upstream::start().await;
-    let (gw, clock) = clocked(&pool_toml(
+    let (gw, clock) = clocked(&lock_pool_toml(
         "p",
-        &up.url(),
         "limit = 1\nlease_term_ms = 30000\nrenew_interval_ms = 10000\nrequest_timeout_ms = 70000",
     ))
     .await;
@@ -647,8 +624,7 @@ async fn renew_extends_by_one_term_and_is_capped_at_the_request_deadline() {
 /// another pool (slot ids are bound to their pool); a foreign release frees nothing.
 #[tokio::test]
 async fn renew_is_404_for_released_unknown_malformed_and_foreign_slots() {
-    let up = Upstream::start().await;
-    let toml = pool_toml("a", &up.url(), "limit = 2") + &pool_toml("b", &up.url(), "limit = 2");
+    let toml = lock_pool_toml("a", "limit = 2") + &lock_pool_toml("b", "limit = 2");
     let gw = gateway(&toml).await;
     let id = slot(&grant(&gw, "a").await);
 
@@ -684,8 +660,7 @@ async fn renew_is_404_for_released_unknown_malformed_and_foreign_slots() {
 /// is accepted, and so are an empty body and `{}`.
 #[tokio::test]
 async fn release_is_idempotent_and_takes_the_outcome_report() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 3")).await;
+    let gw = gateway(&lock_pool_toml("p", "limit = 3")).await;
     let report = json!({
         "status": 200,
         "throttled": 0,
@@ -728,8 +703,7 @@ async fn release_is_idempotent_and_takes_the_outcome_report() {
 /// and no report pauses longer than `max_pause_ms`.
 #[tokio::test]
 async fn a_release_that_freed_nothing_teaches_nothing_and_pauses_are_capped() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 4\nmax_pause_ms = 5000")).await;
+    let gw = gateway(&lock_pool_toml("p", "limit = 4\nmax_pause_ms = 5000")).await;
     let throttle = json!({"status": 429, "throttled": 1, "retryAfterMs": 900_000});
     let bogus = "0123456789abcdef0123456789abcdef";
     assert!(!released(&gw, "p", bogus, Some(throttle.clone())).await);
@@ -742,7 +716,7 @@ async fn a_release_that_freed_nothing_teaches_nothing_and_pauses_are_capped() {
     assert_eq!(acquire(&gw, "p").await.status(), 200);
 
     // A real release reports once, and its pause is capped.
-    let gw2 = gateway(&pool_toml("q", &up.url(), "limit = 4\nmax_pause_ms = 5000")).await;
+    let gw2 = gateway(&lock_pool_toml("q", "limit = 4\nmax_pause_ms = 5000")).await;
     let id = slot(&grant(&gw2, "q").await);
     let before = wall_ms();
     assert!(released(&gw2, "q", &id, Some(throttle.clone())).await);
@@ -762,8 +736,7 @@ async fn a_release_that_freed_nothing_teaches_nothing_and_pauses_are_capped() {
 /// resumes.
 #[tokio::test]
 async fn a_reported_throttle_pauses_admission() {
-    let up = Upstream::start().await;
-    let (gw, clock) = clocked(&pool_toml("p", &up.url(), "limit = 4")).await;
+    let (gw, clock) = clocked(&lock_pool_toml("p", "limit = 4")).await;
     let id = slot(&grant(&gw, "p").await);
     assert!(
         released(
@@ -812,8 +785,7 @@ async fn a_reported_throttle_pauses_admission() {
 /// too, `rate` wins — for the budget and for the retry delay derived from it.
 #[tokio::test]
 async fn release_headers_are_parsed_and_rate_wins_over_them() {
-    let up = Upstream::start().await;
-    let (gw, clock) = clocked(&pool_toml("p", &up.url(), "limit = 10")).await;
+    let (gw, clock) = clocked(&lock_pool_toml("p", "limit = 10")).await;
     let spent_headers = json!({
         "x-ratelimit-limit-requests": "100",
         "x-ratelimit-remaining-requests": ["0"],
@@ -885,13 +857,7 @@ async fn release_headers_are_parsed_and_rate_wins_over_them() {
 /// millisecond earlier, and the waiter behind it is admitted.
 #[tokio::test]
 async fn an_unrenewed_lease_is_reclaimed_at_its_deadline() {
-    let up = Upstream::start().await;
-    let (gw, clock) = clocked(&pool_toml(
-        "p",
-        &up.url(),
-        "limit = 1\nqueue_timeout_ms = 600000",
-    ))
-    .await;
+    let (gw, clock) = clocked(&lock_pool_toml("p", "limit = 1\nqueue_timeout_ms = 600000")).await;
     let g = grant(&gw, "p").await;
     assert_eq!(g["leaseDeadline"], T0 + 30_000);
     let w = spawn_waiter(&gw, "p", 600_000);
@@ -918,10 +884,8 @@ async fn an_unrenewed_lease_is_reclaimed_at_its_deadline() {
 /// (bounded polling, no timing asserted).
 #[tokio::test]
 async fn an_unrenewed_lease_is_reclaimed_for_real() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml(
+    let gw = gateway(&lock_pool_toml(
         "p",
-        &up.url(),
         "limit = 1\nlease_term_ms = 200\nrenew_interval_ms = 100",
     ))
     .await;
@@ -1065,8 +1029,7 @@ async fn queued_locks_and_proxied_requests_are_admitted_in_arrival_order() {
 /// release are not.
 #[tokio::test]
 async fn acquire_attempts_are_access_logged_renew_and_release_are_not() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let gw = gateway(&lock_pool_toml("p", "limit = 1")).await;
     let id = slot(&grant(&gw, "p").await);
     assert!(renewed(&gw, "p", &id).await > 0);
     expect_error(acquire(&gw, "p").await, 429, "too_many_requests").await;
@@ -1120,8 +1083,7 @@ async fn acquire_attempts_are_access_logged_renew_and_release_are_not() {
 /// until when.
 #[tokio::test]
 async fn an_announced_budget_is_spent_then_holds_admission_until_its_reset() {
-    let up = Upstream::start().await;
-    let (gw, clock) = clocked(&pool_toml("p", &up.url(), "limit = 10")).await;
+    let (gw, clock) = clocked(&lock_pool_toml("p", "limit = 10")).await;
     let id = slot(&grant(&gw, "p").await);
     let report = json!({"status": 200, "rate": {"limit": 100, "remaining": 10, "resetMs": 10000}});
     assert!(released(&gw, "p", &id, Some(report)).await);

@@ -122,10 +122,7 @@ async fn the_admin_api_gives_moves_and_takes_a_pool_listener() {
     assert_eq!((status, v["field"].as_str()), (400, Some("listen")), "{v}");
 
     // Deleting the pool closes its listener.
-    let (status, _) = gw
-        .admin(reqwest::Method::DELETE, "/admin/pools/a", None)
-        .await;
-    assert_eq!(status, 204);
+    assert_eq!(gw.delete("/admin/pools/a").await.0, 204);
     nthbouncer_testkit::eventually("the listener closes with its pool", async || {
         ok(second).await.is_err().then_some(())
     })

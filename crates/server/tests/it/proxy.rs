@@ -238,10 +238,10 @@ async fn a_revoked_or_expired_key_is_refused() {
     assert!(key.starts_with("nb_live_"));
     assert_eq!(with_key(&key).await.status(), 200);
     let revoke = format!("/admin/pools/p/keys/{}", created["id"].as_str().unwrap());
-    assert_eq!(gw.admin(Method::DELETE, &revoke, None).await.0, 200);
+    assert_eq!(gw.delete(&revoke).await.0, 200);
     assert_eq!(with_key(&key).await.status(), 401);
     // Revoking again: not found.
-    assert_eq!(gw.admin(Method::DELETE, &revoke, None).await.0, 404);
+    assert_eq!(gw.delete(&revoke).await.0, 404);
 
     // A key that expires: valid now, and the index refuses it once past expiresAt.
     let soon = wall_ms() + 300;

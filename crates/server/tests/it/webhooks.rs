@@ -235,9 +235,7 @@ async fn add_destination(gw: &Gateway, url: &str, extra: Value) -> (String, Stri
     for (k, v) in extra.as_object().cloned().unwrap_or_default() {
         body[k] = v;
     }
-    let (status, v) = gw
-        .admin(Method::POST, "/admin/pools/p/webhooks", Some(body))
-        .await;
+    let (status, v) = gw.post("/admin/pools/p/webhooks", body).await;
     assert_eq!(status, 201);
     (
         v["id"].as_str().unwrap().to_string(),
@@ -270,10 +268,9 @@ async fn poll(gw: &Gateway, job: &str) -> Value {
 /// Switches a destination on or off through the admin API; asserts 200.
 async fn set_active(gw: &Gateway, dest: &str, active: bool) {
     let (status, _) = gw
-        .admin(
-            Method::PATCH,
+        .patch(
             &format!("/admin/pools/p/webhooks/{dest}"),
-            Some(json!({ "active": active })),
+            json!({ "active": active }),
         )
         .await;
     assert_eq!(status, 200);
@@ -822,11 +819,7 @@ async fn private_destinations_are_refused_unless_allowed() {
         "http://100.64.1.1/hook".to_string(),
     ] {
         let (status, body) = gw
-            .admin(
-                Method::POST,
-                "/admin/pools/p/webhooks",
-                Some(json!({ "url": url })),
-            )
+            .post("/admin/pools/p/webhooks", json!({ "url": url }))
             .await;
         assert_eq!(status, 400, "{url} must be refused");
         assert_eq!(body["field"], "url");
@@ -871,7 +864,7 @@ async fn an_api_pools_webhooks_are_real_destinations() {
         "async": {"enabled": true},
         "webhooks": [{"url": rx.url("/hook"), "secret": WEBHOOK_SECRET}],
     });
-    let (status, v) = gw.admin(Method::POST, "/admin/pools", Some(body)).await;
+    let (status, v) = gw.post("/admin/pools", body).await;
     assert_eq!(status, 201, "{v}");
     let job = submit(&gw).await;
     let got = rx.wait_received(1).await;
@@ -887,13 +880,7 @@ async fn an_api_pools_webhooks_are_real_destinations() {
     // The destination routes leave it to the pool's settings.
     let list = gw.admin_json("/admin/pools/p/webhooks").await;
     let id = list["items"][0]["id"].as_str().unwrap().to_string();
-    let (status, v) = gw
-        .admin(
-            Method::DELETE,
-            &format!("/admin/pools/p/webhooks/{id}"),
-            None,
-        )
-        .await;
+    let (status, v) = gw.delete(&format!("/admin/pools/p/webhooks/{id}")).await;
     assert_eq!(
         (status, v["error"].as_str()),
         (409, Some("conflict")),
@@ -915,10 +902,9 @@ async fn an_api_pools_webhooks_are_real_destinations() {
 
     // A PUT without them removes them.
     let (status, v) = gw
-        .admin(
-            Method::PUT,
+        .put(
             "/admin/pools/p",
-            Some(json!({"name": "p", "upstream": up.url(), "keys": [KEY], "async": {"enabled": true}})),
+            json!({"name": "p", "upstream": up.url(), "keys": [KEY], "async": {"enabled": true}}),
         )
         .await;
     assert_eq!(status, 200, "{v}");
