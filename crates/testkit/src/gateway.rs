@@ -49,14 +49,10 @@ pub async fn gateway_with(pools_toml: &str, clock: Option<Arc<dyn Clock>>) -> Ga
     .await
     .unwrap_or_else(|e| panic!("gateway start: {e}"));
     let base = format!("http://{}", running.addr);
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(0)
-        .build()
-        .unwrap();
     Gateway {
         running,
         base,
-        client,
+        client: crate::unpooled_client(),
         dir,
     }
 }
@@ -82,6 +78,16 @@ impl Gateway {
     /// Writes the access log's buffered entries to the store, so the admin API lists them.
     pub async fn flush_access_log(&self) {
         self.running.state.access_log.flush().await;
+    }
+
+    /// The pool's access-log rows matching `query` (`?…` or empty), newest first, after a
+    /// flush.
+    pub async fn access_log(&self, pool: &str, query: &str) -> Vec<Value> {
+        self.flush_access_log().await;
+        let page = self
+            .admin_json(&format!("/admin/pools/{pool}/access-log{query}"))
+            .await;
+        page["items"].as_array().unwrap().clone()
     }
 
     /// A request to a pool's host.
@@ -117,6 +123,12 @@ impl Gateway {
     /// A GET through pool `pool` with the test key that asks to run as an async job.
     pub fn get_async(&self, pool: &str, path: &str) -> reqwest::RequestBuilder {
         self.get(pool, path).header("x-nthpool-async", "1")
+    }
+
+    /// A job's poll: `GET /pools/{pool}/jobs/{job}` on the API host with the test key.
+    pub fn poll_job(&self, pool: &str, job: &str) -> reqwest::RequestBuilder {
+        self.api_anon(reqwest::Method::GET, &format!("/pools/{pool}/jobs/{job}"))
+            .header("x-nthpool-key", KEY)
     }
 
     /// A raw POST to the API host with the test key (for what the lock client would not do).

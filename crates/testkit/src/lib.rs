@@ -53,6 +53,14 @@ pub fn pool_toml(name: &str, upstream: &str, concurrency: &str) -> String {
     )
 }
 
+/// A counting upstream and a gateway with one pool `p` in front of it ([`pool_toml`] with
+/// `concurrency`).
+pub async fn proxied_pool(concurrency: &str) -> (Upstream, Gateway) {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), concurrency)).await;
+    (up, gw)
+}
+
 /// A lock pool in TOML. Its upstream is never called: lock holders call the origin themselves.
 pub fn lock_pool_toml(name: &str, concurrency: &str) -> String {
     pool_toml(name, NO_UPSTREAM, concurrency)
@@ -61,6 +69,15 @@ pub fn lock_pool_toml(name: &str, concurrency: &str) -> String {
 /// A `[[pools.webhooks]]` destination at `url`, signed with [`WEBHOOK_SECRET`].
 pub fn webhook_toml(url: &str) -> String {
     format!("[[pools.webhooks]]\nurl = \"{url}\"\nsecret = \"{WEBHOOK_SECRET}\"\n")
+}
+
+/// An HTTP client that keeps no idle connections, so the server sees every request as a new
+/// connection (and a readiness check holds none open).
+pub fn unpooled_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap()
 }
 
 /// The wall clock in epoch ms.

@@ -3,11 +3,10 @@
 //! The upstream must never see more than the limit, every request must get an answer from the
 //! contract (2xx/429/502/504), and afterwards nothing is left in flight or queued.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use nthbouncer_testkit::binary::Server;
-use nthbouncer_testkit::{pool_toml, Upstream};
+use nthbouncer_testkit::{pool_toml, send, spawn_send, unpooled_client, Upstream};
 
 use crate::BIN;
 
@@ -30,11 +29,7 @@ async fn resetting_upstream() -> u16 {
 
 /// `serve` with `pools`, talked to without keeping idle connections.
 async fn start(pools: &str) -> Server {
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(0)
-        .build()
-        .unwrap();
-    Server::start(BIN, "error", client, pools).await
+    Server::start(BIN, "error", unpooled_client(), pools).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -46,20 +41,12 @@ async fn a_flood_of_5000_at_limit_8() {
         "limit = 8\nqueue_size = 10000\nqueue_timeout_ms = 60000",
     ))
     .await;
-    let server = Arc::new(server);
-    let mut tasks = Vec::with_capacity(5000);
-    for _ in 0..5000 {
-        let s = server.clone();
-        tasks.push(tokio::spawn(async move {
-            match s.pool_get("flood", "/sleep?ms=2").send().await {
-                Ok(r) => r.status().as_u16(),
-                Err(e) => panic!("no answer: {e}"),
-            }
-        }));
-    }
+    let tasks: Vec<_> = (0..5000)
+        .map(|_| spawn_send(server.pool_get("flood", "/sleep?ms=2")))
+        .collect();
     let mut ok = 0;
     for t in tasks {
-        let status = t.await.unwrap();
+        let status = t.await.unwrap().status().as_u16();
         assert!(
             matches!(status, 200..=299 | 429 | 502 | 504),
             "status {status} is not in the contract"
@@ -84,20 +71,16 @@ async fn a_flood_of_5000_at_limit_8() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vanishing_clients_leak_nothing() {
     let up = Upstream::start().await;
-    let server = Arc::new(start(&pool_toml("v", &up.url(), "limit = 4\nqueue_size = 10000")).await);
+    let server = start(&pool_toml("v", &up.url(), "limit = 4\nqueue_size = 10000")).await;
     // Half give up while queued or in flight (client-side timeouts), half wait.
     let mut tasks = Vec::new();
     for i in 0..400 {
-        let s = server.clone();
+        let mut req = server.pool_get("v", "/sleep?ms=20");
+        if i % 2 == 0 {
+            req = req.timeout(Duration::from_millis(30 + (i % 7) as u64 * 10));
+        }
         tasks.push(tokio::spawn(async move {
-            let mut req = s.pool_get("v", "/sleep?ms=20");
-            if i % 2 == 0 {
-                req = req.timeout(Duration::from_millis(30 + (i % 7) as u64 * 10));
-            }
-            match req.send().await {
-                Ok(r) => Some(r.status().as_u16()),
-                Err(_) => None,
-            }
+            req.send().await.ok().map(|r| r.status().as_u16())
         }));
     }
     for t in tasks {
@@ -115,12 +98,7 @@ async fn vanishing_clients_leak_nothing() {
     server.wait_idle("v").await;
     // The pool still serves at full width afterwards.
     assert_eq!(
-        server
-            .pool_get("v", "/sleep?ms=1")
-            .send()
-            .await
-            .unwrap()
-            .status(),
+        send(server.pool_get("v", "/sleep?ms=1")).await.status(),
         200
     );
 }
@@ -134,31 +112,15 @@ async fn hanging_and_resetting_upstreams_free_their_slots() {
         pool_toml("hang", &up.url(), "limit = 2\nrequest_timeout_ms = 300"),
         pool_toml("reset", &format!("http://127.0.0.1:{reset}"), "limit = 2")
     );
-    let server = Arc::new(start(&pools).await);
+    let server = start(&pools).await;
     let mut tasks = Vec::new();
     for _ in 0..6 {
-        let s = server.clone();
-        tasks.push(tokio::spawn(async move {
-            s.pool_get("hang", "/hang")
-                .send()
-                .await
-                .unwrap()
-                .status()
-                .as_u16()
-        }));
-        let s = server.clone();
-        tasks.push(tokio::spawn(async move {
-            s.pool_get("reset", "/")
-                .send()
-                .await
-                .unwrap()
-                .status()
-                .as_u16()
-        }));
+        tasks.push(spawn_send(server.pool_get("hang", "/hang")));
+        tasks.push(spawn_send(server.pool_get("reset", "/")));
     }
     let mut statuses: Vec<u16> = Vec::new();
     for t in tasks {
-        statuses.push(t.await.unwrap());
+        statuses.push(t.await.unwrap().status().as_u16());
     }
     assert_eq!(
         statuses.iter().filter(|s| **s == 504).count(),

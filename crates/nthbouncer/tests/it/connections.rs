@@ -26,10 +26,7 @@ async fn kept_alive(port: u16) -> TcpStream {
 #[tokio::test]
 async fn the_binary_refuses_connections_past_its_limit_and_closes_silent_ones() {
     // Readiness checks must not keep connections open: they would count against the limit.
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(0)
-        .build()
-        .unwrap();
+    let client = nthbouncer_testkit::unpooled_client();
     let server = Server::start(
         BIN,
         "warn",

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use nthbouncer_testkit::access::{nonce, sign};
 use nthbouncer_testkit::binary::Server;
-use nthbouncer_testkit::{poll, wait_until, wall_ms, webhook_toml, Upstream, API_HOST, KEY};
+use nthbouncer_testkit::{poll, send, wait_until, wall_ms, webhook_toml, Upstream, API_HOST, KEY};
 use serde_json::{json, Value};
 use std::sync::Mutex;
 use tokio::io::AsyncReadExt;
@@ -275,10 +275,7 @@ fn keys_seen(up: &Upstream) -> HashMap<String, u64> {
 async fn everything_at_once_with_a_restart_keeps_every_promise() {
     let (up_p, up_s) = (Upstream::start().await, Upstream::start().await);
     let receiver = Upstream::start().await;
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(0)
-        .build()
-        .unwrap();
+    let client = nthbouncer_testkit::unpooled_client();
     let mut server = Server::start(
         BIN,
         "warn",
@@ -306,11 +303,7 @@ async fn everything_at_once_with_a_restart_keeps_every_promise() {
 
     // The silent sockets cost the server nothing it needs: its health check answers, and it
     // closes them itself (they never sent a byte within the header timeout).
-    let health = front
-        .api(reqwest::Method::GET, "/healthz")
-        .send()
-        .await
-        .unwrap();
+    let health = send(front.api(reqwest::Method::GET, "/healthz")).await;
     assert_eq!(health.status(), 200);
     for (i, socket) in silent.iter_mut().enumerate() {
         let mut buf = [0u8; 64];

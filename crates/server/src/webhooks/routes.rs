@@ -16,6 +16,7 @@ use crate::core::error::{ApiError, ErrorCode};
 use crate::core::extract::{parse_json, BodyBytes, MAX_ADMIN_BODY_BYTES};
 use crate::core::pagination;
 use crate::jobs::routes::{job_not_found, valid_job_id};
+use crate::pools::registry::PoolRuntime;
 
 type WebhooksRef = State<Arc<Webhooks>>;
 
@@ -174,13 +175,7 @@ pub async fn patch_destination(
     let pool = state.pools.get_or_404(&name)?;
     let patch: DestinationPatch = parse_json(&body)?;
     let _guard = state.pools.lock_changes().await;
-    let mut d = pool
-        .destinations
-        .load()
-        .iter()
-        .find(|d| d.id == id)
-        .cloned()
-        .ok_or_else(destination_not_found)?;
+    let mut d = find_destination(&pool, &id)?;
     if d.managed_by != "api" && (patch.url.is_some() || patch.deactivate_after.is_some()) {
         return Err(crate::pools::owned_elsewhere(&name, &d.managed_by));
     }
@@ -227,19 +222,29 @@ pub async fn delete_destination(
 ) -> Result<StatusCode, ApiError> {
     let pool = state.pools.get_or_404(&name)?;
     let _guard = state.pools.lock_changes().await;
-    let d = pool
-        .destinations
+    let d = find_destination(&pool, &id)?;
+    only_api_managed(&name, &d)?;
+    state.jobs.store.delete_destination(&pool.name, &id).await?;
+    state.pools.refresh_destinations(&pool).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// The destination `id` of `pool`, or `404 destination_not_found`.
+fn find_destination(pool: &PoolRuntime, id: &str) -> Result<StoredDestination, ApiError> {
+    pool.destinations
         .load()
         .iter()
         .find(|d| d.id == id)
         .cloned()
-        .ok_or_else(destination_not_found)?;
+        .ok_or_else(destination_not_found)
+}
+
+/// Refuses to change a destination the config file or the pool's settings declare.
+fn only_api_managed(pool: &str, d: &StoredDestination) -> Result<(), ApiError> {
     if d.managed_by != "api" {
-        return Err(crate::pools::owned_elsewhere(&name, &d.managed_by));
+        return Err(crate::pools::owned_elsewhere(pool, &d.managed_by));
     }
-    state.jobs.store.delete_destination(&pool.name, &id).await?;
-    state.pools.refresh_destinations(&pool).await?;
-    Ok(StatusCode::NO_CONTENT)
+    Ok(())
 }
 
 fn destination_not_found() -> ApiError {
@@ -294,16 +299,8 @@ pub async fn rotate_secret(
         ));
     }
     let _guard = state.pools.lock_changes().await;
-    let d = pool
-        .destinations
-        .load()
-        .iter()
-        .find(|d| d.id == id)
-        .cloned()
-        .ok_or_else(destination_not_found)?;
-    if d.managed_by != "api" {
-        return Err(crate::pools::owned_elsewhere(&name, &d.managed_by));
-    }
+    let d = find_destination(&pool, &id)?;
+    only_api_managed(&name, &d)?;
     let secret = nthbouncer_config::keys::generate_webhook_secret();
     let until = (grace_s > 0).then(|| state.jobs.now().saturating_add(grace_s * 1000));
     if !state

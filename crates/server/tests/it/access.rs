@@ -57,20 +57,11 @@ async fn status_and_body(r: reqwest::Response) -> (u16, Value) {
 
 /// Access-log reasons of a pool, newest first.
 async fn log_reasons(gw: &Gateway, pool: &str) -> Vec<String> {
-    access_log(gw, pool)
+    gw.access_log(pool, "?limit=1000")
         .await
         .iter()
         .filter_map(|i| i["reason"].as_str().map(str::to_string))
         .collect()
-}
-
-/// Access-log entries of a pool, newest first (flushed first).
-async fn access_log(gw: &Gateway, pool: &str) -> Vec<Value> {
-    gw.flush_access_log().await;
-    let v = gw
-        .admin_json(&format!("/admin/pools/{pool}/access-log?limit=1000"))
-        .await;
-    v["items"].as_array().unwrap().clone()
 }
 
 /// An unsigned lock acquire for pool segment `pool` on the API host, with the test key.
@@ -734,7 +725,7 @@ async fn ip_allowlist_without_trusted_proxies_ignores_forwarded_for() {
         assert_eq!(status_and_body(r).await, (403, uniform()));
     }
     // Allowlist misses are not counted as guesses: still 403, never 429.
-    let log = access_log(&gw, "far").await;
+    let log = gw.access_log("far", "?limit=1000").await;
     assert_eq!(log[0]["clientAddr"], "127.0.0.1");
     assert_eq!(log[0]["reason"], "client address not in access.ip_allow");
 }
@@ -771,7 +762,7 @@ async fn ip_allowlist_behind_trusted_proxies_uses_the_right_most_untrusted_hop()
     assert_eq!(via(Some("203.0.113.7, 198.51.100.1")).await, 403);
     assert_eq!(via(Some("::ffff:198.51.100.9")).await, 403);
     assert_eq!(via(None).await, 403, "the proxy itself is not allowed");
-    let log = access_log(&gw, "p").await;
+    let log = gw.access_log("p", "?limit=1000").await;
     assert_eq!(log[0]["clientAddr"], "127.0.0.1");
     assert_eq!(
         log[1]["clientAddr"], "198.51.100.9",

@@ -7,8 +7,7 @@ use serde_json::{json, Value};
 
 #[tokio::test]
 async fn admin_needs_the_token() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "")).await;
+    let (_up, gw) = proxied_pool("").await;
     let anon = || gw.api_anon(Method::GET, "/admin/pools");
     expect_error(send(anon()).await, 401, "unauthorized").await;
     let r = send(anon().bearer_auth("wrong-token-0123456789")).await;
@@ -141,8 +140,7 @@ async fn api_pools_and_keys_survive_a_restart() {
 
 #[tokio::test]
 async fn keys_on_a_config_pool() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "")).await;
+    let (_up, gw) = proxied_pool("").await;
     let r = send(
         gw.api(Method::POST, "/admin/pools/p/keys")
             .json(&json!({"label": "worker-1"})),
@@ -168,8 +166,7 @@ async fn keys_on_a_config_pool() {
 
 #[tokio::test]
 async fn access_log_records_admitted_and_refused() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let (_up, gw) = proxied_pool("limit = 1").await;
     assert_eq!(send(gw.get("p", "/status/201")).await.status(), 201);
     assert_eq!(
         gw.pool("p", Method::GET, "/")

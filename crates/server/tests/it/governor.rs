@@ -8,8 +8,7 @@ use reqwest::Method;
 /// and they reach the upstream in their order of arrival (one key, one class).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn limit_holds_and_queue_is_fifo() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 3")).await;
+    let (up, gw) = proxied_pool("limit = 3").await;
     let mut tasks = Vec::new();
     for i in 0..50 {
         tasks.push(gw.hold("p", &i.to_string()));
@@ -43,8 +42,7 @@ async fn limit_holds_and_queue_is_fifo() {
 
 #[tokio::test]
 async fn no_queue_gets_429_and_governor_headers() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let (up, gw) = proxied_pool("limit = 1").await;
     let held = gw.hold("p", "a");
     up.wait_arrivals(1).await;
     let r = send(gw.no_queue("p", "/")).await;
@@ -61,8 +59,7 @@ async fn no_queue_gets_429_and_governor_headers() {
 
 #[tokio::test]
 async fn wait_budget_runs_out_with_504_queue_timeout() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let (up, gw) = proxied_pool("limit = 1").await;
     let held = gw.hold("p", "a");
     up.wait_arrivals(1).await;
     let r = send(gw.get("p", "/").header("x-nthpool-queue-timeout-ms", "100")).await;
@@ -82,8 +79,7 @@ async fn wait_budget_runs_out_with_504_queue_timeout() {
 
 #[tokio::test]
 async fn queue_overflow_gets_429() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1\nqueue_size = 2")).await;
+    let (up, gw) = proxied_pool("limit = 1\nqueue_size = 2").await;
     let tasks: Vec<_> = (0..3).map(|i| gw.hold("p", &i.to_string())).collect();
     gw.wait_state("p", "one in flight and two queued", |s| {
         s["inFlight"] == 1 && s["queued"] == 2
@@ -130,8 +126,7 @@ async fn admitted_order(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn high_priority_overtakes_normal_and_low() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let (up, gw) = proxied_pool("limit = 1").await;
     let order = admitted_order(
         &gw,
         &up,
@@ -148,8 +143,7 @@ async fn high_priority_overtakes_normal_and_low() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_keys_flooding_unequally_alternate() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let (up, gw) = proxied_pool("limit = 1").await;
     let order = admitted_order(
         &gw,
         &up,
@@ -168,8 +162,7 @@ async fn two_keys_flooding_unequally_alternate() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fair_share_off_is_strict_fifo() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1\nfair_share = false")).await;
+    let (up, gw) = proxied_pool("limit = 1\nfair_share = false").await;
     let order = admitted_order(
         &gw,
         &up,

@@ -18,11 +18,7 @@ fn async_pool(name: &str, upstream: &str, concurrency: &str, async_extra: &str) 
 }
 
 async fn poll(gw: &Gateway, pool: &str, job: &str) -> (u16, Value) {
-    call(
-        gw.api(Method::GET, &format!("/pools/{pool}/jobs/{job}"))
-            .header("x-nthpool-key", KEY),
-    )
-    .await
+    call(gw.poll_job(pool, job)).await
 }
 
 /// The id of a job accepted from `r` (202 asserted).

@@ -33,11 +33,7 @@ async fn accepted_id(r: reqwest::Response) -> String {
 
 async fn wait_completed(gw: &Gateway, job: &str) {
     eventually(&format!("job {job} to complete"), async || {
-        let (code, v) = call(
-            gw.api_anon(Method::GET, &format!("/pools/p/jobs/{job}"))
-                .header("x-nthpool-key", KEY),
-        )
-        .await;
+        let (code, v) = call(gw.poll_job("p", job)).await;
         assert_eq!(code, 200, "{v}");
         assert!(v["status"] != "failed" && v["status"] != "expired", "{v}");
         (v["status"] == "completed").then_some(())

@@ -52,11 +52,7 @@ async fn a_job_whose_result_cannot_be_written_for_a_while_still_ends() {
         .unwrap();
 
     let done = eventually(&format!("job {job} to complete"), async || {
-        let (code, v) = call(
-            gw.api_anon(Method::GET, &format!("/pools/p/jobs/{job}"))
-                .header("x-nthpool-key", KEY),
-        )
-        .await;
+        let (code, v) = call(gw.poll_job("p", &job)).await;
         assert_eq!(code, 200, "{v}");
         assert!(v["status"] != "failed" && v["status"] != "expired", "{v}");
         (v["status"] == "completed").then_some(v)

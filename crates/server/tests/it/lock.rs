@@ -903,8 +903,7 @@ async fn an_unrenewed_lease_is_reclaimed_for_real() {
 /// On a pool host, lock paths are just paths: proxied upstream, never served as the lock API.
 #[tokio::test]
 async fn lock_paths_on_a_pool_host_go_upstream() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let (up, gw) = proxied_pool("limit = 1").await;
     for path in [
         "/pools/p/lock/acquire",
         "/pools/p/lock/0123456789abcdef0123456789abcdef/renew",
@@ -933,8 +932,7 @@ async fn lock_paths_on_a_pool_host_go_upstream() {
 /// Locks and proxied requests count against one limit.
 #[tokio::test]
 async fn locks_and_proxied_requests_share_one_limit() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 2")).await;
+    let (up, gw) = proxied_pool("limit = 2").await;
     let lock = grant(&gw, "p").await;
     let proxied = gw.hold("p", "held");
     up.wait_arrivals(1).await;
@@ -970,8 +968,7 @@ async fn locks_and_proxied_requests_share_one_limit() {
 /// order of arrival, whichever came first.
 #[tokio::test]
 async fn queued_locks_and_proxied_requests_are_admitted_in_arrival_order() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let (up, gw) = proxied_pool("limit = 1").await;
 
     // Lock first, then the proxied request.
     let holder = grant(&gw, "p").await;

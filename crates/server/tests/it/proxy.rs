@@ -95,8 +95,7 @@ async fn upstream_base_path_is_prefixed() {
 
 #[tokio::test]
 async fn lock_paths_on_a_pool_host_are_proxied() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "")).await;
+    let (up, gw) = proxied_pool("").await;
     let r = send(
         gw.pool("p", Method::POST, "/pools/p/lock/acquire")
             .header("x-nthpool-key", KEY),
@@ -111,8 +110,7 @@ async fn lock_paths_on_a_pool_host_are_proxied() {
 
 #[tokio::test]
 async fn sse_stream_holds_its_slot_until_it_ends() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let (up, gw) = proxied_pool("limit = 1").await;
     let mut resp = send(gw.get("p", "/sse?n=3")).await;
     assert_eq!(resp.status(), 200);
     up.release(1);
@@ -136,8 +134,7 @@ async fn sse_stream_holds_its_slot_until_it_ends() {
 
 #[tokio::test]
 async fn a_client_killed_mid_request_frees_its_slot_when_the_upstream_answers() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let (up, gw) = proxied_pool("limit = 1").await;
     let req = gw.get("p", "/hold").header("x-seq", "doomed").send();
     let task = tokio::spawn(req);
     up.wait_arrivals(1).await;
@@ -178,8 +175,7 @@ async fn a_client_killed_mid_request_to_a_hung_upstream_frees_its_slot_at_the_ti
 
 #[tokio::test]
 async fn a_client_killed_while_queued_leaves_the_queue() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let (up, gw) = proxied_pool("limit = 1").await;
     let held = gw.hold("p", "holder");
     up.wait_arrivals(1).await;
     let waiter = gw.hold("p", "waiter");
@@ -195,8 +191,7 @@ async fn a_client_killed_while_queued_leaves_the_queue() {
 
 #[tokio::test]
 async fn unknown_host_and_bad_keys() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "")).await;
+    let (up, gw) = proxied_pool("").await;
     let to_host = |host: &str| gw.client.get(format!("{}/", gw.base)).header("host", host);
     expect_error(send(to_host("nope.localhost")).await, 404, "pool_not_found").await;
     assert_eq!(send(to_host("elsewhere.example")).await.status(), 404);
@@ -226,8 +221,7 @@ async fn unknown_host_and_bad_keys() {
 
 #[tokio::test]
 async fn a_revoked_or_expired_key_is_refused() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "")).await;
+    let (_up, gw) = proxied_pool("").await;
     let create_key = |body: serde_json::Value| {
         let r = gw.api(Method::POST, "/admin/pools/p/keys").json(&body);
         async move { json_of(send(r).await).await }
@@ -279,8 +273,7 @@ async fn oversized_bodies_get_413() {
 
 #[tokio::test]
 async fn request_bodies_stream_through_unbuffered() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "")).await;
+    let (up, gw) = proxied_pool("").await;
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>, std::io::Error>>(1);
     let body = reqwest::Body::wrap_stream(tokio_stream_from(rx));
     let req = gw
@@ -333,8 +326,7 @@ async fn unreachable_and_slow_upstreams() {
 /// A body that streams past the request timeout is cut and its slot freed.
 #[tokio::test]
 async fn a_stream_past_the_request_timeout_is_cut() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "request_timeout_ms = 300")).await;
+    let (up, gw) = proxied_pool("request_timeout_ms = 300").await;
     let mut resp = send(gw.get("p", "/sse?n=5")).await;
     up.release(1);
     assert!(resp.chunk().await.unwrap().is_some());
@@ -366,8 +358,7 @@ async fn raw_exchange(addr: std::net::SocketAddr, request: &[u8]) -> String {
 /// the upstream.
 #[tokio::test]
 async fn content_length_plus_transfer_encoding_cannot_smuggle() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "")).await;
+    let (up, gw) = proxied_pool("").await;
     let smuggled = format!(
         "POST /body HTTP/1.1\r\nHost: p.localhost\r\nX-Nthpool-Key: {KEY}\r\nContent-Length: 6\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: p.localhost\r\nX-Nthpool-Key: {KEY}\r\n\r\n"
     );

@@ -40,19 +40,9 @@ fn origin_saw(up: &Upstream) -> Option<String> {
     Some(last.headers.get("x-request-id")?.to_str().ok()?.to_string())
 }
 
-/// The pool's access-log rows, newest first.
-async fn access_log(gw: &Gateway, pool: &str) -> Vec<Value> {
-    gw.flush_access_log().await;
-    let page = gw
-        .admin_json(&format!("/admin/pools/{pool}/access-log"))
-        .await;
-    page["items"].as_array().unwrap().clone()
-}
-
 #[tokio::test]
 async fn a_sane_caller_id_comes_back_reaches_the_origin_and_is_logged() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 2")).await;
+    let (up, gw) = proxied_pool("limit = 2").await;
     let id = "trace-7f3a.B:42/~!";
     let r = send(gw.get("p", "/echo").header("x-request-id", id)).await;
     assert_eq!(r.status(), 200);
@@ -65,7 +55,7 @@ async fn a_sane_caller_id_comes_back_reaches_the_origin_and_is_logged() {
     assert_eq!(header_of(&r), longest);
     assert_eq!(origin_saw(&up), Some(longest.clone()));
 
-    let rows = access_log(&gw, "p").await;
+    let rows = gw.access_log("p", "").await;
     assert_eq!(rows.len(), 2, "{rows:?}");
     assert_eq!(rows[0]["requestId"], longest.as_str());
     assert_eq!(rows[1]["requestId"], id);
@@ -74,8 +64,7 @@ async fn a_sane_caller_id_comes_back_reaches_the_origin_and_is_logged() {
 
 #[tokio::test]
 async fn a_missing_or_insane_id_is_replaced_and_the_replacement_forwarded() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 2")).await;
+    let (up, gw) = proxied_pool("limit = 2").await;
     let too_long = "y".repeat(129);
     let insane = [
         None,
@@ -126,8 +115,7 @@ async fn a_missing_or_insane_id_is_replaced_and_the_replacement_forwarded() {
 
 #[tokio::test]
 async fn error_answers_carry_the_id_in_header_and_body_on_every_host() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let (up, gw) = proxied_pool("limit = 1").await;
     let cases: Vec<(&str, reqwest::RequestBuilder, u16, &str)> = vec![
         (
             "pool host without a key",
@@ -184,7 +172,7 @@ async fn error_answers_carry_the_id_in_header_and_body_on_every_host() {
     assert_eq!(up.total(), 0, "no refusal reached the origin");
 
     // The refused request's access-log row has its id.
-    let rows = access_log(&gw, "p").await;
+    let rows = gw.access_log("p", "").await;
     assert!(
         rows.iter()
             .any(|r| r["status"] == 401 && r["requestId"] == "caller-err-1"),
@@ -211,7 +199,7 @@ async fn success_answers_on_the_api_host_carry_the_id_too() {
     .await;
     assert_eq!(r.status(), 200);
     assert_eq!(header_of(&r), "lock-1");
-    let rows = access_log(&gw, "l").await;
+    let rows = gw.access_log("l", "").await;
     assert_eq!(rows[0]["route"], "lock acquire");
     assert_eq!(rows[0]["requestId"], "lock-1");
 }
@@ -252,7 +240,7 @@ async fn governor_refusals_and_upstream_timeouts_carry_the_id() {
     assert_eq!(body["error"], "upstream_timeout");
     assert_eq!(body["requestId"], "holder");
     up.release(1);
-    let rows = access_log(&gw, "p").await;
+    let rows = gw.access_log("p", "").await;
     for id in ["refused-429", "holder"] {
         assert!(rows.iter().any(|r| r["requestId"] == id), "{id}: {rows:?}");
     }
@@ -293,11 +281,7 @@ async fn an_async_job_keeps_its_intake_id_upstream_on_its_views_and_deliveries()
 
     // The origin got the intake request's id, and the job's Idempotency-Key.
     let poll = async || {
-        let r = send(
-            gw.api(Method::GET, &format!("/pools/p/jobs/{job}"))
-                .header("x-nthpool-key", KEY),
-        )
-        .await;
+        let r = send(gw.poll_job("p", &job)).await;
         (header_of(&r), json_of(r).await)
     };
     let done = eventually("the job to complete", async || {
@@ -334,7 +318,7 @@ async fn an_async_job_keeps_its_intake_id_upstream_on_its_views_and_deliveries()
     assert_eq!(headers["x-request-id"], id);
 
     // The intake's access-log row too.
-    let rows = access_log(&gw, "p").await;
+    let rows = gw.access_log("p", "").await;
     assert!(
         rows.iter()
             .any(|r| r["outcome"] == "202" && r["requestId"] == id),

@@ -256,11 +256,7 @@ async fn get_json(gw: &Gateway, path: &str) -> Value {
 }
 
 async fn poll(gw: &Gateway, job: &str) -> Value {
-    let r = send(
-        gw.api(Method::GET, &format!("/pools/p/jobs/{job}"))
-            .header("x-nthpool-key", KEY),
-    )
-    .await;
+    let r = send(gw.poll_job("p", job)).await;
     assert_eq!(r.status(), 200);
     json_of(r).await
 }
