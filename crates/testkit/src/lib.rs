@@ -22,7 +22,7 @@ pub use loopback::{
     call, expect_error, header, json_of, ok, read_body, send, serve_http, spawn_send,
 };
 pub use upstream::{Seen, Upstream};
-pub use wait::{bounded, eventually, poll, wait_until};
+pub use wait::{bounded, eventually, poll, until, wait_until};
 
 /// Where every manual clock starts (epoch ms).
 pub const T0: u64 = 1_700_000_000_000;

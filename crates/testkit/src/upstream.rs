@@ -25,7 +25,7 @@ use serde_json::Value;
 use tokio::sync::Semaphore;
 
 use crate::loopback::{read_body, serve_http_counting, PeerConnection};
-use crate::wait::eventually;
+use crate::wait::until;
 
 /// What the upstream saw of one request.
 #[derive(Clone, Debug)]
@@ -340,14 +340,14 @@ impl Upstream {
 
     /// Waits (bounded) until `n` requests carrying `x-seq` have arrived.
     pub async fn wait_arrivals(&self, n: usize) {
-        eventually(&format!("{n} upstream arrivals"), async || {
-            (self.state.arrivals.lock().len() >= n).then_some(())
+        until(&format!("{n} upstream arrivals"), async || {
+            self.state.arrivals.lock().len() >= n
         })
         .await;
     }
 
     /// Waits (bounded) until exactly `n` requests are in flight here (`what` says why).
     pub async fn wait_in_flight(&self, n: i64, what: &str) {
-        eventually(what, async || (self.in_flight() == n).then_some(())).await;
+        until(what, async || self.in_flight() == n).await;
     }
 }

@@ -44,6 +44,12 @@ pub async fn eventually<T>(what: &str, f: impl AsyncFnMut() -> Option<T>) -> T {
         .unwrap_or_else(|| panic!("timed out waiting for {what}"))
 }
 
+/// Polls `cond` (bounded, as [`eventually`]) until it holds; panics naming `what` if it never
+/// does.
+pub async fn until(what: &str, mut cond: impl AsyncFnMut() -> bool) {
+    eventually(what, async || cond().await.then_some(())).await
+}
+
 /// Awaits `f` for at most 10 s: a hang is a failure naming `what`, never a stuck test (not a
 /// timing assertion).
 pub async fn bounded<F: Future>(what: &str, f: F) -> F::Output {

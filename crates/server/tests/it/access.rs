@@ -108,17 +108,21 @@ impl<'a> Signed<'a> {
         )
     }
 
+    /// `rb` with this request's timestamp and nonce, and `signature` as its signature header.
+    fn signed_as(&self, rb: reqwest::RequestBuilder, signature: String) -> reqwest::RequestBuilder {
+        rb.header("x-nthpool-timestamp", self.ts.to_string())
+            .header("x-nthpool-nonce", &self.nonce)
+            .header("x-nthpool-signature", signature)
+    }
+
     /// The request for `host` with the signature headers, the body not yet attached.
     fn request(&self, gw: &Gateway, host: &str) -> reqwest::RequestBuilder {
-        gw.client
-            .request(self.method.clone(), format!("{}{}", gw.base, self.target))
-            .header("host", host)
-            .header("x-nthpool-timestamp", self.ts.to_string())
-            .header("x-nthpool-nonce", &self.nonce)
-            .header(
-                "x-nthpool-signature",
-                format!("v1={}", self.signature(host)),
-            )
+        let url = format!("{}{}", gw.base, self.target);
+        let rb = gw
+            .client
+            .request(self.method.clone(), url)
+            .header("host", host);
+        self.signed_as(rb, format!("v1={}", self.signature(host)))
     }
 
     /// Sends it to `host` with the test key and `body` (which may differ from the signed one).
@@ -187,21 +191,12 @@ async fn hmac_signed_requests_pass_and_forgeries_are_refused() {
     assert_eq!(get.send(&gw).await.0, 200);
     // Several v1 values: any may match.
     let multi = Signed::new(Method::GET, "/v1/models", b"", now);
-    let r = gw
-        .get("p", "/v1/models")
-        .header("x-nthpool-timestamp", now.to_string())
-        .header("x-nthpool-nonce", &multi.nonce)
-        .header(
-            "x-nthpool-signature",
-            format!(
-                "v1={}, v1={}",
-                "0".repeat(64),
-                multi.signature("p.localhost")
-            ),
-        )
-        .send()
-        .await
-        .unwrap();
+    let both = format!(
+        "v1={}, v1={}",
+        "0".repeat(64),
+        multi.signature("p.localhost")
+    );
+    let r = send(multi.signed_as(gw.get("p", "/v1/models"), both)).await;
     assert_eq!(r.status(), 200);
     let admitted = up.completed();
     assert_eq!(admitted, 3);
@@ -236,17 +231,8 @@ async fn hmac_signed_requests_pass_and_forgeries_are_refused() {
     refusals.push(status_and_body(r).await);
     // A tampered query.
     let q = Signed::new(Method::GET, "/v1/models?limit=1", b"", now);
-    let r = gw
-        .get("p", "/v1/models?limit=1000")
-        .header("x-nthpool-timestamp", now.to_string())
-        .header("x-nthpool-nonce", &q.nonce)
-        .header(
-            "x-nthpool-signature",
-            format!("v1={}", q.signature("p.localhost")),
-        )
-        .send()
-        .await
-        .unwrap();
+    let sig = format!("v1={}", q.signature("p.localhost"));
+    let r = send(q.signed_as(gw.get("p", "/v1/models?limit=1000"), sig)).await;
     refusals.push(status_and_body(r).await);
     // No signature at all.
     refusals.push(status_and_body(send(gw.get("p", "/v1/models")).await).await);
@@ -822,18 +808,19 @@ async fn repeated_failures_are_answered_429_for_a_while() {
     let clock = clock();
     let gw = start(&toml, &clock).await;
     let from = |client: &'static str, key: &'static str| {
-        gw.pool("p", Method::GET, "/x")
-            .header("x-forwarded-for", client)
-            .header("x-nthpool-key", key)
-            .send()
+        send(
+            gw.pool("p", Method::GET, "/x")
+                .header("x-forwarded-for", client)
+                .header("x-nthpool-key", key),
+        )
     };
     let attacker = "203.0.113.66";
     for _ in 0..MAX {
-        let r = from(attacker, "guess-0123456789abcdef").await.unwrap();
+        let r = from(attacker, "guess-0123456789abcdef").await;
         assert_eq!(r.status(), 401);
     }
     // Blocked now, even with the right key; others are not.
-    let r = from(attacker, KEY).await.unwrap();
+    let r = from(attacker, KEY).await;
     assert_eq!(r.status(), 429);
     let retry: u64 = r.headers()["retry-after"]
         .to_str()
@@ -842,12 +829,12 @@ async fn repeated_failures_are_answered_429_for_a_while() {
         .unwrap();
     assert!((1..=60).contains(&retry), "retry-after {retry}");
     assert_eq!(status_and_body(r).await.1["error"], "too_many_requests");
-    assert_eq!(from("203.0.113.67", KEY).await.unwrap().status(), 200);
+    assert_eq!(from("203.0.113.67", KEY).await.status(), 200);
     // The lock API shares the count.
     let r = send(unsigned_acquire(&gw, "p").header("x-forwarded-for", attacker)).await;
     assert_eq!(r.status(), 429);
     clock.advance(61_000);
-    assert_eq!(from(attacker, KEY).await.unwrap().status(), 200);
+    assert_eq!(from(attacker, KEY).await.status(), 200);
     let reasons = log_reasons(&gw, "p").await;
     assert!(reasons
         .iter()

@@ -347,10 +347,7 @@ async fn async_requests_bypass_the_cache() {
     assert_eq!(fetch(gw.get("p", "/respond")).await.1, "hit");
     let (status, mark, _, _) = fetch(gw.get_async("p", "/respond")).await;
     assert_eq!((status, mark.as_str()), (202, "bypass"));
-    eventually("the job to reach the origin", async || {
-        (up.total() == 2).then_some(())
-    })
-    .await;
+    until("the job to reach the origin", async || up.total() == 2).await;
     assert_eq!(cache_state(&gw, "p").await["bypasses"], 1);
 }
 

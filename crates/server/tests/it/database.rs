@@ -156,7 +156,12 @@ impl Seen {
 }
 
 /// A `POST /sql` on pool `pool`'s host with the test key; the status and the JSON body.
-async fn sql(
+async fn sql(gw: &Gateway, seen: &Seen, pool: &str, body: Value) -> (u16, Value) {
+    sql_with(gw, seen, pool, &[], body).await
+}
+
+/// The same with `headers` added.
+async fn sql_with(
     gw: &Gateway,
     seen: &Seen,
     pool: &str,
@@ -194,7 +199,6 @@ async fn queries_types_batches_and_errors_through_the_pool_host() {
         &gw,
         &seen,
         "db",
-        &[],
         json!({"query": "SELECT $1::int2 AS i2, $2::int4 AS i4, $3::int8 AS i8, \
             $4::numeric AS n, 1.5::float8 AS f, true AS b, 'x'::text AS t, NULL::text AS z, \
             '\\x0102'::bytea AS by, '2024-01-02'::date AS d, '03:04:05'::time AS tm, \
@@ -282,7 +286,7 @@ async fn queries_types_batches_and_errors_through_the_pool_host() {
         {"query": format!("CREATE TABLE {schema}.t (id int PRIMARY KEY, v text NOT NULL)")},
         {"query": format!("INSERT INTO {schema}.t VALUES ($1, $2), (2, 'b')"), "params": [1, "a"]},
     ]});
-    let (status, v) = sql(
+    let (status, v) = sql_with(
         &gw,
         &seen,
         "db",
@@ -299,7 +303,7 @@ async fn queries_types_batches_and_errors_through_the_pool_host() {
         {"query": format!("INSERT INTO {schema}.t VALUES (3, 'c')")},
         {"query": format!("INSERT INTO {schema}.t VALUES (1, 'again')")},
     ]});
-    let (status, v) = sql(&gw, &seen, "db", &[], failing).await;
+    let (status, v) = sql(&gw, &seen, "db", failing).await;
     assert_eq!(status, 400, "{v}");
     assert_eq!(v["error"], json!("sql_error"));
     assert_eq!(v["code"], json!("23505"));
@@ -314,7 +318,6 @@ async fn queries_types_batches_and_errors_through_the_pool_host() {
         &gw,
         &seen,
         "db",
-        &[],
         json!({"query": format!("SELECT count(*)::int AS n FROM {schema}.t")}),
     )
     .await;
@@ -325,17 +328,17 @@ async fn queries_types_batches_and_errors_through_the_pool_host() {
     );
 
     // A syntax error names its position; bad input names its field and costs no slot.
-    let (status, v) = sql(&gw, &seen, "db", &[], json!({"query": "SELEC 1"})).await;
+    let (status, v) = sql(&gw, &seen, "db", json!({"query": "SELEC 1"})).await;
     assert_eq!(
         (status, v["code"].as_str(), v["position"].as_str()),
         (400, Some("42601"), Some("1"))
     );
-    let (status, v) = sql(&gw, &seen, "db", &[], json!({"queries": [{"params": []}]})).await;
+    let (status, v) = sql(&gw, &seen, "db", json!({"queries": [{"params": []}]})).await;
     assert_eq!(
         (status, v["error"].as_str(), v["field"].as_str()),
         (400, Some("invalid"), Some("queries[0].query"))
     );
-    let (status, v) = sql(
+    let (status, v) = sql_with(
         &gw,
         &seen,
         "db",
@@ -404,17 +407,17 @@ async fn past_max_response_bytes_the_answer_is_507_and_an_unreachable_database_5
     let gw = gateway(&toml).await;
     let seen = Seen::default();
     let big = json!({"query": "SELECT repeat('x', 100) AS x FROM generate_series(1, 1000)"});
-    let (status, v) = sql(&gw, &seen, "db", &[], big).await;
+    let (status, v) = sql(&gw, &seen, "db", big).await;
     assert_eq!(
         (status, v["error"].as_str()),
         (507, Some("response_too_large")),
         "{v}"
     );
     // Small answers still fit, and the pool goes on.
-    let (status, _) = sql(&gw, &seen, "db", &[], json!({"query": "SELECT 1 AS one"})).await;
+    let (status, _) = sql(&gw, &seen, "db", json!({"query": "SELECT 1 AS one"})).await;
     assert_eq!(status, 200);
 
-    let (status, v) = sql(&gw, &seen, "down", &[], json!({"query": "SELECT 1"})).await;
+    let (status, v) = sql(&gw, &seen, "down", json!({"query": "SELECT 1"})).await;
     assert_eq!(
         (status, v["error"].as_str()),
         (502, Some("upstream_unreachable")),
@@ -475,15 +478,9 @@ async fn the_connection_cap_holds_under_a_flood() {
     for _ in 0..30 {
         let (gw, seen) = (gw.clone(), seen.clone());
         flood.push(tokio::spawn(async move {
-            sql(
-                &gw,
-                &seen,
-                "db",
-                &[],
-                json!({"query": "SELECT pg_sleep(0.05)"}),
-            )
-            .await
-            .0
+            sql(&gw, &seen, "db", json!({"query": "SELECT pg_sleep(0.05)"}))
+                .await
+                .0
         }));
     }
     for call in flood {
@@ -524,7 +521,7 @@ async fn a_caller_that_goes_away_has_its_query_cancelled() {
     );
     // Its slot is free again (limit 1): the next caller is served without waiting.
     let seen = Seen::default();
-    let (status, v) = sql(
+    let (status, v) = sql_with(
         &gw,
         &seen,
         "db",
@@ -551,7 +548,7 @@ async fn async_handles_are_polled_on_the_pool_host_as_reached() {
 
     // Through the main listener: the handle is on the pool's host as the request named it
     // (the test's `Host` is `db.localhost`, without the port).
-    let (status, v) = sql(
+    let (status, v) = sql_with(
         &gw,
         &seen,
         "db",
@@ -613,7 +610,7 @@ async fn async_handles_are_polled_on_the_pool_host_as_reached() {
     );
 
     // A pool without async refuses the header.
-    let (status, v) = sql(
+    let (status, v) = sql_with(
         &gw,
         &seen,
         "sync",

@@ -454,8 +454,7 @@ async fn authorization_forms_follow_the_pool_auth_accept() {
     )
     .await;
     assert_eq!(r.status(), 200);
-    let r = acquire(&gw, "p").await;
-    expect_error(r, 401, "unauthorized").await;
+    expect_error(acquire(&gw, "p").await, 401, "unauthorized").await;
     let r = send(lock_post(&gw, "p", &format!("{id}/release")).bearer_auth(KEY)).await;
     assert_eq!(r.json::<Value>().await.unwrap(), json!({"released": true}));
 }
@@ -478,8 +477,7 @@ async fn unknown_pool_is_404_pool_not_found() {
         format!("{id}/renew"),
         format!("{id}/release"),
     ] {
-        let r = send(keyed(&gw, "%FF", &rest)).await;
-        expect_error(r, 404, "pool_not_found").await;
+        expect_error(send(keyed(&gw, "%FF", &rest)).await, 404, "pool_not_found").await;
     }
     // Other unknown routes under /pools answer the API host's JSON 404.
     expect_error(
@@ -509,8 +507,12 @@ async fn bodies_over_64_kib_get_413() {
     let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
         (0..5).map(|_| Ok(vec![b' '; 16 * 1024])).collect();
     let body = reqwest::Body::wrap_stream(futures_util::stream::iter(chunks));
-    let r = send(keyed(&gw, "p", "acquire").body(body)).await;
-    expect_error(r, 413, "payload_too_large").await;
+    expect_error(
+        send(keyed(&gw, "p", "acquire").body(body)).await,
+        413,
+        "payload_too_large",
+    )
+    .await;
     assert_eq!(
         gw.state("p").await["inFlight"],
         1,
@@ -540,8 +542,7 @@ async fn malformed_bodies_get_400_invalid() {
         (r#"{"priority":"urgent"}"#, Some("priority")),
         (r#"{"priority":5}"#, Some("priority")),
     ] {
-        let r = send(json_acquire(&gw, "p", body)).await;
-        let e = expect_error(r, 400, "invalid").await;
+        let e = expect_error(send(json_acquire(&gw, "p", body)).await, 400, "invalid").await;
         if let Some(field) = field {
             assert_eq!(e["field"], field, "acquire {body}: {e}");
         }

@@ -285,8 +285,8 @@ async fn request_bodies_stream_through_unbuffered() {
     tx.send(Ok(b"first".to_vec())).await.unwrap();
     // The upstream receives the first chunk while the caller has not sent the rest: nothing
     // waits for the whole body.
-    eventually("first chunk upstream", async || {
-        (up.state.body_chunks.load(Ordering::SeqCst) >= 1).then_some(())
+    until("first chunk upstream", async || {
+        up.state.body_chunks.load(Ordering::SeqCst) >= 1
     })
     .await;
     tx.send(Ok(b"second".to_vec())).await.unwrap();
@@ -482,8 +482,8 @@ async fn a_hung_call_frees_its_slot_only_once_its_connection_is_closed() {
     .await;
     for round in 0..5 {
         let hung = spawn_send(gw.get("p", "/hang"));
-        eventually("the hung call reached the origin", async || {
-            (up.in_flight() >= 1).then_some(())
+        until("the hung call reached the origin", async || {
+            up.in_flight() >= 1
         })
         .await;
         let next = spawn_send(gw.get("p", "/sleep?ms=5"));

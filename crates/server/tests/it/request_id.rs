@@ -307,10 +307,7 @@ async fn an_async_job_keeps_its_intake_id_upstream_on_its_views_and_deliveries()
     assert_eq!(deliveries[0]["requestId"], id, "{detail}");
 
     // The webhook: its payload (the poll body) and its header.
-    eventually("the webhook", async || {
-        (!got.lock().is_empty()).then_some(())
-    })
-    .await;
+    until("the webhook", async || !got.lock().is_empty()).await;
     let (headers, body) = got.lock()[0].clone();
     let payload: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(payload["jobId"], job.as_str());

@@ -188,8 +188,8 @@ impl Receiver {
     }
 
     async fn wait_received(&self, n: usize) -> Vec<Received> {
-        eventually(&format!("{n} webhook requests"), async || {
-            (self.state.received.lock().len() >= n).then_some(())
+        until(&format!("{n} webhook requests"), async || {
+            self.state.received.lock().len() >= n
         })
         .await;
         self.received()
