@@ -263,33 +263,20 @@ async fn poll(gw: &Gateway, job: &str) -> Value {
 
 /// Switches a destination on or off through the admin API; asserts 200.
 async fn set_active(gw: &Gateway, dest: &str, active: bool) {
-    let (status, _) = gw
-        .patch(
-            &format!("/admin/pools/p/webhooks/{dest}"),
-            json!({ "active": active }),
-        )
-        .await;
-    assert_eq!(status, 200);
+    let path = format!("/admin/pools/p/webhooks/{dest}");
+    assert_eq!(gw.patch(&path, json!({ "active": active })).await.0, 200);
 }
 
 /// Rotates a destination's secret through the admin API (`body` as JSON, if any).
 async fn rotate(gw: &Gateway, dest: &str, body: Option<Value>) -> (u16, Value) {
-    gw.admin(
-        Method::POST,
-        &format!("/admin/pools/p/webhooks/{dest}/rotate"),
-        body,
-    )
-    .await
+    let path = format!("/admin/pools/p/webhooks/{dest}/rotate");
+    gw.admin(Method::POST, &path, body).await
 }
 
 /// Asks for a job's redelivery through the admin API.
 async fn redeliver(gw: &Gateway, job: &str) -> (u16, Value) {
-    gw.admin(
-        Method::POST,
-        &format!("/admin/pools/p/jobs/{job}/redeliver"),
-        None,
-    )
-    .await
+    let path = format!("/admin/pools/p/jobs/{job}/redeliver");
+    gw.admin(Method::POST, &path, None).await
 }
 
 /// A job's attempts, oldest first.
@@ -325,6 +312,17 @@ async fn wait_poll(gw: &Gateway, job: &str, what: &str, pred: impl Fn(&Value) ->
     }
     let detail = get_json(gw, &format!("/admin/pools/p/jobs/{job}")).await;
     panic!("job {job} never reached: {what}; last poll body {last}; detail {detail}");
+}
+
+/// Waits (bounded) until the job counts one delivery.
+async fn wait_delivered(gw: &Gateway, job: &str, what: &str) -> Value {
+    wait_poll(gw, job, what, |v| v["webhook"]["delivered"] == 1).await
+}
+
+/// How long after `attempt` the job's delivery is due again (ms).
+async fn retry_wait(gw: &Gateway, job: &str, attempt: &Value) -> u64 {
+    let d = delivery_of(gw, job).await;
+    d["nextAttemptAt"].as_u64().unwrap() - attempt["at"].as_u64().unwrap()
 }
 
 async fn destination(gw: &Gateway, id: &str) -> Value {
@@ -420,7 +418,7 @@ async fn delivers_the_poll_body_signed_per_the_standard() {
     }
 
     // Poll counts stay true, and the attempt is logged.
-    let done = wait_poll(&gw, &job, "delivered", |v| v["webhook"]["delivered"] == 1).await;
+    let done = wait_delivered(&gw, &job, "delivered").await;
     assert_eq!(
         done["webhook"],
         json!({"destinations": 1, "delivered": 1, "failed": 0})
@@ -490,8 +488,7 @@ async fn retries_after_failures_then_succeeds() {
     assert_eq!(a[0]["statusCode"], 302);
     assert_eq!(a[0]["outcome"], "retrying");
     assert!(a[0]["error"].as_str().unwrap().contains("not followed"));
-    let d = delivery_of(&gw, &job).await;
-    let wait = d["nextAttemptAt"].as_u64().unwrap() - a[0]["at"].as_u64().unwrap();
+    let wait = retry_wait(&gw, &job, &a[0]).await;
     assert!(
         (4_500..=5_500).contains(&wait),
         "first retry after 5 s ± 10 %, got {wait} ms"
@@ -506,8 +503,7 @@ async fn retries_after_failures_then_succeeds() {
     let a = wait_attempts(&gw, &job, 2).await;
     assert_eq!(a[1]["statusCode"], 500);
     assert_eq!(a[1]["attempt"], 2);
-    let d = delivery_of(&gw, &job).await;
-    let wait = d["nextAttemptAt"].as_u64().unwrap() - a[1]["at"].as_u64().unwrap();
+    let wait = retry_wait(&gw, &job, &a[1]).await;
     assert!(
         (270_000..=330_000).contains(&wait),
         "second retry after 5 min ± 10 %, got {wait} ms"
@@ -517,7 +513,7 @@ async fn retries_after_failures_then_succeeds() {
     let a = wait_attempts(&gw, &job, 3).await;
     assert_eq!(a[2]["statusCode"], 200);
     assert_eq!(a[2]["outcome"], "delivered");
-    let done = wait_poll(&gw, &job, "delivered", |v| v["webhook"]["delivered"] == 1).await;
+    let done = wait_delivered(&gw, &job, "delivered").await;
     assert_eq!(done["webhook"]["failed"], 0);
     assert_eq!(
         destination(&gw, &dest).await["consecutiveFailures"],
@@ -560,18 +556,13 @@ async fn retry_after_is_honoured() {
     // The hint is longer than the 5 s backoff: it wins, exactly.
     let a = wait_attempts(&gw, &job, 1).await;
     assert_eq!(a[0]["statusCode"], 503);
-    let d = delivery_of(&gw, &job).await;
-    assert_eq!(
-        d["nextAttemptAt"].as_u64().unwrap(),
-        a[0]["at"].as_u64().unwrap() + 120_000
-    );
+    assert_eq!(retry_wait(&gw, &job, &a[0]).await, 120_000);
 
     // The hint is shorter than the 5 min backoff: the backoff wins.
     clock.advance(121_000);
     let a = wait_attempts(&gw, &job, 2).await;
     assert_eq!(a[1]["statusCode"], 429);
-    let d = delivery_of(&gw, &job).await;
-    let wait = d["nextAttemptAt"].as_u64().unwrap() - a[1]["at"].as_u64().unwrap();
+    let wait = retry_wait(&gw, &job, &a[1]).await;
     assert!((270_000..=330_000).contains(&wait), "got {wait} ms");
 
     clock.advance(331_000);
@@ -604,10 +595,7 @@ async fn gone_deactivates_and_the_last_one_flips_the_pool_to_sync() {
     // Destination a is still active: the pool stays async (and the probe job is delivered to a
     // before a starts answering 410, so that job 2 is the one that deactivates it).
     let probe = submit(&gw).await;
-    wait_poll(&gw, &probe, "delivered to a", |v| {
-        v["webhook"]["delivered"] == 1
-    })
-    .await;
+    wait_delivered(&gw, &probe, "delivered to a").await;
 
     // Now a answers 410 too: the pool's last destination goes, and the pool serves sync.
     a_rx.set_default(reply(410));
@@ -621,7 +609,7 @@ async fn gone_deactivates_and_the_last_one_flips_the_pool_to_sync() {
     a_rx.set_default(reply(200));
     set_active(&gw, &a, true).await;
     let job3 = submit(&gw).await;
-    wait_poll(&gw, &job3, "delivered", |v| v["webhook"]["delivered"] == 1).await;
+    wait_delivered(&gw, &job3, "delivered").await;
     assert_eq!(
         b_rx.received().len(),
         1,
@@ -671,7 +659,7 @@ async fn consecutive_failures_deactivate_and_re_enable_restores_async() {
     assert_eq!(d["consecutiveFailures"], 0);
     assert!(d["deactivatedAt"].is_null());
     let job = submit(&gw).await;
-    wait_poll(&gw, &job, "delivered", |v| v["webhook"]["delivered"] == 1).await;
+    wait_delivered(&gw, &job, "delivered").await;
 }
 
 /// A job can be redelivered by hand: the same webhook-id again, a new round whose failures do
@@ -683,7 +671,7 @@ async fn manual_redelivery() {
     let (gw, clock) = clocked(&async_pool(&up, "allow_private_webhooks = true", "")).await;
     let (dest, secret) = add_destination(&gw, &rx.url("/hook"), json!({})).await;
     let job = submit(&gw).await;
-    wait_poll(&gw, &job, "delivered", |v| v["webhook"]["delivered"] == 1).await;
+    wait_delivered(&gw, &job, "delivered").await;
 
     rx.script([reply(500), reply(200)]);
     let (status, body) = redeliver(&gw, &job).await;
@@ -708,10 +696,7 @@ async fn manual_redelivery() {
     for (r, attempt) in got.iter().zip(&a) {
         assert!(verify_received(r, &secret, attempt["at"].as_u64().unwrap()));
     }
-    wait_poll(&gw, &job, "delivered again", |v| {
-        v["webhook"]["delivered"] == 1
-    })
-    .await;
+    wait_delivered(&gw, &job, "delivered again").await;
 
     // Unknown job: 404; a job that has not ended: 409.
     let (status, body) = redeliver(&gw, &format!("job_{}", "0".repeat(32))).await;
