@@ -26,22 +26,18 @@ async fn a_config_pool_is_served_on_its_own_listener_whatever_the_host() {
         .addr("p")
         .expect("p listens");
 
-    let r = plain(addr, "/v1/echo-me")
-        .header("x-nthpool-key", KEY)
-        .send()
-        .await
-        .unwrap();
+    let r = send(plain(addr, "/v1/echo-me").header("x-nthpool-key", KEY)).await;
     assert_eq!(r.status(), 200);
     // The pool key is still required.
     let r = plain(addr, "/v1/echo-me").send().await.unwrap();
     assert_eq!(r.status(), 401);
     // Paths that look like the API host's are the pool's too, and so is the API host's name.
-    let r = plain(addr, "/admin/pools")
-        .header("host", "api.localhost")
-        .header("x-nthpool-key", KEY)
-        .send()
-        .await
-        .unwrap();
+    let r = send(
+        plain(addr, "/admin/pools")
+            .header("host", "api.localhost")
+            .header("x-nthpool-key", KEY),
+    )
+    .await;
     assert_eq!(r.status(), 200);
     let paths: Vec<String> = up.seen().iter().map(|s| s.path.clone()).collect();
     assert_eq!(paths, ["/v1/echo-me", "/admin/pools"]);
