@@ -1,9 +1,6 @@
 //! Async jobs end to end over loopback: the three admission modes, the fallback to sync, poll
 //! through the lifecycle, expiry and retention on an injected clock, and the shared limit.
 
-use std::sync::Arc;
-
-use nthbouncer_coord::ManualClock;
 use nthbouncer_testkit::*;
 use reqwest::Method;
 use serde_json::{json, Value};
@@ -235,14 +232,10 @@ async fn busy_and_wait_timeout_promote_to_jobs() {
     up.wait_arrivals(3).await;
     let r = send(gw.get("t", "/").header("x-nthpool-queue-timeout-ms", "50")).await;
     let job = accepted_id(r).await;
-    let (_, b) = gw_poll_t(&gw, &job).await;
+    let (_, b) = poll(&gw, "t", &job).await;
     assert_eq!(b["reason"], "wait_timeout");
     up.release(1);
     assert_eq!(held.await.unwrap().status(), 200);
-}
-
-async fn gw_poll_t(gw: &Gateway, job: &str) -> (u16, Value) {
-    poll(gw, "t", job).await
 }
 
 #[tokio::test]
@@ -270,21 +263,18 @@ async fn results_over_the_cap_are_truncated_and_binary_is_base64() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jobs_share_the_limit_with_sync_traffic() {
     let up = Upstream::start().await;
-    let gw = Arc::new(gateway(&async_pool("p", &up.url(), "limit = 2", "")).await);
+    let gw = gateway(&async_pool("p", &up.url(), "limit = 2", "")).await;
     let mut jobs = Vec::new();
     let mut syncs = Vec::new();
     for i in 0..12 {
-        let g = gw.clone();
-        syncs.push(tokio::spawn(async move {
-            send(g.get("p", "/sleep?ms=10")).await.status()
-        }));
+        syncs.push(spawn_send(gw.get("p", "/sleep?ms=10")));
         let r = gw
             .get_async("p", "/sleep?ms=10")
             .header("x-seq", format!("job{i}"));
         jobs.push(accepted_id(send(r).await).await);
     }
     for s in syncs {
-        assert_eq!(s.await.unwrap(), 200);
+        assert_eq!(s.await.unwrap().status(), 200);
     }
     for j in &jobs {
         wait_status(&gw, "p", j, "completed").await;
@@ -302,7 +292,6 @@ async fn jobs_share_the_limit_with_sync_traffic() {
 #[tokio::test]
 async fn expiry_and_retention_on_an_injected_clock() {
     let up = Upstream::start().await;
-    let clock = Arc::new(ManualClock::new(1_700_000_000_000));
     let toml = format!(
         "{}{}",
         async_pool(
@@ -314,7 +303,7 @@ async fn expiry_and_retention_on_an_injected_clock() {
         async_pool("q", &up.url(), "", "retention_s = 60")
             .replace("[server]\nallow_private_webhooks = true\n", "")
     );
-    let gw = gateway_with(&toml, Some(clock.clone())).await;
+    let (gw, clock) = clocked(&toml).await;
 
     // Pool p: its only slot is held by a lock, so the job cannot run before its expiresAt.
     let r = gw

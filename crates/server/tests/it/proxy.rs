@@ -2,7 +2,6 @@
 //! slots held by streamed bodies, clients that vanish, errors in the contract's shape.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::Duration;
 
 use nthbouncer_testkit::*;
@@ -417,17 +416,12 @@ async fn idle_upstream_connections_are_retired() {
 /// 20 concurrent callers through `limit = 2`: the upstream never sees more than 2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_clients_never_exceed_the_limit() {
-    let up = Upstream::start().await;
-    let gw = Arc::new(gateway(&pool_toml("p", &up.url(), "limit = 2")).await);
-    let mut tasks = Vec::new();
-    for _ in 0..40 {
-        let g = gw.clone();
-        tasks.push(tokio::spawn(async move {
-            send(g.get("p", "/sleep?ms=5")).await.status()
-        }));
-    }
+    let (up, gw) = proxied_pool("limit = 2").await;
+    let tasks: Vec<_> = (0..40)
+        .map(|_| spawn_send(gw.get("p", "/sleep?ms=5")))
+        .collect();
     for t in tasks {
-        assert_eq!(t.await.unwrap(), 200);
+        assert_eq!(t.await.unwrap().status(), 200);
     }
     assert!(up.max_in_flight() <= 2);
     assert_eq!(gw.state("p").await["inFlight"], 0);
