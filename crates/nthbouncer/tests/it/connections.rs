@@ -66,10 +66,7 @@ async fn the_binary_refuses_connections_past_its_limit_and_closes_silent_ones() 
 /// (10 minutes), so each close seen here is the reloaded bound's.
 #[tokio::test]
 async fn a_reload_applies_connection_bounds_to_the_next_connection() {
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(0)
-        .build()
-        .unwrap();
+    let client = nthbouncer_testkit::unpooled_client();
     let long = "header_read_timeout_ms = 600000\nidle_timeout_ms = 600000\n";
     let server = Server::start(BIN, "warn", client, long).await;
     let port = server.port;
@@ -83,9 +80,8 @@ async fn a_reload_applies_connection_bounds_to_the_next_connection() {
     assert_eq!(body["restartPending"], serde_json::json!([]), "{body}");
 
     // Two open, one allowed: the next connection is refused.
-    let mut extra = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
-    extra.write_all(HEALTHZ).await.unwrap();
-    let answer = until_closed(&mut extra, "the refused connection to be closed").await;
+    let mut extra = connect_and_send(("127.0.0.1", port), HEALTHZ).await;
+    let answer = closed_by_server(&mut extra, "the refused connection to be closed").await;
     assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
     assert!(answer.contains(r#""error":"overloaded""#), "{answer}");
     // Those already open are still served (and keep the idle timeout they were accepted with).
@@ -102,10 +98,10 @@ async fn a_reload_applies_connection_bounds_to_the_next_connection() {
     // Under the limit again, a new connection is served, and closed once idle.
     drop(kept);
     let mut idle = kept_alive(port).await;
-    let sent = until_closed(&mut idle, "an idle connection to be closed").await;
+    let sent = closed_by_server(&mut idle, "an idle connection to be closed").await;
     assert_eq!(sent, "", "nothing is sent on an idle connection's close");
     // A socket that never sends a byte is closed by the new header timeout.
     let mut silent = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
-    let sent = until_closed(&mut silent, "a silent connection to be closed").await;
+    let sent = closed_by_server(&mut silent, "a silent connection to be closed").await;
     assert_eq!(sent, "");
 }
