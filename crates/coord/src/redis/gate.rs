@@ -195,6 +195,11 @@ pub(crate) struct Shared {
     fallback: Mutex<Option<Arc<InProcessGate>>>,
     /// Slots granted by the fallback gate (they are released there, not in Redis).
     local_slots: Mutex<HashSet<u128>>,
+    /// Fail open: fallback slots taken on behalf of this node's exchange slots that were
+    /// granted by Redis and were still running when Redis went away (Redis slot → fallback
+    /// slot), so the node's share counts them: the origin sees no more than the share from
+    /// this node once they end.
+    carried: Mutex<HashMap<u128, SlotId>>,
 }
 
 /// One pool's gate on Redis. Dropping it (or [`PoolGate::close`]) stops its ticker.
@@ -255,6 +260,7 @@ impl RedisGate {
             down_until: AtomicU64::new(0),
             fallback: Mutex::new(None),
             local_slots: Mutex::new(HashSet::new()),
+            carried: Mutex::new(HashMap::new()),
             node: Arc::clone(&node),
         });
         {
@@ -387,12 +393,68 @@ impl Shared {
         match self.fallback_gate() {
             Some(gate) => {
                 tracing::warn!(pool = %self.pool, error = %e, "redis unreachable; admitting on this node's share (fail open)");
+                self.carry_holds(&gate).await;
                 self.acquire_on_own(&gate, req).await
             }
             None => {
                 tracing::warn!(pool = %self.pool, error = %e, "redis unreachable; refusing admission (fail closed)");
                 Err(Refusal::CoordinationUnavailable { retry_after_ms })
             }
+        }
+    }
+
+    /// Counts the exchange slots Redis granted this node, still running, against its share:
+    /// one fallback slot each, as far as the share goes (a hold left without one gets the slot
+    /// of the next carried hold to end, see [`Shared::uncarry`]).
+    async fn carry_holds(&self, gate: &Arc<InProcessGate>) {
+        let uncarried: Vec<u128> = {
+            let carried = self.carried.lock();
+            self.holds
+                .lock()
+                .keys()
+                .filter(|slot| !carried.contains_key(slot))
+                .copied()
+                .collect()
+        };
+        for slot in uncarried {
+            let req = AcquireRequest {
+                fairness_key: 0,
+                priority: Priority::Normal,
+                wait_ms: 0,
+                kind: SlotKind::Exchange,
+            };
+            let Ok(grant) = gate.acquire(req).await else {
+                break;
+            };
+            self.carried.lock().insert(slot, grant.slot_id);
+        }
+    }
+
+    /// A Redis-granted exchange slot ended: the fallback slot it carried passes to a running
+    /// hold that has none (so the node stays within its share while they run), or is freed.
+    async fn uncarry(&self, slot: u128) {
+        let passed_on = {
+            let mut carried = self.carried.lock();
+            let Some(local) = carried.remove(&slot) else {
+                return;
+            };
+            let heir = self
+                .holds
+                .lock()
+                .keys()
+                .find(|s| **s != slot && !carried.contains_key(s))
+                .copied();
+            match heir {
+                Some(heir) => {
+                    carried.insert(heir, local);
+                    None
+                }
+                None => Some(local),
+            }
+        };
+        let gate = self.fallback.lock().clone();
+        if let (Some(local), Some(gate)) = (passed_on, gate) {
+            gate.release(local, None).await;
         }
     }
 
@@ -841,6 +903,7 @@ impl PoolGate for RedisGate {
             }
         }
         s.holds.lock().remove(&slot.0);
+        s.uncarry(slot.0).await;
         let adaptive = s.settings().adaptive;
         let mut extra = vec![slot.to_string(), "0".to_owned()];
         if let (Some(outcome), true) = (outcome, adaptive) {
