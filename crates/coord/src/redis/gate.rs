@@ -12,8 +12,11 @@
 //! waiters' lock, so a waiter that finds its entry gone knows the grant is in its channel.
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
+use std::task::{ready, Context, Poll};
 
 use nthbouncer_governor::{Governor, Learned};
 use parking_lot::Mutex;
@@ -678,6 +681,58 @@ async fn run_ticker(gate: Weak<Shared>, signal: Arc<Notify>, clock: Arc<dyn crat
 
 /// Leaves the shared queue if the acquire future is dropped while parked; frees the grant if
 /// one raced in. Disarmed once the outcome has been handed to the caller.
+type CallFuture = Pin<Box<dyn Future<Output = Result<Reply, CallError>> + Send>>;
+
+/// The acquire script's call while it is in flight. If the caller goes away meanwhile (a client
+/// that disconnects drops its acquire), the script may still run in Redis and admit or queue
+/// it: the call is then finished in the background and undone (the slot freed, the ticket
+/// cancelled), instead of leaving a slot nobody holds taken for a whole lease term.
+struct PendingAcquire {
+    call: Option<CallFuture>,
+    shared: Arc<Shared>,
+    slot: SlotId,
+}
+
+impl Future for PendingAcquire {
+    type Output = Result<Reply, CallError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(call) = self.call.as_mut() else {
+            return Poll::Ready(Err(CallError::Reply("acquire polled after it finished")));
+        };
+        let out = ready!(call.as_mut().poll(cx));
+        self.call = None;
+        Poll::Ready(out)
+    }
+}
+
+impl Drop for PendingAcquire {
+    fn drop(&mut self) {
+        let Some(call) = self.call.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return; // No runtime to clean up on: the lease or queue entry expires in Redis.
+        };
+        let (shared, slot) = (Arc::clone(&self.shared), self.slot);
+        runtime.spawn(async move {
+            let Ok(reply) = call.await else {
+                return;
+            };
+            match reply.str(0).as_deref() {
+                Ok("admitted") => shared.free(slot).await,
+                Ok("queued") => {
+                    if let Ok(ticket) = reply.str(2) {
+                        let extra = [ticket, "1".to_owned()];
+                        let _ = shared.call(&shared.node.scripts.cancel, &extra).await;
+                    }
+                }
+                _ => {}
+            }
+        });
+    }
+}
+
 struct QueueGuard {
     shared: Arc<Shared>,
     ticket: String,
@@ -746,7 +801,16 @@ impl PoolGate for RedisGate {
             }
             .to_string(),
         ];
-        let reply = match s.call(&s.node.scripts.acquire, &extra).await {
+        let call = {
+            let shared = Arc::clone(s);
+            Box::pin(async move { shared.call(&shared.node.scripts.acquire, &extra).await })
+        };
+        let pending = PendingAcquire {
+            call: Some(call),
+            shared: Arc::clone(s),
+            slot,
+        };
+        let reply = match pending.await {
             Ok(reply) => reply,
             Err(e) => return s.unavailable(&e, req).await,
         };
