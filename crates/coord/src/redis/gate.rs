@@ -12,8 +12,11 @@
 //! waiters' lock, so a waiter that finds its entry gone knows the grant is in its channel.
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
+use std::task::{ready, Context, Poll};
 
 use nthbouncer_governor::{Governor, Learned};
 use parking_lot::Mutex;
@@ -195,6 +198,11 @@ pub(crate) struct Shared {
     fallback: Mutex<Option<Arc<InProcessGate>>>,
     /// Slots granted by the fallback gate (they are released there, not in Redis).
     local_slots: Mutex<HashSet<u128>>,
+    /// Fail open: fallback slots taken on behalf of this node's exchange slots that were
+    /// granted by Redis and were still running when Redis went away (Redis slot → fallback
+    /// slot), so the node's share counts them: the origin sees no more than the share from
+    /// this node once they end.
+    carried: Mutex<HashMap<u128, SlotId>>,
 }
 
 /// One pool's gate on Redis. Dropping it (or [`PoolGate::close`]) stops its ticker.
@@ -255,6 +263,7 @@ impl RedisGate {
             down_until: AtomicU64::new(0),
             fallback: Mutex::new(None),
             local_slots: Mutex::new(HashSet::new()),
+            carried: Mutex::new(HashMap::new()),
             node: Arc::clone(&node),
         });
         {
@@ -387,12 +396,68 @@ impl Shared {
         match self.fallback_gate() {
             Some(gate) => {
                 tracing::warn!(pool = %self.pool, error = %e, "redis unreachable; admitting on this node's share (fail open)");
+                self.carry_holds(&gate).await;
                 self.acquire_on_own(&gate, req).await
             }
             None => {
                 tracing::warn!(pool = %self.pool, error = %e, "redis unreachable; refusing admission (fail closed)");
                 Err(Refusal::CoordinationUnavailable { retry_after_ms })
             }
+        }
+    }
+
+    /// Counts the exchange slots Redis granted this node, still running, against its share:
+    /// one fallback slot each, as far as the share goes (a hold left without one gets the slot
+    /// of the next carried hold to end, see [`Shared::uncarry`]).
+    async fn carry_holds(&self, gate: &Arc<InProcessGate>) {
+        let uncarried: Vec<u128> = {
+            let carried = self.carried.lock();
+            self.holds
+                .lock()
+                .keys()
+                .filter(|slot| !carried.contains_key(slot))
+                .copied()
+                .collect()
+        };
+        for slot in uncarried {
+            let req = AcquireRequest {
+                fairness_key: 0,
+                priority: Priority::Normal,
+                wait_ms: 0,
+                kind: SlotKind::Exchange,
+            };
+            let Ok(grant) = gate.acquire(req).await else {
+                break;
+            };
+            self.carried.lock().insert(slot, grant.slot_id);
+        }
+    }
+
+    /// A Redis-granted exchange slot ended: the fallback slot it carried passes to a running
+    /// hold that has none (so the node stays within its share while they run), or is freed.
+    async fn uncarry(&self, slot: u128) {
+        let passed_on = {
+            let mut carried = self.carried.lock();
+            let Some(local) = carried.remove(&slot) else {
+                return;
+            };
+            let heir = self
+                .holds
+                .lock()
+                .keys()
+                .find(|s| **s != slot && !carried.contains_key(s))
+                .copied();
+            match heir {
+                Some(heir) => {
+                    carried.insert(heir, local);
+                    None
+                }
+                None => Some(local),
+            }
+        };
+        let gate = self.fallback.lock().clone();
+        if let (Some(local), Some(gate)) = (passed_on, gate) {
+            gate.release(local, None).await;
         }
     }
 
@@ -616,6 +681,58 @@ async fn run_ticker(gate: Weak<Shared>, signal: Arc<Notify>, clock: Arc<dyn crat
 
 /// Leaves the shared queue if the acquire future is dropped while parked; frees the grant if
 /// one raced in. Disarmed once the outcome has been handed to the caller.
+type CallFuture = Pin<Box<dyn Future<Output = Result<Reply, CallError>> + Send>>;
+
+/// The acquire script's call while it is in flight. If the caller goes away meanwhile (a client
+/// that disconnects drops its acquire), the script may still run in Redis and admit or queue
+/// it: the call is then finished in the background and undone (the slot freed, the ticket
+/// cancelled), instead of leaving a slot nobody holds taken for a whole lease term.
+struct PendingAcquire {
+    call: Option<CallFuture>,
+    shared: Arc<Shared>,
+    slot: SlotId,
+}
+
+impl Future for PendingAcquire {
+    type Output = Result<Reply, CallError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(call) = self.call.as_mut() else {
+            return Poll::Ready(Err(CallError::Reply("acquire polled after it finished")));
+        };
+        let out = ready!(call.as_mut().poll(cx));
+        self.call = None;
+        Poll::Ready(out)
+    }
+}
+
+impl Drop for PendingAcquire {
+    fn drop(&mut self) {
+        let Some(call) = self.call.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return; // No runtime to clean up on: the lease or queue entry expires in Redis.
+        };
+        let (shared, slot) = (Arc::clone(&self.shared), self.slot);
+        runtime.spawn(async move {
+            let Ok(reply) = call.await else {
+                return;
+            };
+            match reply.str(0).as_deref() {
+                Ok("admitted") => shared.free(slot).await,
+                Ok("queued") => {
+                    if let Ok(ticket) = reply.str(2) {
+                        let extra = [ticket, "1".to_owned()];
+                        let _ = shared.call(&shared.node.scripts.cancel, &extra).await;
+                    }
+                }
+                _ => {}
+            }
+        });
+    }
+}
+
 struct QueueGuard {
     shared: Arc<Shared>,
     ticket: String,
@@ -684,7 +801,16 @@ impl PoolGate for RedisGate {
             }
             .to_string(),
         ];
-        let reply = match s.call(&s.node.scripts.acquire, &extra).await {
+        let call = {
+            let shared = Arc::clone(s);
+            Box::pin(async move { shared.call(&shared.node.scripts.acquire, &extra).await })
+        };
+        let pending = PendingAcquire {
+            call: Some(call),
+            shared: Arc::clone(s),
+            slot,
+        };
+        let reply = match pending.await {
             Ok(reply) => reply,
             Err(e) => return s.unavailable(&e, req).await,
         };
@@ -841,6 +967,7 @@ impl PoolGate for RedisGate {
             }
         }
         s.holds.lock().remove(&slot.0);
+        s.uncarry(slot.0).await;
         let adaptive = s.settings().adaptive;
         let mut extra = vec![slot.to_string(), "0".to_owned()];
         if let (Some(outcome), true) = (outcome, adaptive) {

@@ -179,6 +179,17 @@ impl RedisCoordination {
         Ok(())
     }
 
+    /// Whether this node admits its share on its own while Redis is away (`fail_open`).
+    pub fn fails_open(&self) -> bool {
+        self.node.options.fail_open.is_some()
+    }
+
+    /// After a failed call, how long before Redis is tried again (the `Retry-After` of a
+    /// refusal while it is away).
+    pub fn retry_after(&self) -> Duration {
+        self.node.options.retry_redis_after
+    }
+
     /// Opens the gate of `pool` as a concrete [`RedisGate`].
     pub fn open_gate(&self, pool: &str, settings: PoolSettings) -> Arc<RedisGate> {
         Arc::new(RedisGate::new(Arc::clone(&self.node), pool, settings))

@@ -1,20 +1,21 @@
-//! The in-process gate at its public boundary (the `PoolGate` trait), with a `ManualClock`
-//! wherever time matters. Real tokio time appears only in the stress test's tiny holds and as a
-//! safety timeout so a broken gate fails instead of hanging.
+//! What only the in-process gate does, at its public boundary (the `PoolGate` trait), on a
+//! `ManualClock`: exact deadlines and wait times, wall-clock steps, the ticker's life. What every
+//! gate must do is in `conformance`, run on both implementations. Real tokio time appears only as a safety
+//! timeout so a broken gate fails instead of hanging.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use nthbouncer_coord::in_process::InProcessCoordination;
 use nthbouncer_coord::{
-    AcquireRequest, Clock, Coordination, Grant, ManualClock, Outcome, PoolGate, PoolSettings,
-    Priority, Refusal, RefusalReason, RenewError, SlotId, SlotKind, SystemClock,
+    AcquireRequest, Coordination, Grant, ManualClock, Outcome, PoolGate, PoolSettings, Refusal,
+    RefusalReason, RenewError, SlotKind,
 };
-use rand::Rng;
 use tokio::task::JoinHandle;
+
+use crate::conformance::{limit, req};
 
 const T0: u64 = 1_700_000_000_000;
 
@@ -22,22 +23,6 @@ fn manual() -> (Arc<ManualClock>, InProcessCoordination) {
     let clock = Arc::new(ManualClock::new(T0));
     let coord = InProcessCoordination::new(clock.clone());
     (clock, coord)
-}
-
-fn req(wait_ms: u64, kind: SlotKind) -> AcquireRequest {
-    AcquireRequest {
-        fairness_key: 1,
-        priority: Priority::Normal,
-        wait_ms,
-        kind,
-    }
-}
-
-fn limit(n: u32) -> PoolSettings {
-    PoolSettings {
-        limit: n,
-        ..PoolSettings::default()
-    }
 }
 
 /// Lets spawned tasks (waiters, the ticker) run until `cond` holds; fails instead of hanging.
@@ -86,60 +71,7 @@ fn spawn_acquire(
 }
 
 #[tokio::test]
-async fn immediate_grant_and_fail_fast_refusal() {
-    let (_clock, coord) = manual();
-    let gate = coord.open(
-        "p",
-        PoolSettings {
-            limit: 1,
-            request_timeout_ms: 50_000,
-            ..PoolSettings::default()
-        },
-    );
-    let g = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
-    assert_eq!(g.slot_id.to_string().len(), 32);
-    assert_eq!(
-        (g.lease_deadline, g.request_deadline),
-        (T0 + 30_000, T0 + 50_000)
-    );
-    assert_eq!((g.term_ms, g.renew_interval_ms), (30_000, 10_000));
-    assert_eq!(
-        (
-            g.headers.remaining_slots,
-            g.headers.effective_limit,
-            g.headers.queued_ms
-        ),
-        (0, 1, 0)
-    );
-
-    match gate.acquire(req(0, SlotKind::Lease)).await {
-        Err(Refusal::TooManyRequests {
-            reason,
-            retry_after_ms,
-            headers,
-        }) => {
-            assert_eq!(reason, RefusalReason::NoSlot);
-            assert_eq!(retry_after_ms, None);
-            assert_eq!(
-                (
-                    headers.remaining_slots,
-                    headers.effective_limit,
-                    headers.rpm_remaining
-                ),
-                (0, 1, None)
-            );
-        }
-        other => panic!("expected 429, got {other:?}"),
-    }
-    assert!(gate.release(g.slot_id, None).await);
-    assert!(
-        !gate.release(g.slot_id, None).await,
-        "release is idempotent"
-    );
-}
-
-#[tokio::test]
-async fn waiters_are_granted_in_fifo_order_as_slots_free() {
+async fn each_waiters_queued_ms_is_its_wait_on_the_gates_clock() {
     let (clock, coord) = manual();
     let gate = coord.open("p", limit(1));
     let first = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
@@ -178,47 +110,6 @@ async fn wait_budget_spent_is_queue_timeout() {
     }
     let s = gate.snapshot().await;
     assert_eq!((s.in_flight, s.queued), (1, 0));
-}
-
-#[tokio::test]
-async fn dropped_acquire_leaves_the_queue_and_the_next_waiter_gets_the_slot() {
-    let (_clock, coord) = manual();
-    let gate = coord.open("p", limit(1));
-    let held = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
-    let a = spawn_acquire(&gate, req(60_000, SlotKind::Exchange));
-    queued(&gate, 1).await;
-    let b = spawn_acquire(&gate, req(60_000, SlotKind::Exchange));
-    queued(&gate, 2).await;
-    a.abort();
-    queued(&gate, 1).await;
-    assert!(gate.release(held.slot_id, None).await);
-    let g = join(b).await.unwrap();
-    let s = gate.snapshot().await;
-    assert_eq!((s.in_flight, s.queued), (1, 0));
-    assert!(gate.release(g.slot_id, None).await);
-    assert_eq!(gate.snapshot().await.in_flight, 0);
-}
-
-#[tokio::test]
-async fn dropping_an_acquire_whose_grant_raced_in_frees_the_slot() {
-    let (_clock, coord) = manual();
-    let gate = coord.open("p", limit(1));
-    let held = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
-    let mut pending = Box::pin(gate.acquire(req(60_000, SlotKind::Exchange)));
-    // Poll once: it parks in the queue.
-    tokio::select! {
-        biased;
-        _ = &mut pending => panic!("should be queued"),
-        () = std::future::ready(()) => {}
-    }
-    assert_eq!(gate.snapshot().await.queued, 1);
-    // The slot is handed to the parked future, which is never polled again...
-    assert!(gate.release(held.slot_id, None).await);
-    assert_eq!(gate.snapshot().await.in_flight, 1);
-    // ...and is dropped: the grant must not leak.
-    drop(pending);
-    let s = gate.snapshot().await;
-    assert_eq!((s.in_flight, s.queued), (0, 0));
 }
 
 #[tokio::test]
@@ -420,53 +311,6 @@ async fn throttle_report_pauses_and_the_ticker_resumes_at_the_pause_end() {
     assert_eq!(g.headers.effective_limit, 2);
 }
 
-/// The lock API's bogus release: `{"status":429,"retryAfterMs":900000}` on a slot id nobody
-/// holds used to answer `released:false` and still pause the pool 15 minutes and halve its limit.
-#[tokio::test]
-async fn only_a_release_that_frees_a_slot_teaches_and_pauses_are_capped() {
-    let (_clock, coord) = manual();
-    let gate = coord.open("p", limit(8));
-    let bogus = Outcome {
-        status: Some(429),
-        retry_after_ms: Some(900_000),
-        ..Outcome::default()
-    };
-    let before = gate.snapshot().await;
-    assert!(!gate.release(SlotId(42), Some(bogus.clone())).await);
-    assert_eq!(
-        gate.snapshot().await,
-        before,
-        "an unknown slot taught the pool"
-    );
-
-    // The holder's own release teaches, once; its pause is capped at `max_pause_ms`.
-    let a = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
-    assert!(gate.release(a.slot_id, Some(bogus.clone())).await);
-    let taught = gate.snapshot().await;
-    assert_eq!(
-        (taught.effective_limit, taught.paused_until),
-        (4, Some(T0 + PoolSettings::default().max_pause_ms))
-    );
-    assert!(!gate.release(a.slot_id, Some(bogus.clone())).await);
-    assert_eq!(
-        gate.snapshot().await,
-        taught,
-        "a repeat release re-fed its outcome"
-    );
-
-    // What the gateway observes itself still teaches, under the same cap.
-    let gate = coord.open(
-        "q",
-        PoolSettings {
-            max_pause_ms: 60_000,
-            ..limit(8)
-        },
-    );
-    gate.report(bogus).await;
-    let s = gate.snapshot().await;
-    assert_eq!((s.effective_limit, s.paused_until), (4, Some(T0 + 60_000)));
-}
-
 #[tokio::test]
 async fn rpm_waiter_is_admitted_when_the_window_frees() {
     let (clock, coord) = manual();
@@ -494,53 +338,7 @@ async fn rpm_waiter_is_admitted_when_the_window_frees() {
 }
 
 #[tokio::test]
-async fn raising_the_limit_admits_waiters_at_once() {
-    let (_clock, coord) = manual();
-    let gate = coord.open("p", limit(1));
-    let _held = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
-    let w1 = spawn_acquire(&gate, req(60_000, SlotKind::Exchange));
-    let w2 = spawn_acquire(&gate, req(60_000, SlotKind::Exchange));
-    queued(&gate, 2).await;
-    gate.reconfigure(limit(3)).await;
-    join(w1).await.unwrap();
-    join(w2).await.unwrap();
-    assert_eq!(gate.snapshot().await.in_flight, 3);
-}
-
-#[tokio::test]
-async fn priority_and_fairness_pass_through() {
-    let (_clock, coord) = manual();
-    let gate = coord.open("p", limit(1));
-    let held = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
-    let low = spawn_acquire(
-        &gate,
-        AcquireRequest {
-            fairness_key: 1,
-            priority: Priority::Low,
-            wait_ms: 60_000,
-            kind: SlotKind::Exchange,
-        },
-    );
-    queued(&gate, 1).await;
-    let high = spawn_acquire(
-        &gate,
-        AcquireRequest {
-            fairness_key: 2,
-            priority: Priority::High,
-            wait_ms: 60_000,
-            kind: SlotKind::Exchange,
-        },
-    );
-    queued(&gate, 2).await;
-    assert!(gate.release(held.slot_id, None).await);
-    let g = join(high).await.unwrap();
-    assert!(!low.is_finished());
-    assert!(gate.release(g.slot_id, None).await);
-    join(low).await.unwrap();
-}
-
-#[tokio::test]
-async fn close_refuses_waiters_and_stops_the_ticker() {
+async fn closing_the_gate_stops_its_ticker() {
     let (clock, coord) = manual();
     let clock_refs = Arc::strong_count(&clock);
     let gate = coord.open("p", limit(1));
@@ -597,104 +395,4 @@ async fn gates_opened_outside_a_runtime_start_their_ticker_on_first_use() {
         gate.snapshot().await.in_flight == 0
     })
     .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stress_many_tasks_never_exceed_the_limit_and_leave_nothing_behind() {
-    const LIMIT: u32 = 3;
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock::new());
-    let coord = InProcessCoordination::new(clock);
-    let gate = coord.open(
-        "p",
-        PoolSettings {
-            limit: LIMIT,
-            ..PoolSettings::default()
-        },
-    );
-    let holding = Arc::new(AtomicU32::new(0));
-    let max_holding = Arc::new(AtomicU32::new(0));
-    let granted = Arc::new(AtomicU32::new(0));
-    let gave_up = Arc::new(AtomicU32::new(0));
-
-    let mut tasks = Vec::new();
-    for i in 0..200u64 {
-        let gave_up = gave_up.clone();
-        let gate = gate.clone();
-        let holding = holding.clone();
-        let max_holding = max_holding.clone();
-        let granted = granted.clone();
-        let (key, priority, give_up_ms, hold_us) = {
-            let mut rng = rand::thread_rng();
-            let priority = [Priority::High, Priority::Normal, Priority::Low][rng.gen_range(0..3)];
-            // One in five callers gives up after a moment (its acquire future is dropped).
-            let give_up_ms = rng.gen_bool(0.2).then(|| rng.gen_range(0..3));
-            (
-                rng.gen_range(0..5),
-                priority,
-                give_up_ms,
-                rng.gen_range(0..1_500),
-            )
-        };
-        tasks.push(tokio::spawn(async move {
-            let r = AcquireRequest {
-                fairness_key: key,
-                priority,
-                wait_ms: 30_000,
-                kind: SlotKind::Exchange,
-            };
-            let got = match give_up_ms {
-                Some(ms) => {
-                    match tokio::time::timeout(Duration::from_millis(ms), gate.acquire(r)).await {
-                        Ok(got) => got,
-                        Err(_) => {
-                            gave_up.fetch_add(1, Ordering::SeqCst);
-                            return;
-                        }
-                    }
-                }
-                None => gate.acquire(r).await,
-            };
-            let g = got.unwrap_or_else(|refusal| panic!("task {i} refused: {refusal:?}"));
-            let now = holding.fetch_add(1, Ordering::SeqCst) + 1;
-            max_holding.fetch_max(now, Ordering::SeqCst);
-            granted.fetch_add(1, Ordering::SeqCst);
-            if hold_us > 0 {
-                tokio::time::sleep(Duration::from_micros(hold_us)).await;
-            } else {
-                tokio::task::yield_now().await;
-            }
-            holding.fetch_sub(1, Ordering::SeqCst);
-            assert!(
-                gate.release(
-                    g.slot_id,
-                    Some(Outcome {
-                        status: Some(200),
-                        ..Outcome::default()
-                    })
-                )
-                .await
-            );
-        }));
-    }
-    for t in tasks {
-        t.await.unwrap();
-    }
-    let max = max_holding.load(Ordering::SeqCst);
-    assert!(max <= LIMIT, "{max} holders at once");
-    assert!(
-        granted.load(Ordering::SeqCst) >= 100,
-        "most callers should get a slot"
-    );
-    let s = gate.snapshot().await;
-    assert_eq!((s.in_flight, s.queued), (0, 0));
-    // A caller that gave up in the same instant its ticket was admitted counts as admitted
-    // (its slot was released at once, as in_flight == 0 shows), so the total may exceed the
-    // grants the callers saw, by at most the number that gave up.
-    let granted = u64::from(granted.load(Ordering::SeqCst));
-    let gave_up = u64::from(gave_up.load(Ordering::SeqCst));
-    assert!(
-        (granted..=granted + gave_up).contains(&s.admitted_total),
-        "admitted {} with {granted} granted and {gave_up} given up",
-        s.admitted_total
-    );
 }

@@ -1,24 +1,29 @@
-//! The Redis gate against the machine's real Redis, with several `RedisCoordination`s standing
-//! in for several nodes (each has its own connection, node id and wake-up subscription). Each
-//! test works under a key prefix of its own and deletes its keys afterwards. Counts and order
-//! only: real time appears in short holds and bounded wait loops, never in an assertion.
+//! What only the Redis gate does, against the machine's real Redis, with several
+//! `RedisCoordination`s standing in for several nodes (each has its own connection, node id and
+//! wake-up subscription): a dead node's slots, self-fencing, nonces, Redis unreachable in both
+//! fail modes, the key layout. What every gate must do is in `conformance`, run on both. Each
+//! test works under a key prefix of its own ([`Space`]) and deletes its keys afterwards. Counts
+//! and order only: real time appears in short holds and bounded wait loops, never in an
+//! assertion.
 //!
 //! Redis must answer: a test fails loudly when it does not (`.ci/run` starts one).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use nthbouncer_coord::redis::{RedisCoordination, RedisOptions};
 use nthbouncer_coord::{
-    AcquireRequest, Clock, Coordination, NonceKey, NonceVerdict, Outcome, PoolGate, PoolSettings,
-    Priority, Refusal, RefusalReason, RenewError, SlotId, SlotKind, SystemClock,
+    Coordination, NonceKey, NonceVerdict, PoolSettings, Refusal, RefusalReason, SlotKind,
+    SystemClock,
 };
 use parking_lot::Mutex;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
+
+use crate::conformance::{limit, req, until};
 
 fn redis_url() -> String {
     std::env::var("NB_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379/".to_owned())
@@ -26,12 +31,12 @@ fn redis_url() -> String {
 
 /// One test's corner of Redis: a fresh key prefix, deleted (every key under it) on drop, so a
 /// failing test cleans up too.
-struct Space {
-    prefix: String,
+pub struct Space {
+    pub prefix: String,
 }
 
 impl Space {
-    fn new() -> Space {
+    pub fn new() -> Space {
         let client = ::redis::Client::open(redis_url()).unwrap();
         let pong: Result<String, _> = client
             .get_connection_with_timeout(Duration::from_secs(2))
@@ -47,7 +52,7 @@ impl Space {
         }
     }
 
-    fn options(&self) -> RedisOptions {
+    pub fn options(&self) -> RedisOptions {
         RedisOptions {
             key_prefix: self.prefix.clone(),
             poll_interval: Duration::from_millis(200),
@@ -55,7 +60,7 @@ impl Space {
         }
     }
 
-    fn node(&self) -> RedisCoordination {
+    pub fn node(&self) -> RedisCoordination {
         RedisCoordination::new(self.options(), Arc::new(SystemClock::new())).unwrap()
     }
 
@@ -91,276 +96,6 @@ impl Drop for Space {
                 .and_then(|mut c| ::redis::cmd("DEL").arg(&keys).query(&mut c));
         }
     }
-}
-
-fn req(wait_ms: u64, kind: SlotKind) -> AcquireRequest {
-    AcquireRequest {
-        fairness_key: 1,
-        priority: Priority::Normal,
-        wait_ms,
-        kind,
-    }
-}
-
-fn limit(n: u32) -> PoolSettings {
-    PoolSettings {
-        limit: n,
-        ..PoolSettings::default()
-    }
-}
-
-/// Polls `cond` until it holds; fails instead of hanging.
-async fn until<F, Fut>(what: &str, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let waited = tokio::time::timeout(Duration::from_secs(10), async {
-        while !cond().await {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
-    assert!(waited.is_ok(), "timed out waiting for {what}");
-}
-
-async fn queued(gate: &Arc<dyn PoolGate>, n: u32) {
-    until(&format!("{n} queued"), || async {
-        gate.snapshot().await.queued == n
-    })
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_nodes_never_admit_more_than_the_limit() {
-    let space = Space::new();
-    let nodes: Vec<RedisCoordination> = (0..3).map(|_| space.node()).collect();
-    let settings = PoolSettings {
-        limit: 8,
-        queue_size: 1000,
-        ..PoolSettings::default()
-    };
-    let gates: Vec<Arc<dyn PoolGate>> = nodes
-        .iter()
-        .map(|n| n.open("flood", settings.clone()))
-        .collect();
-    let in_flight = Arc::new(AtomicU32::new(0));
-    let peak = Arc::new(AtomicU32::new(0));
-    let served = Arc::new(AtomicU32::new(0));
-    let timed_out = Arc::new(AtomicU32::new(0));
-    let mut tasks: Vec<JoinHandle<()>> = Vec::new();
-    for i in 0..300u64 {
-        let gate = Arc::clone(&gates[usize::try_from(i % 3).unwrap()]);
-        let (in_flight, peak, served, timed_out) = (
-            Arc::clone(&in_flight),
-            Arc::clone(&peak),
-            Arc::clone(&served),
-            Arc::clone(&timed_out),
-        );
-        tasks.push(tokio::spawn(async move {
-            let r = AcquireRequest {
-                fairness_key: i % 7,
-                ..req(30_000, SlotKind::Exchange)
-            };
-            match gate.acquire(r).await {
-                Ok(grant) => {
-                    let now = in_flight.fetch_add(1, Ordering::SeqCst) + 1;
-                    peak.fetch_max(now, Ordering::SeqCst);
-                    tokio::time::sleep(Duration::from_millis(1 + i % 3)).await;
-                    in_flight.fetch_sub(1, Ordering::SeqCst);
-                    assert!(gate.release(grant.slot_id, None).await);
-                    served.fetch_add(1, Ordering::SeqCst);
-                }
-                Err(Refusal::QueueTimeout { .. }) => {
-                    timed_out.fetch_add(1, Ordering::SeqCst);
-                }
-                Err(other) => panic!("unexpected refusal {other:?}"),
-            }
-        }));
-    }
-    for t in tasks {
-        t.await.unwrap();
-    }
-    assert!(
-        peak.load(Ordering::SeqCst) <= 8,
-        "peak {}",
-        peak.load(Ordering::SeqCst)
-    );
-    assert_eq!(
-        served.load(Ordering::SeqCst) + timed_out.load(Ordering::SeqCst),
-        300
-    );
-    assert_eq!(
-        served.load(Ordering::SeqCst),
-        300,
-        "a 30 s budget serves everyone"
-    );
-    let s = gates[0].snapshot().await;
-    assert_eq!((s.in_flight, s.queued), (0, 0), "nothing leaked");
-    assert_eq!(s.admitted_total, 300);
-}
-
-/// Holds the only slot on node A, queues waiters one by one across the nodes, then lets them
-/// through one at a time and records who got in.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fifo_across_nodes_and_high_priority_first() {
-    let space = Space::new();
-    let nodes: Vec<RedisCoordination> = (0..3).map(|_| space.node()).collect();
-    let gates: Vec<Arc<dyn PoolGate>> = nodes.iter().map(|n| n.open("fifo", limit(1))).collect();
-    let holder = gates[0].acquire(req(0, SlotKind::Exchange)).await.unwrap();
-    let order = Arc::new(Mutex::new(Vec::new()));
-    let mut tasks = Vec::new();
-    // Six normal waiters of one key, alternating nodes, then a high one that must pass them.
-    for i in 0..7usize {
-        let gate = Arc::clone(&gates[i % 3]);
-        let order = Arc::clone(&order);
-        let priority = if i == 6 {
-            Priority::High
-        } else {
-            Priority::Normal
-        };
-        tasks.push(tokio::spawn(async move {
-            let r = AcquireRequest {
-                priority,
-                ..req(20_000, SlotKind::Exchange)
-            };
-            let g = gate.acquire(r).await.unwrap();
-            order.lock().push(i);
-            assert!(gate.release(g.slot_id, None).await);
-        }));
-        queued(&gates[(i + 1) % 3], u32::try_from(i + 1).unwrap()).await;
-    }
-    assert!(
-        gates[1].release(holder.slot_id, None).await,
-        "released on another node"
-    );
-    for t in tasks {
-        t.await.unwrap();
-    }
-    assert_eq!(*order.lock(), vec![6, 0, 1, 2, 3, 4, 5]);
-}
-
-/// With fair share, two keys take turns within a class even when one queued first.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fair_share_takes_turns_across_keys_on_several_nodes() {
-    let space = Space::new();
-    let (a, b) = (space.node(), space.node());
-    let ga = a.open("fair", limit(1));
-    let gb = b.open("fair", limit(1));
-    let holder = ga.acquire(req(0, SlotKind::Exchange)).await.unwrap();
-    let order = Arc::new(Mutex::new(Vec::new()));
-    let mut tasks = Vec::new();
-    // Key 1 queues three (on A), then key 2 queues two (on B).
-    for (n, (key, gate)) in [(1u64, &ga), (1, &ga), (1, &ga), (2, &gb), (2, &gb)]
-        .into_iter()
-        .enumerate()
-    {
-        let gate = Arc::clone(gate);
-        let order = Arc::clone(&order);
-        tasks.push(tokio::spawn(async move {
-            let r = AcquireRequest {
-                fairness_key: key,
-                ..req(20_000, SlotKind::Exchange)
-            };
-            let g = gate.acquire(r).await.unwrap();
-            order.lock().push((key, n));
-            assert!(gate.release(g.slot_id, None).await);
-        }));
-        queued(&ga, u32::try_from(n + 1).unwrap()).await;
-    }
-    assert!(ga.release(holder.slot_id, None).await);
-    for t in tasks {
-        t.await.unwrap();
-    }
-    assert_eq!(
-        *order.lock(),
-        vec![(1, 0), (2, 3), (1, 1), (2, 4), (1, 2)],
-        "round robin across keys, FIFO within each"
-    );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lease_taken_on_one_node_renews_and_releases_on_another() {
-    let space = Space::new();
-    let (a, b, c) = (space.node(), space.node(), space.node());
-    let ga = a.open("lock", limit(2));
-    let gb = b.open("lock", limit(2));
-    let gc = c.open("lock", limit(2));
-    let grant = ga.acquire(req(0, SlotKind::Lease)).await.unwrap();
-    assert!(grant.lease_deadline <= grant.request_deadline);
-    let renewed = gb.renew(grant.slot_id).await.unwrap();
-    assert!(renewed >= grant.lease_deadline);
-    assert_eq!(gc.snapshot().await.in_flight, 1);
-    assert!(gc.release(grant.slot_id, None).await);
-    assert!(
-        !gb.release(grant.slot_id, None).await,
-        "a repeat frees nothing"
-    );
-    assert_eq!(gb.renew(grant.slot_id).await, Err(RenewError::NotFound));
-    assert_eq!(ga.snapshot().await.in_flight, 0);
-}
-
-fn throttle() -> Outcome {
-    Outcome {
-        status: Some(429),
-        throttled: 1,
-        retry_after_ms: Some(60_000),
-        ..Outcome::default()
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn only_a_release_that_freed_a_slot_teaches_and_what_it_teaches_is_shared() {
-    let space = Space::new();
-    let (a, b) = (space.node(), space.node());
-    let ga = a.open("learn", limit(8));
-    let gb = b.open("learn", limit(8));
-    // An unknown slot with a throttle teaches nothing, on either node.
-    assert!(!ga.release(SlotId::random(), Some(throttle())).await);
-    let s = gb.snapshot().await;
-    assert_eq!((s.paused_until, s.effective_limit), (None, 8));
-    let free = gb.acquire(req(0, SlotKind::Exchange)).await.unwrap();
-    assert!(gb.release(free.slot_id, None).await);
-    // A held slot released with a throttle on A pauses admission on B too.
-    let held = ga.acquire(req(0, SlotKind::Lease)).await.unwrap();
-    assert!(ga.release(held.slot_id, Some(throttle())).await);
-    let s = gb.snapshot().await;
-    assert!(s.paused_until.is_some(), "{s:?}");
-    assert!(s.effective_limit < 8, "the limit was halved: {s:?}");
-    match gb.acquire(req(0, SlotKind::Exchange)).await {
-        Err(Refusal::TooManyRequests { reason, .. }) => assert_eq!(reason, RefusalReason::Paused),
-        other => panic!("expected a pause, got {other:?}"),
-    }
-    // The pause is capped by max_pause_ms like in process (60 s hint, 5 min cap: 60 s).
-    let until = s.paused_until.unwrap();
-    // Redis's TIME is the wall clock here; the system clock reads it the way the gate does.
-    let now_ms = u128::from(SystemClock::new().now_ms());
-    assert!(u128::from(until) <= now_ms + 61_000);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_abandoned_lease_comes_back_within_a_term_to_another_nodes_waiter() {
-    let space = Space::new();
-    let (a, b) = (space.node(), space.node());
-    let settings = PoolSettings {
-        limit: 1,
-        lease_term_ms: 300,
-        renew_interval_ms: 100,
-        ..PoolSettings::default()
-    };
-    let ga = a.open("abandon", settings.clone());
-    let gb = b.open("abandon", settings);
-    let held = ga.acquire(req(0, SlotKind::Lease)).await.unwrap();
-    // Never renewed: B's waiter gets the slot once the term is over.
-    let got = gb.acquire(req(5_000, SlotKind::Lease)).await.unwrap();
-    assert_ne!(got.slot_id, held.slot_id);
-    assert_eq!(ga.renew(held.slot_id).await, Err(RenewError::NotFound));
-    assert!(!ga.release(held.slot_id, Some(throttle())).await);
-    assert!(
-        gb.snapshot().await.paused_until.is_none(),
-        "a reclaimed slot teaches nothing"
-    );
-    assert!(gb.release(got.slot_id, None).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -405,68 +140,6 @@ async fn a_dead_nodes_exchange_slots_come_back_and_a_lost_lease_fences_its_holde
         .await
         .expect("the lost lease is reported");
     assert!(!gb.release(got.slot_id, None).await);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn waiting_ends_in_a_timeout_or_leaves_the_queue_when_dropped() {
-    let space = Space::new();
-    let (a, b) = (space.node(), space.node());
-    let ga = a.open("wait", limit(1));
-    let gb = b.open("wait", limit(1));
-    let held = ga.acquire(req(0, SlotKind::Exchange)).await.unwrap();
-    match gb.acquire(req(200, SlotKind::Exchange)).await {
-        Err(Refusal::QueueTimeout { headers }) => assert_eq!(headers.effective_limit, 1),
-        other => panic!("expected a timeout, got {other:?}"),
-    }
-    assert_eq!(ga.snapshot().await.queued, 0);
-    // A dropped acquire leaves the queue.
-    let dropped = tokio::time::timeout(
-        Duration::from_millis(200),
-        gb.acquire(req(60_000, SlotKind::Exchange)),
-    )
-    .await;
-    assert!(dropped.is_err());
-    queued(&ga, 0).await;
-    // Fail fast with no wait budget.
-    match gb.acquire(req(0, SlotKind::Exchange)).await {
-        Err(Refusal::TooManyRequests { reason, .. }) => assert_eq!(reason, RefusalReason::NoSlot),
-        other => panic!("expected no slot, got {other:?}"),
-    }
-    assert!(ga.release(held.slot_id, None).await);
-    assert_eq!(gb.snapshot().await.in_flight, 0);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_rpm_gate_is_shared_across_nodes() {
-    let space = Space::new();
-    let nodes: Vec<RedisCoordination> = (0..3).map(|_| space.node()).collect();
-    let settings = PoolSettings {
-        limit: 10,
-        rpm: 3,
-        ..PoolSettings::default()
-    };
-    let gates: Vec<Arc<dyn PoolGate>> = nodes
-        .iter()
-        .map(|n| n.open("rpm", settings.clone()))
-        .collect();
-    for (i, gate) in gates.iter().enumerate() {
-        let g = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
-        assert_eq!(g.headers.rpm_remaining, Some(u32::try_from(2 - i).unwrap()));
-        assert!(gate.release(g.slot_id, None).await);
-    }
-    match gates[1].acquire(req(0, SlotKind::Exchange)).await {
-        Err(Refusal::TooManyRequests {
-            reason,
-            retry_after_ms,
-            headers,
-        }) => {
-            assert_eq!(reason, RefusalReason::Rpm);
-            assert!(retry_after_ms.is_some_and(|ms| ms <= 60_000));
-            assert_eq!(headers.rpm_remaining, Some(0));
-        }
-        other => panic!("expected the RPM gate, got {other:?}"),
-    }
-    assert_eq!(gates[2].snapshot().await.rpm_remaining, Some(0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -675,26 +348,4 @@ async fn every_key_of_a_pool_carries_its_hash_tag() {
         );
     }
     assert!(gate.release(held.slot_id, None).await);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn closing_a_gate_refuses_its_waiters_and_leaves_the_shared_queue() {
-    let space = Space::new();
-    let (a, b) = (space.node(), space.node());
-    let ga = a.open("close", limit(1));
-    let gb = b.open("close", limit(1));
-    let held = ga.acquire(req(0, SlotKind::Exchange)).await.unwrap();
-    let waiter = {
-        let gb = Arc::clone(&gb);
-        tokio::spawn(async move { gb.acquire(req(20_000, SlotKind::Exchange)).await })
-    };
-    queued(&ga, 1).await;
-    gb.close().await;
-    assert_eq!(waiter.await.unwrap().unwrap_err(), Refusal::PoolClosed);
-    queued(&ga, 0).await;
-    assert_eq!(
-        gb.acquire(req(0, SlotKind::Exchange)).await.unwrap_err(),
-        Refusal::PoolClosed
-    );
-    assert!(ga.release(held.slot_id, None).await);
 }

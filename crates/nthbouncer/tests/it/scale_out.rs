@@ -3,10 +3,11 @@
 //! the machine's Redis (127.0.0.1:6379, or `NB_TEST_REDIS`; `.ci/run` starts one).
 //!
 //! Each test works under a Redis key prefix of its own (deleted afterwards) and the tests run
-//! one after another (`SERIAL`): each starts up to three nodes on a two-core machine. Counts
+//! one after another (`SERIAL`): each starts up to three nodes on a two-core machine. The
+//! outage tests start a `redis-server` of their own on a free port instead, kill it (`kill -9`)
+//! mid-load and start it again: the machine's Redis is never stopped. Counts
 //! and order only: the origin's own count of calls in flight, who got in and in which order.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -14,8 +15,7 @@ use nthbouncer_testkit::binary::Server;
 use nthbouncer_testkit::{call, lock_pool_toml, pool_toml, wait_until, Upstream};
 use reqwest::Method;
 use serde_json::{json, Value};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::task::{JoinHandle, JoinSet};
+use tokio::task::JoinSet;
 
 use crate::BIN;
 
@@ -267,88 +267,118 @@ async fn a_killed_nodes_slots_come_back_to_the_other_nodes_waiters() {
     origin.release(1);
 }
 
-/// A TCP forwarder to the real Redis that can be switched off (connections cut, new ones
-/// refused) and on again: Redis going away and coming back, without restarting any node.
-struct Switch {
+/// A `redis-server` of the test's own on a free loopback port, which the test kills (`kill -9`)
+/// mid-load and starts again on the same port: Redis going away and coming back without any
+/// node restarting. Never the machine's shared Redis, which other tests use.
+struct OwnRedis {
     port: u16,
-    up: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<JoinHandle<()>>>>,
-    accept: JoinHandle<()>,
+    dir: tempfile::TempDir,
+    persistent: bool,
+    child: Option<std::process::Child>,
 }
 
-impl Switch {
-    async fn start() -> Switch {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let up = Arc::new(AtomicBool::new(true));
-        let conns: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
-        let target = redis_url()
-            .trim_start_matches("redis://")
-            .split('/')
-            .next()
-            .unwrap()
-            .to_owned();
-        let (up2, conns2) = (up.clone(), conns.clone());
-        let accept = tokio::spawn(async move {
-            while let Ok((mut inbound, _)) = listener.accept().await {
-                if !up2.load(Ordering::SeqCst) {
-                    continue; // dropped: closed at once
-                }
-                let target = target.clone();
-                conns2.lock().unwrap().push(tokio::spawn(async move {
-                    if let Ok(mut outbound) = TcpStream::connect(&target).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                    }
-                }));
-            }
-        });
-        Switch {
-            port,
-            up,
-            conns,
-            accept,
-        }
+impl OwnRedis {
+    /// `persistent`: an append-only file synced at every write, so a restarted server comes
+    /// back with the leases it held (as a production Redis with persistence does).
+    async fn start(persistent: bool) -> OwnRedis {
+        let mut redis = OwnRedis {
+            port: nthbouncer_testkit::binary::free_port(),
+            dir: tempfile::tempdir().unwrap(),
+            persistent,
+            child: None,
+        };
+        redis.up().await;
+        redis
     }
 
     fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/", self.port)
     }
 
-    fn down(&self) {
-        self.up.store(false, Ordering::SeqCst);
-        for c in self.conns.lock().unwrap().drain(..) {
-            c.abort();
+    async fn up(&mut self) {
+        assert!(self.child.is_none(), "already running");
+        let aof = if self.persistent { "yes" } else { "no" };
+        let port = self.port.to_string();
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &port, "--bind", "127.0.0.1", "--save", ""])
+            .args(["--appendonly", aof, "--appendfsync", "always"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server must be installed for this test (.ci/run installs it)");
+        self.child = Some(child);
+        let url = self.url();
+        let answering = wait_until(500, Duration::from_millis(20), async || {
+            redis::Client::open(url.as_str())
+                .and_then(|c| c.get_connection_with_timeout(Duration::from_millis(500)))
+                .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
+                .is_ok()
+        })
+        .await;
+        assert!(
+            answering,
+            "our redis-server on port {} never answered",
+            self.port
+        );
+    }
+
+    fn kill_9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
         }
     }
-
-    fn up(&self) {
-        self.up.store(true, Ordering::SeqCst);
-    }
 }
 
-impl Drop for Switch {
+impl Drop for OwnRedis {
     fn drop(&mut self) {
-        self.accept.abort();
-        self.down();
+        self.kill_9();
     }
 }
 
-/// Fail closed (the default): while Redis is away every node answers
-/// `503 coordination_unavailable` with `Retry-After` and admits nothing; when it is back the
-/// nodes admit again, without a restart.
+/// `/readyz` of a node: its status and body.
+async fn readyz(node: &Server) -> (u16, Option<String>, Value) {
+    let r = node.api(Method::GET, "/readyz").send().await.unwrap();
+    let status = r.status().as_u16();
+    let retry = r
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    (status, retry, r.json().await.unwrap_or(Value::Null))
+}
+
+/// Fail closed (the default), Redis `kill -9`ed mid-load and started again: while it is away
+/// every node answers `503 coordination_unavailable` with `Retry-After` (and so does
+/// `/readyz`) and admits nothing; the calls already running are kept; when it is back the nodes
+/// admit again without a restart, and the kept calls still count against the shared limit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_going_away_fails_closed_and_comes_back() {
+async fn redis_killed_mid_load_fails_closed_keeps_running_calls_and_comes_back() {
     let _serial = SERIAL.lock().await;
     let space = Space::new();
-    let switch = Switch::start().await;
+    let mut redis = OwnRedis::start(true).await;
     let origin = Upstream::start().await;
-    let pools = pool_toml("c", &origin.url(), "limit = 4\nadaptive = false");
-    let nodes = nodes(3, &space.server_toml(&switch.url(), ""), &pools).await;
+    let pools = pool_toml("c", &origin.url(), "limit = 3\nadaptive = false");
+    let nodes = nodes(3, &space.server_toml(&redis.url(), ""), &pools).await;
     for node in &nodes {
-        assert_eq!(node.pool_get("c", "/").send().await.unwrap().status(), 200);
+        assert_eq!(readyz(node).await.2["coordination"], "ok");
     }
 
-    switch.down();
+    // The load: two calls running at the origin, through nodes A and B.
+    let mut running = JoinSet::new();
+    for node in &nodes[..2] {
+        let req = node.pool_get("c", "/hold").header("x-seq", "running");
+        running.spawn(async move { req.send().await.unwrap().status().as_u16() });
+    }
+    let both = wait_until(1000, Duration::from_millis(10), async || {
+        origin.in_flight() == 2
+    })
+    .await;
+    assert!(both, "the two calls never reached the origin");
+
+    redis.kill_9();
     let before = origin.total();
     for node in &nodes {
         let r = node.pool_get("c", "/").send().await.unwrap();
@@ -356,54 +386,192 @@ async fn redis_going_away_fails_closed_and_comes_back() {
         assert!(r.headers().contains_key("retry-after"));
         let body: Value = r.json().await.unwrap();
         assert_eq!(body["error"], "coordination_unavailable", "{body}");
+        let (status, retry, body) = readyz(node).await;
+        assert_eq!(
+            (status, &body["error"]),
+            (503, &json!("coordination_unavailable"))
+        );
+        assert!(retry.is_some(), "readyz says when to try again");
     }
     assert_eq!(
         origin.total(),
         before,
         "nothing was admitted while Redis was away"
     );
+    assert_eq!(origin.in_flight(), 2, "the running calls were kept");
 
-    switch.up();
+    redis.up().await;
     for node in &nodes {
         let back = wait_until(500, Duration::from_millis(20), async || {
-            node.pool_get("c", "/")
-                .send()
-                .await
-                .is_ok_and(|r| r.status() == 200)
+            readyz(node).await.0 == 200
         })
         .await;
-        assert!(back, "a node never admitted again once Redis was back");
+        assert!(back, "a node's /readyz never recovered");
     }
-    assert!(origin.max_in_flight() <= 4);
+    // The running calls still hold their slots in Redis: one more fits (limit 3), then none.
+    let one = wait_until(500, Duration::from_millis(20), async || {
+        let r = nodes[2]
+            .pool_get("c", "/")
+            .header("x-nthpool-no-queue", "1")
+            .send()
+            .await;
+        r.is_ok_and(|r| r.status() == 200)
+    })
+    .await;
+    assert!(one, "the nodes never admitted again once Redis was back");
+    let extra = nodes[2].pool_get("c", "/hold").header("x-seq", "after");
+    let extra = tokio::spawn(async move { extra.send().await.unwrap().status().as_u16() });
+    let third = wait_until(1000, Duration::from_millis(10), async || {
+        origin.in_flight() == 3
+    })
+    .await;
+    assert!(third, "the third slot was never granted");
+    for node in &nodes {
+        let r = node
+            .pool_get("c", "/")
+            .header("x-nthpool-no-queue", "1")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            r.status(),
+            429,
+            "the kept calls count against the shared limit"
+        );
+    }
+    origin.release(3);
+    while let Some(s) = running.join_next().await {
+        assert_eq!(
+            s.unwrap(),
+            200,
+            "a call running through the outage finished"
+        );
+    }
+    assert_eq!(extra.await.unwrap(), 200);
+    assert_eq!(origin.max_in_flight(), 3);
+    nodes[0].wait_idle("c").await;
 }
 
-/// Fail open: while Redis is away each of three nodes admits up to `limit / expected_nodes`
-/// on its own, so the origin still sees no more than the limit; when Redis is back the nodes
-/// share it again.
+/// How many of the origin's arrivals carried `x-seq: seq`.
+fn arrived(origin: &Upstream, seq: &str) -> usize {
+    origin.arrivals().iter().filter(|s| *s == seq).count()
+}
+
+/// Fail open, Redis `kill -9`ed mid-load and started again (empty): while it is away each of
+/// three nodes admits up to `limit / expected_nodes` on its own — counted at the origin, the
+/// calls a node was already running included — and `/readyz` stays ready; when Redis is back
+/// the nodes share the whole limit again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_going_away_fails_open_on_each_nodes_share() {
+async fn redis_killed_mid_load_fails_open_on_each_nodes_share_and_comes_back() {
     let _serial = SERIAL.lock().await;
     let space = Space::new();
-    let switch = Switch::start().await;
+    let mut redis = OwnRedis::start(false).await;
     let origin = Upstream::start().await;
     let pools = pool_toml("o", &origin.url(), "limit = 6\nadaptive = false");
     let extra = "coordination_fail = \"open\"\nexpected_nodes = 3\n";
-    let nodes = nodes(3, &space.server_toml(&switch.url(), extra), &pools).await;
+    let nodes = nodes(3, &space.server_toml(&redis.url(), extra), &pools).await;
 
-    switch.down();
-    // Each node: two calls held at the origin, the third refused at once.
+    // The load: node A runs two calls (its share), admitted through Redis.
     let mut holders = JoinSet::new();
-    for node in &nodes {
-        for _ in 0..2 {
-            let req = node.pool_get("o", "/hold");
-            holders.spawn(async move { req.send().await.unwrap().status().as_u16() });
-        }
+    for _ in 0..2 {
+        let req = nodes[0].pool_get("o", "/hold").header("x-seq", "a-before");
+        holders.spawn(async move { req.send().await.unwrap().status().as_u16() });
     }
-    let held = wait_until(1000, Duration::from_millis(10), async || {
-        origin.in_flight() == 6
+    let running = wait_until(1000, Duration::from_millis(10), async || {
+        origin.in_flight() == 2
     })
     .await;
-    assert!(held, "each node admits its share on its own");
+    assert!(running, "node A's calls never reached the origin");
+
+    redis.kill_9();
+    // Each node tries three more calls, refused at once past its share.
+    let mut refused = 0;
+    for (node, seq) in nodes.iter().zip(["a", "b", "c"]) {
+        for _ in 0..3 {
+            let req = node
+                .pool_get("o", "/hold")
+                .header("x-seq", seq)
+                .header("x-nthpool-no-queue", "1");
+            let before = arrived(&origin, seq);
+            let call = tokio::spawn(async move { req.send().await.unwrap().status().as_u16() });
+            // Each call either reaches the origin (and is held there) or is refused.
+            let settled = wait_until(1000, Duration::from_millis(10), async || {
+                call.is_finished() || arrived(&origin, seq) > before
+            })
+            .await;
+            assert!(
+                settled,
+                "a call on node {seq} neither reached the origin nor was refused"
+            );
+            if arrived(&origin, seq) > before {
+                holders.spawn(async move { call.await.unwrap() });
+            } else {
+                assert_eq!(call.await.unwrap(), 429, "past node {seq}'s share");
+                refused += 1;
+            }
+        }
+        let (status, _, body) = readyz(node).await;
+        assert_eq!(
+            (status, &body["coordination"]),
+            (200, &json!("unavailable"))
+        );
+    }
+    assert_eq!(
+        arrived(&origin, "a"),
+        0,
+        "node A's running calls fill its share"
+    );
+    assert_eq!(
+        arrived(&origin, "b"),
+        2,
+        "node B admits its share on its own"
+    );
+    assert_eq!(
+        arrived(&origin, "c"),
+        2,
+        "node C admits its share on its own"
+    );
+    assert_eq!(refused, 5);
+    assert_eq!(
+        origin.max_in_flight(),
+        6,
+        "never more than the limit at the origin"
+    );
+    origin.release(6);
+    while let Some(s) = holders.join_next().await {
+        assert_eq!(s.unwrap(), 200);
+    }
+
+    redis.up().await;
+    // Back on Redis (each node tries it again a moment after its last failure): every node's
+    // answers carry the whole limit again, not its share.
+    for node in &nodes {
+        let back = wait_until(500, Duration::from_millis(20), async || {
+            let r = node.pool_get("o", "/").send().await;
+            r.is_ok_and(|r| {
+                r.status() == 200
+                    && r.headers()
+                        .get("x-nthpool-effective-limit")
+                        .is_some_and(|v| v == "6")
+            })
+        })
+        .await;
+        assert!(
+            back,
+            "a node never went back to the shared limit once Redis was back"
+        );
+    }
+    // Node A alone now takes the whole limit, and it is shared: the other nodes then refuse.
+    let mut after = JoinSet::new();
+    for i in 0..6 {
+        let req = nodes[0].pool_get("o", "/hold").header("x-seq", "a-after");
+        after.spawn(async move { req.send().await.unwrap().status().as_u16() });
+        let seen = wait_until(1000, Duration::from_millis(10), async || {
+            origin.in_flight() == i + 1
+        })
+        .await;
+        assert!(seen, "node A never took slot {} of the limit", i + 1);
+    }
     for node in &nodes {
         let r = node
             .pool_get("o", "/")
@@ -411,33 +579,13 @@ async fn redis_going_away_fails_open_on_each_nodes_share() {
             .send()
             .await
             .unwrap();
-        assert_eq!(r.status(), 429, "past the node's share");
+        assert_eq!(r.status(), 429, "one shared limit again");
+        assert_eq!(readyz(node).await.2["coordination"], "ok");
     }
-    assert_eq!(origin.max_in_flight(), 6);
+    assert_eq!(state(&nodes[2], "o").await["inFlight"], 6);
     origin.release(6);
-    while let Some(s) = holders.join_next().await {
+    while let Some(s) = after.join_next().await {
         assert_eq!(s.unwrap(), 200);
     }
-
-    switch.up();
-    // Back on Redis: the shared state sees a call admitted on any node.
-    let lock_pool = &nodes[0];
-    let shared = wait_until(500, Duration::from_millis(20), async || {
-        let req = lock_pool.pool_get("o", "/hold");
-        let call = tokio::spawn(async move { req.send().await.map(|r| r.status().as_u16()) });
-        let seen = wait_until(100, Duration::from_millis(10), async || {
-            origin.in_flight() == 1
-        })
-        .await;
-        let counted = seen && state(&nodes[2], "o").await["inFlight"] == 1;
-        origin.release(1);
-        let _ = call.await;
-        counted
-    })
-    .await;
-    assert!(
-        shared,
-        "the nodes never shared one count again once Redis was back"
-    );
-    assert!(origin.max_in_flight() <= 6);
+    assert_eq!(origin.max_in_flight(), 6);
 }

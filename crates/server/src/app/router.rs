@@ -129,14 +129,37 @@ pub async fn healthz() -> Json<serde_json::Value> {
 }
 
 #[utoipa::path(get, path = "/readyz", tag = "ops",
-    responses((status = 200, description = "ready to serve"), (status = 503, description = "draining or storage down")))]
+    responses((status = 200, description = "ready to serve (with Redis coordination: `coordination` is `ok`, or `unavailable` while a node failing open admits its share on its own)"),
+        (status = 503, description = "draining, storage down, or Redis unreachable while failing closed")))]
 pub async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     if state.draining.load(Ordering::Relaxed) {
         return ApiError::new(ErrorCode::Draining, "shutting down").into_response();
     }
-    match state.store.ping().await {
-        Ok(()) => Json(serde_json::json!({ "status": "ready" })).into_response(),
-        Err(e) => ApiError::from(e).into_response(),
+    if let Err(e) = state.store.ping().await {
+        return ApiError::from(e).into_response();
+    }
+    let Some(redis) = &state.shared else {
+        return Json(serde_json::json!({ "status": "ready" })).into_response();
+    };
+    match redis.ping().await {
+        Ok(()) => {
+            Json(serde_json::json!({ "status": "ready", "coordination": "ok" })).into_response()
+        }
+        // Failing open the node still admits (its share): keep it in the balancer's rotation.
+        Err(_) if redis.fails_open() => {
+            Json(serde_json::json!({ "status": "ready", "coordination": "unavailable" }))
+                .into_response()
+        }
+        // Failing closed it admits nothing that needs a slot, like every other node then.
+        Err(_) => {
+            let mut e = ApiError::new(
+                ErrorCode::CoordinationUnavailable,
+                "the coordination store (Redis) is unreachable; nothing that needs a slot is admitted",
+            );
+            let ms = u64::try_from(redis.retry_after().as_millis()).unwrap_or(u64::MAX);
+            e.retry_after_s = Some(ms.div_ceil(1000).max(1));
+            e.into_response()
+        }
     }
 }
 

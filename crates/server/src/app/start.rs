@@ -156,7 +156,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
     let timeouts = crate::upstream::ClientTimeouts::of(&live.load());
     let client = Arc::new(SharedClient::new(timeouts).map_err(StartError::Client)?);
     let deliveries_pending = Arc::new(Notify::new());
-    let (coordination, nonces, leases) = coordination_parts(shared, &store, &clock);
+    let (coordination, nonces, leases) = coordination_parts(shared.clone(), &store, &clock);
     let pools = Arc::new(Pools::new(PoolsParts {
         store: store.clone(),
         jobs: job_store.clone(),
@@ -228,6 +228,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         cache,
         access_log,
         draining: AtomicBool::new(false),
+        shared,
         live,
         upstream: client,
         reload: Default::default(),

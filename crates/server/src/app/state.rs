@@ -38,6 +38,8 @@ pub struct AppState {
     pub access_log: AccessLog,
     /// Set on SIGTERM: `/readyz` fails so load balancers stop sending traffic.
     pub draining: AtomicBool,
+    /// The shared coordination (Redis) when configured, for `/readyz`; `None`: in process.
+    pub shared: Option<Arc<nthbouncer_coord::redis::RedisCoordination>>,
     /// The `[server]` settings a reload changes live.
     pub live: Arc<crate::core::live::LiveServer>,
     /// The shared upstream client (a reload that changes its timeouts replaces it).
