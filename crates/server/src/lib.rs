@@ -27,6 +27,7 @@ pub mod admin;
 pub mod app;
 pub mod cache;
 pub mod core;
+pub mod dashboard;
 pub mod database;
 pub mod jobs;
 pub mod lock;

@@ -13,8 +13,15 @@ use std::path::{Path, PathBuf};
 /// The longest a production function may be.
 const MAX_FN_LINES: usize = 100;
 
-const FEATURES: [&str; 7] = [
-    "proxy", "lock", "jobs", "webhooks", "admin", "database", "cache",
+const FEATURES: [&str; 8] = [
+    "proxy",
+    "lock",
+    "jobs",
+    "webhooks",
+    "admin",
+    "database",
+    "cache",
+    "dashboard",
 ];
 
 /// The real hand-offs between features (ARCHITECTURE.md names them).

@@ -69,6 +69,7 @@ use crate::webhooks::routes as webhooks_api;
         admin::list_keys,
         admin::revoke_key,
         admin::pool_state,
+        crate::dashboard::history::pool_history,
         admin::access_log,
         crate::cache::routes::purge,
         crate::app::reload::reload_route,
@@ -106,6 +107,8 @@ use crate::webhooks::routes as webhooks_api;
         admin::KeyList,
         admin::Revoked,
         admin::PoolState,
+        crate::dashboard::history::PoolHistory,
+        crate::dashboard::history::HistorySecond,
         admin::AccessLogPage,
         admin::CacheState,
         crate::cache::routes::Purge,
@@ -159,12 +162,13 @@ pub fn document() -> Value {
 
 /// Operations that read only what the process holds in memory (the registry, a pool's keys and
 /// destinations, the governor): they never wait on the store, so never answer its `503`.
-const IN_MEMORY: [&str; 5] = [
+const IN_MEMORY: [&str; 6] = [
     "list_pools",
     "get_pool",
     "list_keys",
     "list_destinations",
     "pool_state",
+    "pool_history",
 ];
 
 fn complete_operation(path: &str, op: &mut Map<String, Value>) {
@@ -322,12 +326,13 @@ const fn link(
 const CREATED_POOL: &[(&str, &str)] = &[("pool", "$response.body#/name")];
 const LISTED_POOL: &[(&str, &str)] = &[("pool", "$response.body#/items/0/name")];
 /// Operations that take only the pool's name, reached from a created and a listed pool.
-const POOL_OPERATIONS: [&str; 9] = [
+const POOL_OPERATIONS: [&str; 10] = [
     "get_pool",
     "delete_pool",
     "list_keys",
     "create_key",
     "pool_state",
+    "pool_history",
     "access_log",
     "list_jobs",
     "list_destinations",

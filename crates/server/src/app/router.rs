@@ -1,5 +1,5 @@
-//! The API host's router: health, readiness, metrics, the OpenAPI document, the admin API (and,
-//! as they land, the lock and job routes). Unknown routes answer `404 not_found` in JSON.
+//! The API host's router: health, readiness, metrics, the OpenAPI document, the admin API, the
+//! lock and job routes, and the dashboard (its HTML routes are its own: `dashboard::router`). Unknown routes answer `404 not_found` in JSON.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -69,7 +69,7 @@ pub fn router(state: &Arc<AppState>) -> Router {
         )
         .with_state(state.cache.clone());
     let admin = admin
-        .merge(admin_reload(state))
+        .merge(admin_reload(state).merge(admin_history(state)))
         .merge(admin_jobs)
         .merge(admin_webhooks)
         .merge(admin_cache)
@@ -106,6 +106,7 @@ pub fn router(state: &Arc<AppState>) -> Router {
         .with_state(state.clone())
         .merge(pool_routes)
         .merge(admin)
+        .merge(crate::dashboard::router(&state.dashboard))
         .fallback(|| async { ApiError::not_found() })
         .method_not_allowed_fallback(|| async {
             ApiError::new(
@@ -121,6 +122,16 @@ fn admin_reload(state: &Arc<AppState>) -> Router {
     Router::new()
         .route("/admin/reload", post(crate::app::reload::reload_route))
         .with_state(state.clone())
+}
+
+/// `GET /admin/pools/{pool}/history`: the dashboard's data, behind the admin token.
+fn admin_history(state: &Arc<AppState>) -> Router {
+    Router::new()
+        .route(
+            "/admin/pools/{pool}/history",
+            get(crate::dashboard::history::pool_history),
+        )
+        .with_state(state.dashboard.clone())
 }
 
 #[utoipa::path(get, path = "/healthz", tag = "ops", responses((status = 200, description = "the process is alive")))]

@@ -179,8 +179,15 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         backlog: crate::jobs::backlog::Backlog::new(),
     });
     let cache = Arc::new(Caches::new(pools.clone(), clock.clone()));
+    let tls = listener_tls(&server, &pools)?;
     Ok(Arc::new(AppState {
-        tls: listener_tls(&server, &pools)?,
+        dashboard: Arc::new(crate::dashboard::Dashboard::new(
+            pools.clone(),
+            live.clone(),
+            clock.clone(),
+            tls.is_some(),
+        )),
+        tls,
         database: Arc::new(DatabaseApi {
             http: client.clone(),
             live: live.clone(),

@@ -11,6 +11,7 @@ use nthbouncer_store::Store;
 use crate::admin::Admin;
 use crate::cache::Caches;
 use crate::core::access_log::AccessLog;
+use crate::dashboard::Dashboard;
 use crate::database::DatabaseApi;
 use crate::jobs::Jobs;
 use crate::lock::LockApi;
@@ -32,6 +33,7 @@ pub struct AppState {
     pub database: Arc<DatabaseApi>,
     pub lock: Arc<LockApi>,
     pub admin: Arc<Admin>,
+    pub dashboard: Arc<Dashboard>,
     pub webhooks: Arc<Webhooks>,
     pub guard: Arc<Guard>,
     pub cache: Arc<Caches>,

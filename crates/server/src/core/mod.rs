@@ -7,6 +7,7 @@ pub mod admission;
 pub mod batch;
 pub mod error;
 pub mod extract;
+pub mod history;
 pub mod live;
 pub mod metrics;
 pub mod netcheck;

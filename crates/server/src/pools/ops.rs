@@ -8,11 +8,13 @@ use arc_swap::ArcSwap;
 use nthbouncer_config::{Config, ConfigError, PoolSpec, WebhookSpec};
 use nthbouncer_store::{StoredDestination, StoredKey, StoredPool};
 
+use super::counted::CountedGate;
 use super::listeners::{Bound, Listeners};
 use super::registry::{same_database, PoolRuntime, Provenance, Registry, Shared};
 use super::Pools;
 use crate::access::keys::KeyIndex;
 use crate::core::error::{ApiError, ErrorCode};
+use crate::core::history::History;
 use crate::core::netcheck::check_webhook_url;
 use crate::core::ManagedBy;
 
@@ -58,23 +60,34 @@ impl Pools {
         timeouts: crate::upstream::ClientTimeouts,
     ) -> Result<Arc<PoolRuntime>, ConfigError> {
         let settings = PoolRuntime::gate_settings(&spec.concurrency);
-        let (gate, keys, destinations) = match previous {
+        let (gate, history, keys, destinations) = match previous {
             Some(p) => (
                 p.gate.clone(),
+                p.history.clone(),
                 p.access.keys().clone(),
                 p.destinations.clone(),
             ),
-            None => (
-                self.coordination.open(&spec.name, settings.clone()),
-                Arc::new(ArcSwap::from_pointee(KeyIndex::default())),
-                Arc::new(ArcSwap::from_pointee(Vec::new())),
-            ),
+            None => {
+                let history = Arc::new(History::default());
+                let gate = CountedGate::wrap(
+                    self.coordination.open(&spec.name, settings.clone()),
+                    history.clone(),
+                    self.clock.clone(),
+                );
+                (
+                    gate,
+                    history,
+                    Arc::new(ArcSwap::from_pointee(KeyIndex::default())),
+                    Arc::new(ArcSwap::from_pointee(Vec::new())),
+                )
+            }
         };
         let database = previous
             .filter(|p| same_database(&p.spec, &spec))
             .and_then(|p| p.upstream.database().cloned());
         let shared = Shared {
             gate,
+            history,
             keys,
             destinations,
             upstream_timeouts: timeouts,

@@ -16,6 +16,7 @@ use nthbouncer_store::StoredDestination;
 
 use crate::access::keys::{Accept, KeyIndex};
 use crate::access::AccessPolicy;
+use crate::core::history::History;
 use crate::core::metrics::PoolMetrics;
 use crate::core::ManagedBy;
 use crate::upstream::{build_tls_client, ClientTimeouts, SharedClient, Target, UpstreamClient};
@@ -71,6 +72,8 @@ pub struct PoolRuntime {
     /// Webhook destinations (from the store; config ones are synced there at start-up).
     pub destinations: Arc<ArcSwap<Vec<StoredDestination>>>,
     pub metrics: PoolMetrics,
+    /// The last 15 minutes, second by second, counted by the gate (shared by every version).
+    pub history: Arc<History>,
     /// The pool's own upstream client (`[pools.upstream_tls]`); otherwise the shared one.
     pub client: Option<Arc<UpstreamClient>>,
 }
@@ -96,6 +99,7 @@ impl PoolRuntime {
     ) -> Result<PoolRuntime, ConfigError> {
         let Shared {
             gate,
+            history,
             keys,
             destinations,
             upstream_timeouts,
@@ -137,6 +141,7 @@ impl PoolRuntime {
             concurrency: spec.concurrency.clone(),
             spec_key_digests,
             metrics: PoolMetrics::new(&spec.name),
+            history,
             spec,
             managed_by: provenance.managed_by,
             created_at: provenance.created_at,
@@ -195,6 +200,7 @@ impl PoolRuntime {
 /// What every settings version of a pool shares: its gate, its key index, its destinations.
 pub struct Shared {
     pub gate: Arc<dyn PoolGate>,
+    pub history: Arc<History>,
     pub keys: Arc<ArcSwap<KeyIndex>>,
     pub destinations: Arc<ArcSwap<Vec<StoredDestination>>>,
     pub upstream_timeouts: ClientTimeouts,

@@ -8,6 +8,7 @@ mod access_log_flood;
 mod admin;
 mod cache;
 mod connections;
+mod dashboard;
 mod database;
 mod fuzz_regressions;
 mod governor;

@@ -1,0 +1,277 @@
+//! The dashboard at `/dashboard` on the API host (SPEC §10), and the per-second history it
+//! charts (`GET /admin/pools/{pool}/history`, SPEC §12).
+//!
+//! It owns the dashboard's routes, its sessions (the admin token exchanged for an HttpOnly,
+//! SameSite=Strict cookie that opens `/dashboard` only, with a CSRF token per session required
+//! on every POST) and its pages: server-rendered HTML with one small embedded script that polls
+//! `/dashboard/api/pools`. It reads the pools registry and the gates' live state directly, as the
+//! admin API does; it imports no other feature.
+
+pub mod history;
+mod pages;
+mod session;
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use bytes::Bytes;
+use nthbouncer_coord::Clock;
+use serde::{Deserialize, Serialize};
+use subtle::ConstantTimeEq;
+
+use crate::core::error::ApiError;
+use crate::pools::Pools;
+
+use session::{Open, Sessions, SESSION_TTL_MS};
+
+/// The session cookie's name.
+const COOKIE: &str = "nb_dashboard";
+const LOGIN_PATH: &str = "/dashboard/login";
+
+/// What the dashboard needs: the pools, the live admin token, the clock, its sessions.
+pub struct Dashboard {
+    pub pools: Arc<Pools>,
+    pub live: Arc<crate::core::live::LiveServer>,
+    pub clock: Arc<dyn Clock>,
+    /// The API listener serves TLS: the cookie is marked `Secure`.
+    pub secure: bool,
+    pub sessions: Sessions,
+}
+
+type DashRef = State<Arc<Dashboard>>;
+
+impl Dashboard {
+    pub fn new(
+        pools: Arc<Pools>,
+        live: Arc<crate::core::live::LiveServer>,
+        clock: Arc<dyn Clock>,
+        secure: bool,
+    ) -> Dashboard {
+        Dashboard {
+            pools,
+            live,
+            clock,
+            secure,
+            sessions: Sessions::default(),
+        }
+    }
+
+    /// The session the request's cookie names, if it is live.
+    fn session(&self, headers: &HeaderMap) -> Option<(String, Open)> {
+        let id = cookie(headers, COOKIE)?;
+        let open = self.sessions.find(&id, self.clock.now_ms())?;
+        Some((id, open))
+    }
+
+    fn cookie_header(&self, value: &str, max_age_s: u64) -> String {
+        let secure = if self.secure { "; Secure" } else { "" };
+        format!(
+            "{COOKIE}={value}; Path=/dashboard; HttpOnly; SameSite=Strict; Max-Age={max_age_s}{secure}"
+        )
+    }
+}
+
+/// The value of cookie `name` in the request's `Cookie` headers.
+fn cookie(headers: &HeaderMap, name: &str) -> Option<String> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v.to_string())
+}
+
+/// The dashboard's own routes (the history route is an admin route: `app::router` mounts it).
+pub fn router(state: &Arc<Dashboard>) -> Router {
+    Router::new()
+        .route("/dashboard", get(overview))
+        .route("/dashboard/login", get(login_form).post(login))
+        .route("/dashboard/logout", post(logout))
+        .route("/dashboard/api/pools", get(pools_json))
+        .route("/dashboard/assets/dashboard.js", get(script))
+        .route("/dashboard/assets/dashboard.css", get(stylesheet))
+        .with_state(state.clone())
+}
+
+fn html(status: StatusCode, body: String) -> Response {
+    (
+        status,
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-store"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+async fn login_form(State(d): DashRef, headers: HeaderMap) -> Response {
+    if d.session(&headers).is_some() {
+        return Redirect::to("/dashboard").into_response();
+    }
+    html(StatusCode::OK, pages::login(None))
+}
+
+#[derive(Deserialize)]
+struct LoginForm {
+    #[serde(default)]
+    token: String,
+}
+
+/// `POST /dashboard/login`: the admin token (form field `token`), compared in constant time,
+/// opens a session. The token is never echoed or logged.
+async fn login(State(d): DashRef, body: Bytes) -> Response {
+    let given = serde_urlencoded::from_bytes::<LoginForm>(&body)
+        .map(|f| f.token)
+        .unwrap_or_default();
+    let live = d.live.load();
+    let ok = match &live.admin_token {
+        Some(expected) => bool::from(expected.as_bytes().ct_eq(given.as_bytes())),
+        None => false,
+    };
+    if !ok {
+        let why = if live.admin_token.is_none() {
+            "The dashboard is disabled: set server.admin_token."
+        } else {
+            "That is not the admin token."
+        };
+        return html(StatusCode::UNAUTHORIZED, pages::login(Some(why)));
+    }
+    let id = d.sessions.open(d.clock.now_ms());
+    let mut answer = Redirect::to("/dashboard").into_response();
+    if let Ok(v) = HeaderValue::from_str(&d.cookie_header(&id, SESSION_TTL_MS / 1000)) {
+        answer.headers_mut().insert(header::SET_COOKIE, v);
+    }
+    answer
+}
+
+#[derive(Deserialize)]
+struct CsrfForm {
+    #[serde(default)]
+    csrf: String,
+}
+
+/// `POST /dashboard/logout`: ends the session (CSRF token required) and clears the cookie.
+async fn logout(State(d): DashRef, headers: HeaderMap, body: Bytes) -> Response {
+    let Some((id, open)) = d.session(&headers) else {
+        return Redirect::to(LOGIN_PATH).into_response();
+    };
+    let given = serde_urlencoded::from_bytes::<CsrfForm>(&body)
+        .map(|f| f.csrf)
+        .unwrap_or_default();
+    if !open.csrf_matches(&given) {
+        return html(StatusCode::FORBIDDEN, pages::forbidden());
+    }
+    d.sessions.end(&id);
+    let mut answer = Redirect::to(LOGIN_PATH).into_response();
+    if let Ok(v) = HeaderValue::from_str(&d.cookie_header("", 0)) {
+        answer.headers_mut().insert(header::SET_COOKIE, v);
+    }
+    answer
+}
+
+/// One pool's live state as the dashboard shows it (the admin API's `state`, trimmed).
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct PoolRow {
+    name: String,
+    kind: &'static str,
+    in_flight: u32,
+    effective_limit: u32,
+    queued: u32,
+    learned_limit: Option<u32>,
+    learned_rpm: Option<u32>,
+    /// Epoch ms.
+    last_throttle_at: Option<u64>,
+    last_throttle_cause: Option<String>,
+    /// Epoch ms.
+    paused_until: Option<u64>,
+    /// Epoch ms.
+    paced_until: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct PoolRows {
+    items: Vec<PoolRow>,
+}
+
+async fn rows(d: &Dashboard) -> Vec<PoolRow> {
+    let mut pools: Vec<_> = d.pools.snapshot().pools.values().cloned().collect();
+    pools.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut out = Vec::with_capacity(pools.len());
+    for pool in pools {
+        let s = pool.gate.snapshot().await;
+        out.push(PoolRow {
+            name: pool.name.clone(),
+            kind: match pool.spec.kind {
+                nthbouncer_config::PoolKind::Proxy => "proxy",
+                nthbouncer_config::PoolKind::Database => "database",
+            },
+            in_flight: s.in_flight,
+            effective_limit: s.effective_limit,
+            queued: s.queued,
+            learned_limit: s.learned_limit,
+            learned_rpm: s.learned_rpm,
+            last_throttle_at: s.last_throttle.as_ref().map(|t| t.at),
+            last_throttle_cause: s.last_throttle.map(|t| t.cause),
+            paused_until: s.paused_until,
+            paced_until: s.paced_until,
+        });
+    }
+    out
+}
+
+/// `GET /dashboard`: the pool list, or the login page for a browser with no session.
+async fn overview(State(d): DashRef, headers: HeaderMap) -> Response {
+    let Some((_, open)) = d.session(&headers) else {
+        return Redirect::to(LOGIN_PATH).into_response();
+    };
+    html(StatusCode::OK, pages::overview(&rows(&d).await, &open.csrf))
+}
+
+/// `GET /dashboard/api/pools`: the numbers the page's script refreshes every 2 s.
+async fn pools_json(State(d): DashRef, headers: HeaderMap) -> Response {
+    if d.session(&headers).is_none() {
+        return ApiError::unauthorized("no dashboard session: log in at /dashboard/login")
+            .into_response();
+    }
+    (
+        [(header::CACHE_CONTROL, "no-store")],
+        Json(PoolRows {
+            items: rows(&d).await,
+        }),
+    )
+        .into_response()
+}
+
+/// Embedded assets: not fingerprinted, so cached for an hour rather than for ever.
+fn asset(content_type: &'static str, body: &'static str) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, content_type),
+            (header::CACHE_CONTROL, "public, max-age=3600"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+async fn script() -> Response {
+    asset(
+        "text/javascript; charset=utf-8",
+        include_str!("assets/dashboard.js"),
+    )
+}
+
+async fn stylesheet() -> Response {
+    asset(
+        "text/css; charset=utf-8",
+        include_str!("assets/dashboard.css"),
+    )
+}

@@ -1,0 +1,241 @@
+//! The dashboard over loopback: the per-second history behind the admin token, the login that
+//! exchanges the admin token for a session cookie, the pages it opens, CSRF on its POSTs,
+//! logout, and a cookie that opens nothing of the admin API.
+
+use nthbouncer_testkit::*;
+use reqwest::header as h;
+use reqwest::{Method, StatusCode};
+use serde_json::Value;
+
+/// The sums of a history's counters over its 900 seconds.
+fn totals(history: &Value) -> [u64; 4] {
+    let seconds = history["seconds"].as_array().unwrap();
+    assert_eq!(seconds.len(), 900, "fifteen minutes, second by second");
+    let sum = |field: &str| seconds.iter().map(|s| s[field].as_u64().unwrap()).sum();
+    [
+        sum("admitted"),
+        sum("refused"),
+        sum("queued"),
+        sum("origin429"),
+    ]
+}
+
+#[tokio::test]
+async fn history_counts_admissions_refusals_and_origin_429s() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), "limit = 1")).await;
+    let (status, empty) = gw.admin(Method::GET, "/admin/pools/p/history", None).await;
+    assert_eq!(status, 200);
+    assert_eq!(empty["pool"], "p");
+    assert_eq!(totals(&empty), [0, 0, 0, 0]);
+
+    for _ in 0..3 {
+        assert_eq!(send(gw.get("p", "/echo")).await.status(), 200);
+    }
+    // Waits: a proxied call's slot is freed once its body was handed over.
+    let wait = Some(std::time::Duration::from_secs(10));
+    let held = gw.lock_client("p").acquire(wait).await.unwrap();
+    for _ in 0..2 {
+        assert_eq!(send(gw.no_queue("p", "/echo")).await.status(), 429);
+    }
+    held.release(None).await.unwrap();
+    let history = gw.admin_json("/admin/pools/p/history").await;
+    let [admitted, refused, _, origin429] = totals(&history);
+    assert_eq!((admitted, refused, origin429), (4, 2, 0), "{history}");
+
+    // An origin 429 the proxy saw is counted once its slot is released.
+    assert_eq!(send(gw.get("p", "/status/429")).await.status(), 429);
+    eventually("the origin 429 in the history", async || {
+        let history = gw.admin_json("/admin/pools/p/history").await;
+        (totals(&history)[3] == 1).then_some(())
+    })
+    .await;
+
+    expect_error(
+        send(gw.api(Method::GET, "/admin/pools/nope/history")).await,
+        404,
+        "pool_not_found",
+    )
+    .await;
+    expect_error(
+        send(gw.api_anon(Method::GET, "/admin/pools/p/history")).await,
+        401,
+        "unauthorized",
+    )
+    .await;
+}
+
+/// A browser that does not follow redirects, so each answer is seen as sent.
+fn browser() -> reqwest::Client {
+    reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap()
+}
+
+struct Dash<'a> {
+    gw: &'a Gateway,
+    http: reqwest::Client,
+}
+
+impl Dash<'_> {
+    fn req(&self, method: Method, path: &str, cookie: Option<&str>) -> reqwest::RequestBuilder {
+        let rb = self
+            .http
+            .request(method, format!("{}{}", self.gw.base, path))
+            .header("host", API_HOST);
+        match cookie {
+            Some(c) => rb.header(h::COOKIE, c),
+            None => rb,
+        }
+    }
+
+    async fn post_form(&self, path: &str, cookie: Option<&str>, form: &str) -> reqwest::Response {
+        send(
+            self.req(Method::POST, path, cookie)
+                .header(h::CONTENT_TYPE, "application/x-www-form-urlencoded")
+                .body(form.to_string()),
+        )
+        .await
+    }
+
+    /// Logs in; the `name=value` pair to send back and the whole `Set-Cookie`.
+    async fn login(&self) -> (String, String) {
+        let r = self
+            .post_form("/dashboard/login", None, &format!("token={ADMIN_TOKEN}"))
+            .await;
+        assert_eq!(r.status(), StatusCode::SEE_OTHER);
+        assert_eq!(r.headers()[h::LOCATION], "/dashboard");
+        let set = r.headers()[h::SET_COOKIE].to_str().unwrap().to_string();
+        let pair = set.split(';').next().unwrap().trim().to_string();
+        (pair, set)
+    }
+}
+
+fn location(r: &reqwest::Response) -> &str {
+    r.headers()[h::LOCATION].to_str().unwrap()
+}
+
+#[tokio::test]
+async fn login_session_csrf_and_logout() {
+    let up = Upstream::start().await;
+    let gw =
+        gateway(&(pool_toml("alpha", &up.url(), "") + &pool_toml("beta", &up.url(), ""))).await;
+    let d = Dash {
+        gw: &gw,
+        http: browser(),
+    };
+
+    // No session: the dashboard sends the browser to the login form.
+    let r = send(d.req(Method::GET, "/dashboard", None)).await;
+    assert_eq!(r.status(), StatusCode::SEE_OTHER);
+    assert_eq!(location(&r), "/dashboard/login");
+    let form = send(d.req(Method::GET, "/dashboard/login", None)).await;
+    assert_eq!(form.status(), 200);
+    let form = form.text().await.unwrap();
+    assert!(form.contains("<html lang=\"en\">"), "{form}");
+    assert!(form.contains("<label for=\"token\">") && form.contains("id=\"token\""));
+
+    // A wrong token: the form again, with an error, and no cookie.
+    let r = d
+        .post_form("/dashboard/login", None, "token=not-the-admin-token")
+        .await;
+    assert_eq!(r.status(), 401);
+    assert!(r.headers().get(h::SET_COOKIE).is_none());
+    let page = r.text().await.unwrap();
+    assert!(page.contains("role=\"alert\"") && page.contains("name=\"token\""));
+    assert!(!page.contains("not-the-admin-token"), "the token is echoed");
+
+    // The right token: a cookie only scripts cannot read and other sites cannot send.
+    let (cookie, set) = d.login().await;
+    for attribute in ["HttpOnly", "SameSite=Strict", "Path=/dashboard", "Max-Age="] {
+        assert!(set.contains(attribute), "{attribute} missing: {set}");
+    }
+    assert!(!set.contains("Secure"), "plain HTTP listener: {set}");
+
+    let page = send(d.req(Method::GET, "/dashboard", Some(&cookie))).await;
+    assert_eq!(page.status(), 200);
+    let page = page.text().await.unwrap();
+    for pool in ["alpha", "beta"] {
+        assert!(page.contains(&format!("data-pool=\"{pool}\"")), "{page}");
+    }
+    assert!(page.contains("<th scope=\"col\">"));
+    let (status, live) = call(d.req(Method::GET, "/dashboard/api/pools", Some(&cookie))).await;
+    assert_eq!(status, 200);
+    let names: Vec<_> = live["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].clone())
+        .collect();
+    assert_eq!(names, ["alpha", "beta"]);
+    assert_eq!(live["items"][0]["effectiveLimit"], 10, "{live}");
+
+    // The cookie opens the dashboard only: the admin API takes the Bearer token alone.
+    let r = send(d.req(Method::GET, "/admin/pools", Some(&cookie))).await;
+    expect_error(r, 401, "unauthorized").await;
+
+    // Logout needs the session's CSRF token.
+    let csrf = page
+        .split("name=\"csrf\" value=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .unwrap()
+        .to_string();
+    assert_eq!(csrf.len(), 64);
+    let r = d.post_form("/dashboard/logout", Some(&cookie), "").await;
+    assert_eq!(r.status(), 403);
+    let r = d
+        .post_form("/dashboard/logout", Some(&cookie), "csrf=0000")
+        .await;
+    assert_eq!(r.status(), 403);
+    assert_eq!(
+        send(d.req(Method::GET, "/dashboard", Some(&cookie)))
+            .await
+            .status(),
+        200
+    );
+    let r = d
+        .post_form("/dashboard/logout", Some(&cookie), &format!("csrf={csrf}"))
+        .await;
+    assert_eq!(r.status(), StatusCode::SEE_OTHER);
+    assert!(r.headers()[h::SET_COOKIE]
+        .to_str()
+        .unwrap()
+        .contains("Max-Age=0"));
+
+    // The ended session's cookie opens nothing.
+    let r = send(d.req(Method::GET, "/dashboard", Some(&cookie))).await;
+    assert_eq!(
+        (r.status(), location(&r)),
+        (StatusCode::SEE_OTHER, "/dashboard/login")
+    );
+    let r = send(d.req(Method::GET, "/dashboard/api/pools", Some(&cookie))).await;
+    expect_error(r, 401, "unauthorized").await;
+}
+
+#[tokio::test]
+async fn assets_are_embedded_and_cacheable() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), "")).await;
+    let d = Dash {
+        gw: &gw,
+        http: browser(),
+    };
+    for (path, kind) in [
+        ("/dashboard/assets/dashboard.js", "text/javascript"),
+        ("/dashboard/assets/dashboard.css", "text/css"),
+    ] {
+        let r = send(d.req(Method::GET, path, None)).await;
+        assert_eq!(r.status(), 200, "{path}");
+        assert!(r.headers()[h::CONTENT_TYPE]
+            .to_str()
+            .unwrap()
+            .starts_with(kind));
+        assert!(r.headers()[h::CACHE_CONTROL]
+            .to_str()
+            .unwrap()
+            .contains("max-age="));
+        assert!(!r.text().await.unwrap().is_empty());
+    }
+}
