@@ -7,6 +7,7 @@
 //! `/dashboard/api/pools`. It reads the pools registry and the gates' live state directly, as the
 //! admin API does; it imports no other feature.
 
+mod examples;
 pub mod history;
 mod pages;
 mod session;
@@ -93,6 +94,7 @@ pub fn router(state: &Arc<Dashboard>) -> Router {
         .route("/dashboard", get(overview))
         .route("/dashboard/login", get(login_form).post(login))
         .route("/dashboard/logout", post(logout))
+        .route("/dashboard/pools/{pool}", get(pool_overview))
         .route("/dashboard/api/pools", get(pools_json))
         .route("/dashboard/assets/dashboard.js", get(script))
         .route("/dashboard/assets/dashboard.css", get(stylesheet))
@@ -233,6 +235,31 @@ async fn overview(State(d): DashRef, headers: HeaderMap) -> Response {
         return Redirect::to(LOGIN_PATH).into_response();
     };
     html(StatusCode::OK, pages::overview(&rows(&d).await, &open.csrf))
+}
+
+/// `GET /dashboard/pools/{pool}`: the pool's Overview with its Examples.
+async fn pool_overview(
+    State(d): DashRef,
+    headers: HeaderMap,
+    axum::extract::Path(name): axum::extract::Path<String>,
+) -> Response {
+    let Some((_, open)) = d.session(&headers) else {
+        return Redirect::to(LOGIN_PATH).into_response();
+    };
+    let Some(pool) = d.pools.get(&name) else {
+        return html(StatusCode::NOT_FOUND, pages::no_such_pool());
+    };
+    let live = d.live.load();
+    let examples = examples::for_pool(&pool, &live);
+    let note = (pool.spec.kind == nthbouncer_config::PoolKind::Proxy
+        && !pool.spec.async_jobs.enabled)
+        .then_some(
+            "The async call needs [pools.async] enabled = true and an active webhook destination.",
+        );
+    html(
+        StatusCode::OK,
+        pages::pool(&pool.name, note, &examples, &open.csrf),
+    )
 }
 
 /// `GET /dashboard/api/pools`: the numbers the page's script refreshes every 2 s.

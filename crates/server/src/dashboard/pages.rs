@@ -3,6 +3,7 @@
 
 use std::fmt::Write;
 
+use super::examples::Example;
 use super::PoolRow;
 
 /// Escapes text for HTML element content and quoted attribute values.
@@ -60,6 +61,53 @@ pub fn forbidden() -> String {
     )
 }
 
+/// The header every signed-in page shares: the title and the logout form.
+fn signed_in_header(csrf: &str) -> String {
+    format!(
+        "<header>\n<h1><a href=\"/dashboard\">nthbouncer</a></h1>\n\
+         <form method=\"post\" action=\"/dashboard/logout\">\n\
+         <input type=\"hidden\" name=\"csrf\" value=\"{}\">\n\
+         <button type=\"submit\">Log out</button>\n</form>\n</header>\n",
+        esc(csrf)
+    )
+}
+
+/// A pool's Overview: its copy-paste Examples.
+pub fn pool(name: &str, note: Option<&str>, examples: &[Example], csrf: &str) -> String {
+    let mut body = signed_in_header(csrf);
+    let _ = write!(
+        body,
+        "<main>\n<nav aria-label=\"Breadcrumb\"><a href=\"/dashboard\">Pools</a> › {}</nav>\n\
+         <h2>Overview</h2>\n<h3>Examples</h3>\n\
+         <p class=\"hint\">Replace <code>YOUR_POOL_KEY</code> with one of the pool's keys \
+         (keys are stored hashed, so none can be shown here).</p>\n",
+        esc(name)
+    );
+    if let Some(note) = note {
+        let _ = writeln!(body, "<p class=\"hint\">{}</p>", esc(note));
+    }
+    for e in examples {
+        let _ = writeln!(
+            body,
+            "<section>\n<h4>{}</h4>\n<pre><code>{}</code></pre>\n</section>",
+            esc(e.title),
+            esc(&e.shell)
+        );
+    }
+    body.push_str("</main>");
+    page(&format!("{name} · Overview"), &body)
+}
+
+/// The answer for a pool that does not exist (any more).
+pub fn no_such_pool() -> String {
+    page(
+        "No such pool",
+        "<main class=\"narrow\">\n<h1>No such pool</h1>\n\
+         <p>There is no pool of that name (it may have been deleted).</p>\n\
+         <p><a href=\"/dashboard\">Back to the pools</a></p>\n</main>",
+    )
+}
+
 fn number(n: Option<u32>) -> String {
     n.map_or_else(|| "—".into(), |n| n.to_string())
 }
@@ -83,7 +131,7 @@ fn row(p: &PoolRow) -> String {
         _ => "—".into(),
     };
     format!(
-        "<tr data-pool=\"{name}\">\n<th scope=\"row\">{name}</th>\n<td>{}</td>\n\
+        "<tr data-pool=\"{name}\">\n<th scope=\"row\"><a href=\"/dashboard/pools/{name}\">{name}</a></th>\n<td>{}</td>\n\
          <td data-field=\"load\">{} / {}</td>\n<td data-field=\"queued\">{}</td>\n\
          <td data-field=\"learnedLimit\">{}</td>\n<td data-field=\"learnedRpm\">{}</td>\n\
          <td data-field=\"lastThrottle\">{throttle}</td>\n<td data-field=\"pausedUntil\">{}</td>\n</tr>\n",
@@ -99,16 +147,10 @@ fn row(p: &PoolRow) -> String {
 
 /// The pool list with live state, and the logout form (with the session's CSRF token).
 pub fn overview(rows: &[PoolRow], csrf: &str) -> String {
-    let mut body = String::new();
-    let _ = write!(
-        body,
-        "<header>\n<h1>nthbouncer</h1>\n\
-         <form method=\"post\" action=\"/dashboard/logout\">\n\
-         <input type=\"hidden\" name=\"csrf\" value=\"{}\">\n\
-         <button type=\"submit\">Log out</button>\n</form>\n</header>\n<main>\n\
-         <h2 id=\"pools-title\">Pools</h2>\n\
+    let mut body = signed_in_header(csrf);
+    body.push_str(
+        "<main>\n<h2 id=\"pools-title\">Pools</h2>\n\
          <p class=\"hint\" id=\"refreshed\" aria-live=\"polite\">Live: refreshed every 2 seconds.</p>\n",
-        esc(csrf)
     );
     if rows.is_empty() {
         body.push_str("<p>No pools yet.</p>\n");

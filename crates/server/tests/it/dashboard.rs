@@ -239,3 +239,37 @@ async fn assets_are_embedded_and_cacheable() {
         assert!(!r.text().await.unwrap().is_empty());
     }
 }
+
+#[tokio::test]
+async fn a_pools_overview_has_examples_for_its_own_host() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("alpha", &up.url(), "")).await;
+    let d = Dash {
+        gw: &gw,
+        http: browser(),
+    };
+    let r = send(d.req(Method::GET, "/dashboard/pools/alpha", None)).await;
+    assert_eq!(
+        (r.status(), location(&r)),
+        (StatusCode::SEE_OTHER, "/dashboard/login")
+    );
+    let (cookie, _) = d.login().await;
+    let page = send(d.req(Method::GET, "/dashboard/pools/alpha", Some(&cookie))).await;
+    assert_eq!(page.status(), 200);
+    let page = page.text().await.unwrap();
+    let port = gw.running.addr.port();
+    for expected in [
+        format!("http://api.localhost:{port}/pools/alpha/lock/acquire"),
+        format!("http://api.localhost:{port}/pools/alpha/lock/$SLOT/renew"),
+        format!("http://api.localhost:{port}/pools/alpha/lock/$SLOT/release"),
+        format!("curl -s http://alpha.localhost:{port}/v1/models"),
+        "X-Nthpool-Async: 1".to_string(),
+        format!("http://api.localhost:{port}/pools/alpha/jobs/$JOB_ID"),
+        "YOUR_POOL_KEY".to_string(),
+    ] {
+        assert!(page.contains(&expected), "{expected} missing: {page}");
+    }
+    assert!(!page.contains(KEY), "a pool key is shown");
+    let r = send(d.req(Method::GET, "/dashboard/pools/nope", Some(&cookie))).await;
+    assert_eq!(r.status(), 404);
+}
