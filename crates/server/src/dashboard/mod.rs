@@ -7,6 +7,7 @@
 //! `/dashboard/api/pools`. It reads the pools registry and the gates' live state directly, as the
 //! admin API does; it imports no other feature.
 
+mod chart;
 mod examples;
 pub mod history;
 mod pages;
@@ -96,6 +97,7 @@ pub fn router(state: &Arc<Dashboard>) -> Router {
         .route("/dashboard/logout", post(logout))
         .route("/dashboard/pools/{pool}", get(pool_overview))
         .route("/dashboard/api/pools", get(pools_json))
+        .route("/dashboard/api/pools/{pool}/history", get(history_json))
         .route("/dashboard/assets/dashboard.js", get(script))
         .route("/dashboard/assets/dashboard.css", get(stylesheet))
         .with_state(state.clone())
@@ -251,6 +253,7 @@ async fn pool_overview(
     };
     let live = d.live.load();
     let examples = examples::for_pool(&pool, &live);
+    let chart = chart::figure(&pool.history.last(d.clock.now_ms()));
     let note = (pool.spec.kind == nthbouncer_config::PoolKind::Proxy
         && !pool.spec.async_jobs.enabled)
         .then_some(
@@ -258,8 +261,24 @@ async fn pool_overview(
         );
     html(
         StatusCode::OK,
-        pages::pool(&pool.name, note, &examples, &open.csrf),
+        pages::pool(&pool.name, &chart, note, &examples, &open.csrf),
     )
+}
+
+/// `GET /dashboard/api/pools/{pool}/history`: the admin route's answer, for the session.
+async fn history_json(
+    state: DashRef,
+    headers: HeaderMap,
+    name: crate::core::extract::Path<String>,
+) -> Response {
+    if state.session(&headers).is_none() {
+        return ApiError::unauthorized("no dashboard session: log in at /dashboard/login")
+            .into_response();
+    }
+    match history::pool_history(state, name).await {
+        Ok(body) => ([(header::CACHE_CONTROL, "no-store")], body).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 /// `GET /dashboard/api/pools`: the numbers the page's script refreshes every 2 s.

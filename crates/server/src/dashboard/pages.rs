@@ -73,14 +73,21 @@ fn signed_in_header(csrf: &str) -> String {
 }
 
 /// A pool's Overview: its copy-paste Examples.
-pub fn pool(name: &str, note: Option<&str>, examples: &[Example], csrf: &str) -> String {
+pub fn pool(
+    name: &str,
+    chart: &str,
+    note: Option<&str>,
+    examples: &[Example],
+    csrf: &str,
+) -> String {
     let mut body = signed_in_header(csrf);
     let _ = write!(
         body,
         "<main>\n<nav aria-label=\"Breadcrumb\"><a href=\"/dashboard\">Pools</a> › {}</nav>\n\
-         <h2>Overview</h2>\n<h3>Examples</h3>\n\
+         <h2>Overview</h2>\n<section data-history=\"{}\">\n<h3>Activity</h3>\n{chart}\n</section>\n<h3>Examples</h3>\n\
          <p class=\"hint\">Replace <code>YOUR_POOL_KEY</code> with one of the pool's keys \
          (keys are stored hashed, so none can be shown here).</p>\n",
+        esc(name),
         esc(name)
     );
     if let Some(note) = note {

@@ -270,6 +270,30 @@ async fn a_pools_overview_has_examples_for_its_own_host() {
         assert!(page.contains(&expected), "{expected} missing: {page}");
     }
     assert!(!page.contains(KEY), "a pool key is shown");
+    assert!(page.contains("id=\"history-chart\""), "{page}");
+    assert!(page.contains("data-total=\"admitted\">0<"), "{page}");
+
+    // The chart's data, for the session (the admin route takes the Bearer token only).
+    assert_eq!(send(gw.get("alpha", "/echo")).await.status(), 200);
+    let (status, history) = call(d.req(
+        Method::GET,
+        "/dashboard/api/pools/alpha/history",
+        Some(&cookie),
+    ))
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(totals(&history)[0], 1, "{history}");
+    let r = send(d.req(Method::GET, "/dashboard/api/pools/alpha/history", None)).await;
+    expect_error(r, 401, "unauthorized").await;
+    let r = send(d.req(
+        Method::GET,
+        "/dashboard/api/pools/nope/history",
+        Some(&cookie),
+    ))
+    .await;
+    expect_error(r, 404, "pool_not_found").await;
+    let r = send(d.req(Method::GET, "/admin/pools/alpha/history", Some(&cookie))).await;
+    expect_error(r, 401, "unauthorized").await;
     let r = send(d.req(Method::GET, "/dashboard/pools/nope", Some(&cookie))).await;
     assert_eq!(r.status(), 404);
 }

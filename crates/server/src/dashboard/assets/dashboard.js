@@ -46,8 +46,42 @@
       .then(function (body) { if (body) { update(body.items); } })
       .catch(function () { /* the next poll tries again */ });
   }
+  // Redraws the pool page's chart with the rules the server drew it by (chart.rs).
+  function draw(seconds) {
+    var svg = document.getElementById("history-chart");
+    if (!svg) { return; }
+    var fields = ["admitted", "refused", "queued", "origin429"];
+    var max = 1;
+    seconds.forEach(function (s) { fields.forEach(function (f) { max = Math.max(max, s[f]); }); });
+    var height = 120;
+    fields.forEach(function (f) {
+      var total = 0;
+      var points = seconds.map(function (s, x) {
+        total += s[f];
+        return x + "," + (height - Math.floor(s[f] * height / max));
+      });
+      var line = svg.querySelector('[data-series="' + f + '"]');
+      if (line) { line.setAttribute("points", points.join(" ")); }
+      var shown = document.querySelector('[data-total="' + f + '"]');
+      if (shown) { shown.textContent = String(total); }
+    });
+  }
+  function pollHistory(pool) {
+    fetch("/dashboard/api/pools/" + encodeURIComponent(pool) + "/history",
+          { credentials: "same-origin", cache: "no-store" })
+      .then(function (r) {
+        if (r.status === 401) { window.location.assign("/dashboard/login"); return null; }
+        return r.ok ? r.json() : null;
+      })
+      .then(function (body) { if (body) { draw(body.seconds); } })
+      .catch(function () { /* the next poll tries again */ });
+  }
   document.addEventListener("DOMContentLoaded", function () {
     showTimes(document);
     if (document.querySelector("tr[data-pool]")) { setInterval(poll, 2000); }
+    var history = document.querySelector("section[data-history]");
+    if (history) {
+      setInterval(function () { pollHistory(history.dataset.history); }, 2000);
+    }
   });
 })();
