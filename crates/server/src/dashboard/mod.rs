@@ -65,7 +65,10 @@ impl Dashboard {
     /// The session the request's cookie names, if it is live.
     fn session(&self, headers: &HeaderMap) -> Option<(String, Open)> {
         let id = cookie(headers, COOKIE)?;
-        let open = self.sessions.find(&id, self.clock.now_ms())?;
+        let live = self.live.load();
+        let open = self
+            .sessions
+            .find(&id, self.clock.now_ms(), live.admin_token.as_deref())?;
         Some((id, open))
     }
 
@@ -147,7 +150,7 @@ async fn login(State(d): DashRef, body: Bytes) -> Response {
         };
         return html(StatusCode::UNAUTHORIZED, pages::login(Some(why)));
     }
-    let id = d.sessions.open(d.clock.now_ms());
+    let id = d.sessions.open(d.clock.now_ms(), &given);
     let mut answer = Redirect::to("/dashboard").into_response();
     if let Ok(v) = HeaderValue::from_str(&d.cookie_header(&id, SESSION_TTL_MS / 1000)) {
         answer.headers_mut().insert(header::SET_COOKIE, v);

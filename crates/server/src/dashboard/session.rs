@@ -1,6 +1,8 @@
 //! Dashboard sessions: the admin token exchanged for a random session id, kept in memory only
 //! as its SHA-256 (a dump of the table opens nothing), each with its own CSRF token and expiry.
-//! The table is capped, so a flood of logins cannot grow memory without bound.
+//! The table is capped, so a flood of logins cannot grow memory without bound. A session is
+//! bound to the admin token it was opened with: changing `server.admin_token` (a reload) ends
+//! every session opened with the old one.
 
 use std::collections::HashMap;
 
@@ -17,6 +19,8 @@ const MAX_SESSIONS: usize = 1024;
 struct Session {
     csrf: String,
     expires_at: u64,
+    /// SHA-256 of the admin token the session was opened with.
+    token: [u8; 32],
 }
 
 #[derive(Default)]
@@ -47,8 +51,9 @@ fn digest(id: &str) -> [u8; 32] {
 }
 
 impl Sessions {
-    /// Opens a session at `now` (epoch ms); returns its id (the cookie's value, never stored).
-    pub fn open(&self, now: u64) -> String {
+    /// Opens a session at `now` (epoch ms) for admin token `token`; returns its id (the
+    /// cookie's value, never stored).
+    pub fn open(&self, now: u64, token: &str) -> String {
         let id = random_hex();
         let mut table = self.by_digest.lock();
         table.retain(|_, s| s.expires_at > now);
@@ -66,19 +71,26 @@ impl Sessions {
             Session {
                 csrf: random_hex(),
                 expires_at: now + SESSION_TTL_MS,
+                token: digest(token),
             },
         );
         id
     }
 
-    /// The session `id` names, if it is live at `now`.
-    pub fn find(&self, id: &str, now: u64) -> Option<Open> {
+    /// The session `id` names, if it is live at `now` and was opened with admin token `token`
+    /// (the current one; `None` when there is none, which ends every session).
+    pub fn find(&self, id: &str, now: u64, token: Option<&str>) -> Option<Open> {
         let key = digest(id);
+        let current = token.map(digest);
         let mut table = self.by_digest.lock();
         match table.get(&key) {
-            Some(s) if s.expires_at > now => Some(Open {
-                csrf: s.csrf.clone(),
-            }),
+            Some(s)
+                if s.expires_at > now && current.is_some_and(|t| bool::from(t.ct_eq(&s.token))) =>
+            {
+                Some(Open {
+                    csrf: s.csrf.clone(),
+                })
+            }
             Some(_) => {
                 table.remove(&key);
                 None
@@ -100,17 +112,26 @@ mod tests {
     #[test]
     fn sessions_expire_and_end() {
         let s = Sessions::default();
-        let id = s.open(1_000);
-        assert!(s.find(&id, 1_001).is_some());
-        assert!(s.find("not-a-session", 1_001).is_none());
-        assert!(s.find(&id, 1_000 + SESSION_TTL_MS).is_none(), "expired");
-        let id = s.open(2_000);
-        let Some(open) = s.find(&id, 2_001) else {
+        let id = s.open(1_000, "tok");
+        assert!(s.find(&id, 1_001, Some("tok")).is_some());
+        assert!(s.find("not-a-session", 1_001, Some("tok")).is_none());
+        assert!(
+            s.find(&id, 1_000 + SESSION_TTL_MS, Some("tok")).is_none(),
+            "expired"
+        );
+        let id = s.open(2_000, "tok");
+        let Some(open) = s.find(&id, 2_001, Some("tok")) else {
             panic!("the session is live");
         };
         assert!(open.csrf_matches(&open.csrf.clone()));
         assert!(!open.csrf_matches("wrong"));
         s.end(&id);
-        assert!(s.find(&id, 2_002).is_none(), "logged out");
+        assert!(s.find(&id, 2_002, Some("tok")).is_none(), "logged out");
+        let id = s.open(3_000, "tok");
+        assert!(
+            s.find(&id, 3_001, Some("new-token")).is_none(),
+            "token changed"
+        );
+        assert!(s.find(&id, 3_001, None).is_none(), "admin token removed");
     }
 }
