@@ -159,14 +159,14 @@ pub async fn queued(gate: &Arc<dyn PoolGate>, n: u32) {
 }
 
 /// Awaits a spawned task; fails instead of hanging if it never finishes.
-async fn join<T>(task: JoinHandle<T>) -> T {
+pub async fn join<T>(task: JoinHandle<T>) -> T {
     tokio::time::timeout(Duration::from_secs(10), task)
         .await
         .expect("task did not finish in time")
         .expect("task panicked")
 }
 
-fn spawn_acquire(
+pub fn spawn_acquire(
     gate: &Arc<dyn PoolGate>,
     r: AcquireRequest,
 ) -> JoinHandle<Result<nthbouncer_coord::Grant, Refusal>> {

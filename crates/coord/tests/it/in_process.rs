@@ -10,12 +10,11 @@ use std::time::Duration;
 
 use nthbouncer_coord::in_process::InProcessCoordination;
 use nthbouncer_coord::{
-    AcquireRequest, Coordination, Grant, ManualClock, Outcome, PoolGate, PoolSettings, Refusal,
-    RefusalReason, RenewError, SlotKind,
+    Coordination, ManualClock, Outcome, PoolGate, PoolSettings, Refusal, RefusalReason, RenewError,
+    SlotKind,
 };
-use tokio::task::JoinHandle;
 
-use crate::conformance::{limit, req};
+use crate::conformance::{join, limit, req, spawn_acquire};
 
 const T0: u64 = 1_700_000_000_000;
 
@@ -47,27 +46,11 @@ async fn queued(gate: &Arc<dyn PoolGate>, n: u32) {
     .await;
 }
 
-/// Awaits a spawned task; fails instead of hanging if it never finishes.
-async fn join<T>(task: JoinHandle<T>) -> T {
-    tokio::time::timeout(Duration::from_secs(10), task)
-        .await
-        .expect("task did not finish in time")
-        .expect("task panicked")
-}
-
 /// Gives every ready task a few turns.
 async fn settle() {
     for _ in 0..20 {
         tokio::task::yield_now().await;
     }
-}
-
-fn spawn_acquire(
-    gate: &Arc<dyn PoolGate>,
-    r: AcquireRequest,
-) -> JoinHandle<Result<Grant, Refusal>> {
-    let gate = gate.clone();
-    tokio::spawn(async move { gate.acquire(r).await })
 }
 
 #[tokio::test]
