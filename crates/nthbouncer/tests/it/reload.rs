@@ -237,6 +237,19 @@ async fn an_invalid_file_changes_nothing_and_names_the_key() {
     assert_eq!(r.status(), 401);
 }
 
+/// Asks for a reload and checks it is refused as needing a restart, naming `field`.
+async fn refused_for_a_restart(server: &Server, field: &str) {
+    let (status, body) = server.reload().await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["field"], field, "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("needs a restart")),
+        "{body}"
+    );
+}
+
 /// `listen` (the server's or a pool's own) and `coordination` need a restart: a reload that
 /// changes one is refused with that reason and changes nothing else in the file either.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -246,39 +259,21 @@ async fn a_reload_that_changes_listen_is_refused() {
     let server = Server::start(BIN, "warn", reqwest::Client::new(), &pool(3)).await;
     let other = nthbouncer_testkit::binary::free_port();
     server.rewrite_config_listening(&format!("127.0.0.1:{other}"), &pool(5));
-    let (status, body) = server.reload().await;
-    assert_eq!(status, 400, "{body}");
-    assert_eq!(body["field"], "server.listen", "{body}");
-    assert!(
-        body["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("needs a restart")),
-        "{body}"
-    );
+    refused_for_a_restart(&server, "server.listen").await;
     assert_eq!(state(&server, "p").await["configuredLimit"], 3);
 
     // A pool's own listener likewise.
     let own = format!("listen = \"127.0.0.1:{other}\"\n");
     let with_own = pool(5).replacen("keys = ", &format!("{own}keys = "), 1);
     server.rewrite_config(&with_own);
-    let (status, body) = server.reload().await;
-    assert_eq!(status, 400, "{body}");
-    assert_eq!(body["field"], "pools[0].listen", "{body}");
+    refused_for_a_restart(&server, "pools[0].listen").await;
     assert_eq!(state(&server, "p").await["configuredLimit"], 3);
 
     // The coordination owns the pools' shared state: the same refusal, and nothing else of
     // the file (a live key beside it) applies either.
     let redis = "coordination = \"redis://127.0.0.1:6379/0\"\nmax_body_bytes = 1\n";
     server.rewrite_config(&format!("{redis}{}", pool(5)));
-    let (status, body) = server.reload().await;
-    assert_eq!(status, 400, "{body}");
-    assert_eq!(body["field"], "server.coordination", "{body}");
-    assert!(
-        body["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("needs a restart")),
-        "{body}"
-    );
+    refused_for_a_restart(&server, "server.coordination").await;
     assert_eq!(state(&server, "p").await["configuredLimit"], 3);
     let r = server
         .pool("p", Method::POST, "/echo")
