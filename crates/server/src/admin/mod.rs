@@ -15,7 +15,6 @@ use nthbouncer_config::{keys, PoolSpec};
 use nthbouncer_coord::Clock;
 use nthbouncer_store::{AccessLogEntry, AccessLogQuery, Store, StoredKey};
 use serde::{Deserialize, Serialize};
-use subtle::ConstantTimeEq;
 use utoipa::ToSchema;
 
 use crate::core::error::ApiError;
@@ -47,11 +46,7 @@ impl Admin {
 pub async fn require_admin(State(state): AdminRef, req: Request, next: Next) -> Response {
     let presented = extract::authorization(req.headers()).and_then(extract::bearer);
     let live = state.live.load();
-    let ok = match (&live.admin_token, presented) {
-        (Some(expected), Some(given)) => bool::from(expected.as_bytes().ct_eq(given.as_bytes())),
-        _ => false,
-    };
-    if !ok {
+    if !presented.is_some_and(|given| live.is_admin_token(given)) {
         let msg = if live.admin_token.is_none() {
             "the admin API is disabled: set server.admin_token"
         } else {

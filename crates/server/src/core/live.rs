@@ -68,6 +68,15 @@ impl ServerSettings {
 }
 
 impl ServerSettings {
+    /// Whether `given` is the admin token, compared in constant time (no token set: nothing
+    /// is). The admin API's Bearer check and the dashboard's login both ask here.
+    pub fn is_admin_token(&self, given: &str) -> bool {
+        use subtle::ConstantTimeEq;
+        self.admin_token
+            .as_ref()
+            .is_some_and(|expected| bool::from(expected.as_bytes().ct_eq(given.as_bytes())))
+    }
+
     /// The scheme of a database pool's `pollUrl`s: a deployment behind TLS says so in its
     /// public URL.
     pub fn poll_scheme(&self) -> &'static str {

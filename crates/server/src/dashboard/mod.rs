@@ -23,7 +23,6 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use nthbouncer_coord::Clock;
 use serde::{Deserialize, Serialize};
-use subtle::ConstantTimeEq;
 
 use crate::core::error::ApiError;
 use crate::pools::Pools;
@@ -138,11 +137,7 @@ async fn login(State(d): DashRef, body: Bytes) -> Response {
         .map(|f| f.token)
         .unwrap_or_default();
     let live = d.live.load();
-    let ok = match &live.admin_token {
-        Some(expected) => bool::from(expected.as_bytes().ct_eq(given.as_bytes())),
-        None => false,
-    };
-    if !ok {
+    if !live.is_admin_token(&given) {
         let why = if live.admin_token.is_none() {
             "The dashboard is disabled: set server.admin_token."
         } else {
