@@ -135,15 +135,43 @@ describe("the dashboard in Chromium", () => {
     await context.close();
   });
 
+  test("the pool list and an Overview can be used by keyboard alone", async () => {
+    const { context, page } = await newPage(browser);
+    await logIn(stack, page);
+    // Tab through the pool list: every control is reached, in the order it is read.
+    const reached = [];
+    for (let i = 0; i < 4; i++) {
+      await page.keyboard.press("Tab");
+      reached.push(await page.evaluate(() => document.activeElement.textContent.trim()));
+    }
+    assert.deepEqual(reached, ["nthbouncer", "Log out", "alpha", "beta"]);
+    // Back to "alpha" and into its Overview with Enter.
+    await page.keyboard.press("Shift+Tab");
+    await page.keyboard.press("Enter");
+    await page.getByRole("heading", { name: "Overview" }).waitFor();
+    assert.equal(new URL(page.url()).pathname, "/dashboard/pools/alpha");
+    // Each example can be focused (to scroll it sideways on a narrow screen).
+    const examples = await page.locator("pre").count();
+    assert.ok(examples > 0);
+    assert.equal(await page.locator('pre[tabindex="0"]').count(), examples);
+    await context.close();
+  });
+
   test("log out: the dashboard and its API refuse the old session", async () => {
     const { context, page } = await newPage(browser);
     await logIn(stack, page);
     const [session] = await context.cookies();
     assert.equal(session.name, "nb_dashboard");
+    // A second tab on the pool list, polling.
+    const other = await context.newPage();
+    await other.goto(stack.url("/dashboard"));
+    await other.getByRole("table", { name: "Pools" }).waitFor();
 
     await page.getByRole("button", { name: "Log out" }).click();
     await page.waitForURL((u) => u.pathname === "/dashboard/login");
     assert.deepEqual(await context.cookies(), [], "the cookie was not cleared");
+    // The other tab's next poll is refused, and its script sends it to the login form.
+    await other.waitForURL((u) => u.pathname === "/dashboard/login");
 
     // The browser's own cookie is gone; the old one, sent again, opens nothing either.
     await context.addCookies([session]);
