@@ -93,10 +93,12 @@ pub fn pool(
     if let Some(note) = note {
         let _ = writeln!(body, "<p class=\"hint\">{}</p>", esc(note));
     }
+    // `tabindex`: a long example scrolls sideways on a narrow screen, and the keyboard must
+    // reach it to scroll it (axe's scrollable-region-focusable).
     for e in examples {
         let _ = writeln!(
             body,
-            "<section>\n<h4>{}</h4>\n<pre><code>{}</code></pre>\n</section>",
+            "<section>\n<h4>{}</h4>\n<pre tabindex=\"0\"><code>{}</code></pre>\n</section>",
             esc(e.title),
             esc(&e.shell)
         );
