@@ -901,32 +901,38 @@ async fn an_unrenewed_lease_is_reclaimed_for_real() {
 
 // ---- locks and the proxy ----
 
-/// On a pool host, lock paths are just paths: proxied upstream, never served as the lock API.
+/// On a pool host, lock and admin paths are just paths: proxied upstream, never served as the
+/// lock or admin API.
 #[tokio::test]
 async fn lock_paths_on_a_pool_host_go_upstream() {
     let (up, gw) = proxied_pool("limit = 1").await;
-    for path in [
-        "/pools/p/lock/acquire",
-        "/pools/p/lock/0123456789abcdef0123456789abcdef/renew",
+    let renew = "/pools/p/lock/0123456789abcdef0123456789abcdef/renew";
+    for (method, path) in [
+        (Method::POST, "/pools/p/lock/acquire"),
+        (Method::POST, renew),
+        (Method::GET, "/admin/pools"),
     ] {
-        let r = send(
-            gw.pool("p", Method::POST, path)
-                .header("x-nthpool-key", KEY),
-        )
-        .await;
-        assert_eq!(r.status(), 200);
-        assert_eq!(r.text().await.unwrap(), "ok", "the upstream answered");
+        let r = send(gw.pool("p", method, path).header("x-nthpool-key", KEY)).await;
+        assert_eq!(r.status(), 200, "{path}");
+        assert_eq!(
+            r.text().await.unwrap(),
+            "ok",
+            "the upstream answered {path}"
+        );
     }
     let seen = up.seen();
-    let paths: Vec<&str> = seen.iter().map(|s| s.path.as_str()).collect();
+    let sent: Vec<(&str, &str)> = seen
+        .iter()
+        .map(|s| (s.method.as_str(), s.path.as_str()))
+        .collect();
     assert_eq!(
-        paths,
-        vec![
-            "/pools/p/lock/acquire",
-            "/pools/p/lock/0123456789abcdef0123456789abcdef/renew"
+        sent,
+        [
+            ("POST", "/pools/p/lock/acquire"),
+            ("POST", renew),
+            ("GET", "/admin/pools")
         ]
     );
-    assert!(seen.iter().all(|s| s.method == "POST"));
     gw.wait_freed("p", "no slot left held").await;
 }
 

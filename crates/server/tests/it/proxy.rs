@@ -93,21 +93,6 @@ async fn upstream_base_path_is_prefixed() {
 }
 
 #[tokio::test]
-async fn lock_paths_on_a_pool_host_are_proxied() {
-    let (up, gw) = proxied_pool("").await;
-    let r = send(
-        gw.pool("p", Method::POST, "/pools/p/lock/acquire")
-            .header("x-nthpool-key", KEY),
-    )
-    .await;
-    assert_eq!(r.status(), 200);
-    let r = send(gw.get("p", "/admin/pools")).await;
-    assert_eq!(r.status(), 200);
-    let paths: Vec<String> = up.seen().into_iter().map(|s| s.path).collect();
-    assert_eq!(paths, vec!["/pools/p/lock/acquire", "/admin/pools"]);
-}
-
-#[tokio::test]
 async fn sse_stream_holds_its_slot_until_it_ends() {
     let (up, gw) = proxied_pool("limit = 1").await;
     let mut resp = send(gw.get("p", "/sse?n=3")).await;
