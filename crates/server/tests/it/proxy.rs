@@ -139,13 +139,7 @@ async fn a_client_killed_mid_request_frees_its_slot_when_the_upstream_answers() 
 
 #[tokio::test]
 async fn a_client_killed_mid_request_to_a_hung_upstream_frees_its_slot_at_the_timeout() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml(
-        "p",
-        &up.url(),
-        "limit = 1\nrequest_timeout_ms = 300",
-    ))
-    .await;
+    let (up, gw) = proxied_pool("limit = 1\nrequest_timeout_ms = 300").await;
     let task = gw.hold("p", "doomed");
     up.wait_arrivals(1).await;
     task.abort();
@@ -419,13 +413,7 @@ async fn many_clients_never_exceed_the_limit() {
 /// freed, while the stalled client still holds its socket unread.
 #[tokio::test]
 async fn a_client_that_stops_reading_is_cut_off_at_the_deadline() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml(
-        "p",
-        &up.url(),
-        "limit = 1\nrequest_timeout_ms = 500",
-    ))
-    .await;
+    let (up, gw) = proxied_pool("limit = 1\nrequest_timeout_ms = 500").await;
     let mut stalled = tokio::net::TcpStream::connect(gw.running.addr)
         .await
         .unwrap();
@@ -452,13 +440,7 @@ async fn a_client_that_stops_reading_is_cut_off_at_the_deadline() {
 /// guarantee in place, which the soak's streamed variant did catch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_call_frees_its_slot_only_once_its_connection_is_closed() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml(
-        "p",
-        &up.url(),
-        "limit = 1\nrequest_timeout_ms = 300",
-    ))
-    .await;
+    let (up, gw) = proxied_pool("limit = 1\nrequest_timeout_ms = 300").await;
     for round in 0..5 {
         let hung = spawn_send(gw.get("p", "/hang"));
         until("the hung call reached the origin", async || {

@@ -208,13 +208,7 @@ async fn success_answers_on_the_api_host_carry_the_id_too() {
 /// `504 upstream_timeout`.
 #[tokio::test]
 async fn governor_refusals_and_upstream_timeouts_carry_the_id() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml(
-        "p",
-        &up.url(),
-        "limit = 1\nrequest_timeout_ms = 300",
-    ))
-    .await;
+    let (up, gw) = proxied_pool("limit = 1\nrequest_timeout_ms = 300").await;
     let held = tokio::spawn(
         gw.get("p", "/hold")
             .header("x-seq", "h")
