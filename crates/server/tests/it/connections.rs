@@ -29,10 +29,7 @@ const H2_EMPTY_SETTINGS: &[u8] = &[0, 0, 0, 4, 0, 0, 0, 0, 0];
 /// A counting upstream and a gateway with `server` as its `[server]` table and one pool `p`
 /// in front of that upstream.
 async fn gateway_with_server(server: &str) -> (Upstream, Gateway) {
-    let up = Upstream::start().await;
-    let pool = pool_toml("p", &up.url(), "limit = 8");
-    let gw = gateway(&format!("[server]\n{server}\n{pool}")).await;
-    (up, gw)
+    proxied_pool_with(server, "limit = 8", "").await
 }
 
 /// A short header timeout, the idle timeout far longer (so it cannot be what closes a

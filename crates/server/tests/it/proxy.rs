@@ -10,12 +10,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[tokio::test]
 async fn upstream_sees_managed_credentials_never_our_headers() {
-    let up = Upstream::start().await;
-    let toml = format!(
-        "{}[pools.upstream_headers]\nauthorization = \"Bearer sk-managed\"\nx-api-version = \"2024-01\"\n",
-        pool_toml("p", &up.url(), "limit = 2")
-    );
-    let gw = gateway(&toml).await;
+    let headers = "authorization = \"Bearer sk-managed\"\nx-api-version = \"2024-01\"\n";
+    let extra = format!("[pools.upstream_headers]\n{headers}");
+    let (up, gw) = proxied_pool_with("", "limit = 2", &extra).await;
     let r = send(
         gw.get("p", "/echo?a=1&b=two")
             .header("authorization", "Bearer caller-supplied")
@@ -59,12 +56,8 @@ async fn upstream_sees_managed_credentials_never_our_headers() {
 
 #[tokio::test]
 async fn pool_key_in_authorization_is_not_forwarded() {
-    let up = Upstream::start().await;
-    let toml = format!(
-        "{}[pools.auth]\naccept = [\"bearer\", \"nthbouncer\"]\n",
-        pool_toml("p", &up.url(), "")
-    );
-    let gw = gateway(&toml).await;
+    let auth = "[pools.auth]\naccept = [\"bearer\", \"nthbouncer\"]\n";
+    let (_up, gw) = proxied_pool_with("", "", auth).await;
     // The header form is not accepted by this pool.
     let r = send(gw.get("p", "/echo")).await;
     assert_eq!(r.status(), 401);
@@ -225,10 +218,7 @@ async fn a_revoked_or_expired_key_is_refused() {
 
 #[tokio::test]
 async fn oversized_bodies_get_413() {
-    let up = Upstream::start().await;
-    let mut gw_toml = pool_toml("p", &up.url(), "");
-    gw_toml.insert_str(0, "[server]\nmax_body_bytes = 1024\n");
-    let gw = gateway(&gw_toml).await;
+    let (_up, gw) = proxied_pool_with("max_body_bytes = 1024", "", "").await;
     // Declared too large: refused before admission.
     let post_body = || {
         gw.pool("p", Method::POST, "/body")
@@ -352,10 +342,7 @@ async fn content_length_plus_transfer_encoding_cannot_smuggle() {
 /// Slowloris: a client that never finishes its request head is cut off.
 #[tokio::test]
 async fn slow_request_heads_are_cut_off() {
-    let up = Upstream::start().await;
-    let mut toml = pool_toml("p", &up.url(), "");
-    toml.insert_str(0, "[server]\nheader_read_timeout_ms = 300\n");
-    let gw = gateway(&toml).await;
+    let (up, gw) = proxied_pool_with("header_read_timeout_ms = 300", "", "").await;
     let mut s = tokio::net::TcpStream::connect(gw.running.addr)
         .await
         .unwrap();
@@ -372,10 +359,7 @@ async fn slow_request_heads_are_cut_off() {
 /// keep-alive timeout can bite: after an idle spell, a new connection is used.
 #[tokio::test]
 async fn idle_upstream_connections_are_retired() {
-    let up = Upstream::start().await;
-    let mut toml = pool_toml("p", &up.url(), "");
-    toml.insert_str(0, "[server]\nupstream_idle_timeout_ms = 100\n");
-    let gw = gateway(&toml).await;
+    let (up, gw) = proxied_pool_with("upstream_idle_timeout_ms = 100", "", "").await;
     assert_eq!(send(gw.get("p", "/")).await.status(), 200);
     assert_eq!(send(gw.get("p", "/")).await.status(), 200);
     assert_eq!(

@@ -259,14 +259,10 @@ async fn receiver() -> (SocketAddr, Arc<Mutex<Vec<(HeaderMap, Bytes)>>>) {
 
 #[tokio::test]
 async fn an_async_job_keeps_its_intake_id_upstream_on_its_views_and_deliveries() {
-    let up = Upstream::start().await;
     let (hook, got) = receiver().await;
-    let toml = format!(
-        "[server]\nallow_private_webhooks = true\n{}[pools.async]\nenabled = true\n{}",
-        pool_toml("p", &up.url(), "limit = 2"),
-        webhook_toml(&format!("http://{hook}/hook")),
-    );
-    let gw = gateway(&toml).await;
+    let extra = "[pools.async]\nenabled = true\n".to_string()
+        + &webhook_toml(&format!("http://{hook}/hook"));
+    let (up, gw) = proxied_pool_with("allow_private_webhooks = true", "limit = 2", &extra).await;
     let id = "job-trace-0001";
     let r = send(gw.get_async("p", "/echo").header("x-request-id", id)).await;
     assert_eq!(r.status(), 202);
