@@ -76,32 +76,26 @@ async fn collected(r: Response<hyper::body::Incoming>) -> Response<Bytes> {
     Response::from_parts(parts, body.collect().await.unwrap().to_bytes())
 }
 
+/// A GET (see [`get`]) over an HTTP/1 connection, its answer read whole.
 async fn h1_get(
     s: &mut http1::SendRequest<Empty<Bytes>>,
     host: &str,
     path: &str,
 ) -> Response<Bytes> {
     s.ready().await.unwrap();
-    collected(
-        s.send_request(get(http::Version::HTTP_11, host, path))
-            .await
-            .unwrap(),
-    )
-    .await
+    let answer = s.send_request(get(http::Version::HTTP_11, host, path));
+    collected(answer.await.unwrap()).await
 }
 
+/// A GET (see [`get`]) over an HTTP/2 connection, its answer read whole.
 async fn h2_get(
     s: &mut http2::SendRequest<Empty<Bytes>>,
     host: &str,
     path: &str,
 ) -> Response<Bytes> {
     s.ready().await.unwrap();
-    collected(
-        s.send_request(get(http::Version::HTTP_2, host, path))
-            .await
-            .unwrap(),
-    )
-    .await
+    let answer = s.send_request(get(http::Version::HTTP_2, host, path));
+    collected(answer.await.unwrap()).await
 }
 
 /// Waits (bounded) until a client connection's driving task ends: the server closed it.
