@@ -61,6 +61,24 @@ pub async fn proxied_pool(concurrency: &str) -> (Upstream, Gateway) {
     (up, gw)
 }
 
+/// [`proxied_pool`] with `server` (TOML lines, if any) as the gateway's `[server]` table and
+/// `extra` (more TOML for pool `p`, such as its `[pools.auth]`) after the pool.
+pub async fn proxied_pool_with(
+    server: &str,
+    concurrency: &str,
+    extra: &str,
+) -> (Upstream, Gateway) {
+    let up = Upstream::start().await;
+    let server = if server.is_empty() {
+        String::new()
+    } else {
+        format!("[server]\n{server}\n")
+    };
+    let pool = pool_toml("p", &up.url(), concurrency);
+    let gw = gateway(&format!("{server}{pool}{extra}")).await;
+    (up, gw)
+}
+
 /// A lock pool in TOML. Its upstream is never called: lock holders call the origin themselves.
 pub fn lock_pool_toml(name: &str, concurrency: &str) -> String {
     pool_toml(name, NO_UPSTREAM, concurrency)

@@ -20,16 +20,10 @@ const SECRET_NEW: &str = "new-signing-secret-0123456789";
 const ISSUER: &str = "https://id.test";
 const AUDIENCE: &str = "gateway";
 
-fn clock() -> Arc<ManualClock> {
-    Arc::new(ManualClock::new(wall_ms()))
-}
-
-async fn start(toml: &str, clock: &Arc<ManualClock>) -> Gateway {
-    gateway_with(
-        toml,
-        Some(clock.clone() as Arc<dyn nthbouncer_coord::Clock>),
-    )
-    .await
+/// A gateway on a `ManualClock` that starts at the wall clock (tokens are minted on it), and
+/// that clock.
+async fn start(toml: &str) -> (Gateway, Arc<ManualClock>) {
+    clocked_at(toml, wall_ms()).await
 }
 
 /// The body every credential refusal carries, 401 and 403 alike.
@@ -159,8 +153,7 @@ fn hmac_pool(upstream: &str) -> String {
 #[tokio::test]
 async fn hmac_signed_requests_pass_and_forgeries_are_refused() {
     let up = Recorder::start().await;
-    let clock = clock();
-    let gw = start(&hmac_pool(&up.url()), &clock).await;
+    let (gw, clock) = start(&hmac_pool(&up.url())).await;
     let now = clock.now_s();
 
     // Valid: a POST with a body, signed with the new secret.
@@ -269,8 +262,7 @@ async fn hmac_signed_requests_pass_and_forgeries_are_refused() {
 #[tokio::test]
 async fn hmac_signed_bodies_are_verified_before_anything_is_forwarded() {
     let up = Recorder::start().await;
-    let clock = clock();
-    let gw = start(&hmac_pool(&up.url()), &clock).await;
+    let (gw, clock) = start(&hmac_pool(&up.url())).await;
     let now = clock.now_s();
     let chunks = ["first chunk;", "second chunk;", "third chunk"];
     let whole: Vec<u8> = chunks.concat().into_bytes();
@@ -324,8 +316,7 @@ async fn hmac_signed_bodies_are_verified_before_anything_is_forwarded() {
 #[tokio::test]
 async fn a_signed_request_still_arriving_reaches_nothing_upstream() {
     let up = Recorder::start().await;
-    let clock = clock();
-    let gw = start(&hmac_pool(&up.url()), &clock).await;
+    let (gw, clock) = start(&hmac_pool(&up.url())).await;
     let now = clock.now_s();
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(4);
     let body = reqwest::Body::wrap_stream(futures_util::stream::unfold(rx, |mut rx| async {
@@ -356,12 +347,11 @@ async fn a_signed_request_still_arriving_reaches_nothing_upstream() {
 #[tokio::test]
 async fn a_signed_body_over_its_bound_is_413() {
     let up = Recorder::start().await;
-    let clock = clock();
     let toml = hmac_pool(&up.url()).replace(
         "[pools.access.hmac]\n",
         "[pools.access.hmac]\nmax_body_bytes = 16\n",
     );
-    let gw = start(&toml, &clock).await;
+    let (gw, clock) = start(&toml).await;
     let big = vec![b'x'; 64];
     let signed = Signed::new(Method::POST, "/upload", &big, clock.now_s());
     let r = signed.send_body(&gw, "p.localhost", big.clone()).await;
@@ -372,8 +362,7 @@ async fn a_signed_body_over_its_bound_is_413() {
 #[tokio::test]
 async fn hmac_applies_to_the_lock_api() {
     let up = Recorder::start().await;
-    let clock = clock();
-    let gw = start(&hmac_pool(&up.url()), &clock).await;
+    let (gw, clock) = start(&hmac_pool(&up.url())).await;
     let now = clock.now_s();
     let api = "api.localhost";
 
@@ -413,8 +402,7 @@ async fn hmac_applies_to_the_lock_api() {
 #[tokio::test]
 async fn nonces_survive_a_settings_change() {
     let up = Recorder::start().await;
-    let clock = clock();
-    let gw = start("", &clock).await;
+    let (gw, clock) = start("").await;
     let spec = json!({
         "name": "p",
         "upstream": up.url(),
@@ -474,7 +462,6 @@ async fn jwt_from_a_jwks_with_rotation_and_a_refresh_rate_limit() {
     let k1 = rsa_key(RSA_KEY_1, "k1");
     let k2 = rsa_key(RSA_KEY_2, "k2");
     let jwks_server = KeyServer::start(jwks(&[rsa_jwk(&k1, "k1")])).await;
-    let clock = clock();
     let toml = jwt_pool(
         &up.url(),
         &format!(
@@ -482,7 +469,7 @@ async fn jwt_from_a_jwks_with_rotation_and_a_refresh_rate_limit() {
             jwks_server.url("/jwks")
         ),
     );
-    let gw = start(&toml, &clock).await;
+    let (gw, clock) = start(&toml).await;
 
     // A valid token, in our header and as `Authorization: Bearer` (the key in its own header).
     let token = k1.sign(claims(3600)).unwrap();
@@ -596,8 +583,7 @@ async fn jwt_with_static_public_keys() {
             ec.public_key().to_pem().unwrap()
         ),
     );
-    let clock = clock();
-    let gw = start(&toml, &clock).await;
+    let (gw, _clock) = start(&toml).await;
     // No kid: every key of the token's algorithm is tried.
     let plain = RS256KeyPair::from_pem(RSA_KEY_1).unwrap();
     assert_eq!(
@@ -641,8 +627,7 @@ async fn cloudflare_access_tokens_against_a_local_certs_endpoint() {
         up.url(),
         certs_server.url("/cdn-cgi/access/certs")
     );
-    let clock = clock();
-    let gw = start(&toml, &clock).await;
+    let (gw, _clock) = start(&toml).await;
     let cf = |c: JWTClaims<NoCustomClaims>| k1.sign(c).unwrap();
     let good = || {
         Claims::create(Duration::from_secs(600))
@@ -702,8 +687,7 @@ async fn ip_allowlist_without_trusted_proxies_ignores_forwarded_for() {
          [pools.access]\nip_allow = [\"127.0.0.1/32\", \"::1\"]\n",
         u = up.url()
     );
-    let clock = clock();
-    let gw = start(&toml, &clock).await;
+    let (gw, _clock) = start(&toml).await;
     assert_eq!(send(gw.get("near", "/x")).await.status(), 200);
     // The peer (127.0.0.1) is no proxy of ours: its X-Forwarded-For is the client's own claim.
     for _ in 0..12 {
@@ -725,8 +709,7 @@ async fn ip_allowlist_behind_trusted_proxies_uses_the_right_most_untrusted_hop()
          [pools.access]\nip_allow = [\"203.0.113.0/24\"]\n",
         up.url()
     );
-    let clock = clock();
-    let gw = start(&toml, &clock).await;
+    let (gw, _clock) = start(&toml).await;
     let via = |xff: Option<&'static str>| {
         let mut r = gw.get("p", "/echo");
         if let Some(x) = xff {
@@ -765,8 +748,7 @@ async fn key_hmac_and_allowlist_combine() {
         hmac_pool(&up.url())
     );
     // `[pools.access]` after `[pools.access.hmac]` is valid TOML: the tables merge.
-    let clock = clock();
-    let gw = start(&toml, &clock).await;
+    let (gw, clock) = start(&toml).await;
     let now = clock.now_s();
     let send = |key: Option<&'static str>, xff: &'static str, signed: bool| {
         let s = Signed::new(Method::GET, "/v1/models", b"", now);
@@ -805,8 +787,7 @@ async fn repeated_failures_are_answered_429_for_a_while() {
         "[server]\ntrusted_proxies = [\"127.0.0.1/32\"]\n{}",
         pool_toml("p", &up.url(), "limit = 4")
     );
-    let clock = clock();
-    let gw = start(&toml, &clock).await;
+    let (gw, clock) = start(&toml).await;
     let from = |client: &'static str, key: &'static str| {
         send(
             gw.pool("p", Method::GET, "/x")
@@ -859,12 +840,11 @@ impl ClockExt for ManualClock {
 #[tokio::test]
 async fn hmac_signed_async_jobs_verify_the_body() {
     let up = Recorder::start().await;
-    let clock = clock();
     let toml = format!(
         "[server]\nallow_private_webhooks = true\n{}[pools.async]\nenabled = true\n[[pools.webhooks]]\nurl = \"http://127.0.0.1:9/hook\"\nsecret = \"{WEBHOOK_SECRET}\"\n",
         hmac_pool(&up.url())
     );
-    let gw = start(&toml, &clock).await;
+    let (gw, clock) = start(&toml).await;
     let now = clock.now_s();
     let body = br#"{"job":"real"}"#;
     let good = Signed::new(Method::POST, "/work", body, now);

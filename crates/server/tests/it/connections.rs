@@ -26,14 +26,17 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// An empty HTTP/2 SETTINGS frame (length 0, type 4, no flags, stream 0).
 const H2_EMPTY_SETTINGS: &[u8] = &[0, 0, 0, 4, 0, 0, 0, 0, 0];
 
-/// A gateway with `server` as its `[server]` table and one pool `p` in front of `up`.
-async fn gateway_with_server(server: &str, up: &Upstream) -> Gateway {
-    let toml = format!(
-        "[server]\n{server}\n{}",
-        pool_toml("p", &up.url(), "limit = 8")
-    );
-    gateway(&toml).await
+/// A counting upstream and a gateway with `server` as its `[server]` table and one pool `p`
+/// in front of that upstream.
+async fn gateway_with_server(server: &str) -> (Upstream, Gateway) {
+    proxied_pool_with(server, "limit = 8", "").await
 }
+
+/// A short header timeout, the idle timeout far longer (so it cannot be what closes a
+/// connection).
+const SHORT_HEAD: &str = "header_read_timeout_ms = 300\nidle_timeout_ms = 60000";
+/// The same the other way round.
+const SHORT_IDLE: &str = "header_read_timeout_ms = 60000\nidle_timeout_ms = 300";
 
 /// An HTTP/1.1 client connection: its sender and the task driving it, which ends when the
 /// server closes the connection.
@@ -73,32 +76,26 @@ async fn collected(r: Response<hyper::body::Incoming>) -> Response<Bytes> {
     Response::from_parts(parts, body.collect().await.unwrap().to_bytes())
 }
 
+/// A GET (see [`get`]) over an HTTP/1 connection, its answer read whole.
 async fn h1_get(
     s: &mut http1::SendRequest<Empty<Bytes>>,
     host: &str,
     path: &str,
 ) -> Response<Bytes> {
     s.ready().await.unwrap();
-    collected(
-        s.send_request(get(http::Version::HTTP_11, host, path))
-            .await
-            .unwrap(),
-    )
-    .await
+    let answer = s.send_request(get(http::Version::HTTP_11, host, path));
+    collected(answer.await.unwrap()).await
 }
 
+/// A GET (see [`get`]) over an HTTP/2 connection, its answer read whole.
 async fn h2_get(
     s: &mut http2::SendRequest<Empty<Bytes>>,
     host: &str,
     path: &str,
 ) -> Response<Bytes> {
     s.ready().await.unwrap();
-    collected(
-        s.send_request(get(http::Version::HTTP_2, host, path))
-            .await
-            .unwrap(),
-    )
-    .await
+    let answer = s.send_request(get(http::Version::HTTP_2, host, path));
+    collected(answer.await.unwrap()).await
 }
 
 /// Waits (bounded) until a client connection's driving task ends: the server closed it.
@@ -118,8 +115,7 @@ async fn idle_timeout_passes(addr: SocketAddr) {
 /// first byte with no timeout.
 #[tokio::test]
 async fn a_connection_that_never_sends_a_byte_is_closed() {
-    let up = Upstream::start().await;
-    let gw = gateway_with_server("header_read_timeout_ms = 300", &up).await;
+    let (_up, gw) = gateway_with_server("header_read_timeout_ms = 300").await;
     let mut s = TcpStream::connect(gw.running.addr).await.unwrap();
     let sent = closed_by_server(&mut s, "a silent connection to be closed").await;
     assert_eq!(
@@ -133,9 +129,7 @@ async fn a_connection_that_never_sends_a_byte_is_closed() {
 /// and the idle timeout (long here) does not apply to a head that has started.
 #[tokio::test]
 async fn half_a_request_head_is_closed() {
-    let up = Upstream::start().await;
-    let gw =
-        gateway_with_server("header_read_timeout_ms = 300\nidle_timeout_ms = 60000", &up).await;
+    let (_up, gw) = gateway_with_server(SHORT_HEAD).await;
     let addr = gw.running.addr;
 
     let mut s = TcpStream::connect(addr).await.unwrap();
@@ -155,8 +149,7 @@ async fn half_a_request_head_is_closed() {
 /// An HTTP/2 connection that sends its preface and settings but never a request is closed.
 #[tokio::test]
 async fn an_http2_connection_without_a_request_is_closed() {
-    let up = Upstream::start().await;
-    let gw = gateway_with_server("header_read_timeout_ms = 300", &up).await;
+    let (_up, gw) = gateway_with_server("header_read_timeout_ms = 300").await;
     let mut s = TcpStream::connect(gw.running.addr).await.unwrap();
     s.write_all(H2_PREFACE).await.unwrap();
     s.write_all(H2_EMPTY_SETTINGS).await.unwrap();
@@ -167,9 +160,7 @@ async fn an_http2_connection_without_a_request_is_closed() {
 /// header timeout, so the header timeout cannot be what closes it).
 #[tokio::test]
 async fn an_idle_http1_keep_alive_connection_is_closed() {
-    let up = Upstream::start().await;
-    let gw =
-        gateway_with_server("header_read_timeout_ms = 60000\nidle_timeout_ms = 300", &up).await;
+    let (_up, gw) = gateway_with_server(SHORT_IDLE).await;
     let (mut s, conn) = h1(gw.running.addr).await;
     assert_eq!(h1_get(&mut s, API_HOST, "/healthz").await.status(), 200);
     closes("the idle keep-alive connection to be closed", conn).await;
@@ -179,9 +170,7 @@ async fn an_idle_http1_keep_alive_connection_is_closed() {
 /// timeout does not cut it off, the idle timeout governs.
 #[tokio::test]
 async fn a_keep_alive_connection_outlives_the_header_timeout_while_idle() {
-    let up = Upstream::start().await;
-    let gw =
-        gateway_with_server("header_read_timeout_ms = 300\nidle_timeout_ms = 60000", &up).await;
+    let (_up, gw) = gateway_with_server(SHORT_HEAD).await;
     let addr = gw.running.addr;
     let (mut s, conn) = h1(addr).await;
     assert_eq!(h1_get(&mut s, API_HOST, "/healthz").await.status(), 200);
@@ -195,9 +184,7 @@ async fn a_keep_alive_connection_outlives_the_header_timeout_while_idle() {
 /// An idle HTTP/2 connection gets a GOAWAY and is closed.
 #[tokio::test]
 async fn an_idle_http2_connection_is_closed() {
-    let up = Upstream::start().await;
-    let gw =
-        gateway_with_server("header_read_timeout_ms = 60000\nidle_timeout_ms = 300", &up).await;
+    let (_up, gw) = gateway_with_server(SHORT_IDLE).await;
     let (mut s, conn) = h2(gw.running.addr).await;
     assert_eq!(h2_get(&mut s, API_HOST, "/healthz").await.status(), 200);
     closes("the idle HTTP/2 connection to be closed", conn).await;
@@ -207,8 +194,7 @@ async fn an_idle_http2_connection_is_closed() {
 /// long it waits; once answered, the connection is idle and closes.
 #[tokio::test]
 async fn a_connection_with_a_request_in_flight_is_not_idle() {
-    let up = Upstream::start().await;
-    let gw = gateway_with_server("header_read_timeout_ms = 300\nidle_timeout_ms = 300", &up).await;
+    let (up, gw) = gateway_with_server("header_read_timeout_ms = 300\nidle_timeout_ms = 300").await;
     let addr = gw.running.addr;
     let (mut one, one_conn) = h1(addr).await;
     let (mut two, two_conn) = h2(addr).await;
@@ -231,9 +217,7 @@ async fn a_connection_with_a_request_in_flight_is_not_idle() {
 /// the connection is.
 #[tokio::test]
 async fn a_streaming_response_is_not_idle() {
-    let up = Upstream::start().await;
-    let gw =
-        gateway_with_server("header_read_timeout_ms = 60000\nidle_timeout_ms = 300", &up).await;
+    let (up, gw) = gateway_with_server(SHORT_IDLE).await;
     let addr = gw.running.addr;
     let (mut s, conn) = h1(addr).await;
     s.ready().await.unwrap();
@@ -270,8 +254,7 @@ async fn a_streaming_response_is_not_idle() {
 /// open are still served, and once one closes a new connection is served again.
 #[tokio::test]
 async fn past_max_connections_a_new_connection_is_refused_cleanly() {
-    let up = Upstream::start().await;
-    let gw = gateway_with_server("max_connections = 4", &up).await;
+    let (_up, gw) = gateway_with_server("max_connections = 4").await;
     let addr = gw.running.addr;
     let (mut kept, _kept_conn) = h1(addr).await;
     assert_eq!(h1_get(&mut kept, API_HOST, "/healthz").await.status(), 200);
@@ -316,10 +299,8 @@ async fn past_max_connections_a_new_connection_is_refused_cleanly() {
 /// are silent or idle (HTTP/1 and HTTP/2) do not hold the shutdown up to its grace.
 #[tokio::test]
 async fn shutdown_answers_requests_in_flight_and_closes_the_rest() {
-    let up = Upstream::start().await;
-    let gw = gateway_with_server(
+    let (up, gw) = gateway_with_server(
         "header_read_timeout_ms = 60000\nidle_timeout_ms = 60000\nshutdown_grace_ms = 60000",
-        &up,
     )
     .await;
     let addr = gw.running.addr;

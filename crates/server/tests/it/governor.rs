@@ -94,8 +94,9 @@ async fn queue_overflow_gets_429() {
 }
 
 /// Queues requests one by one (each parked before the next), then frees slots one at a time
-/// and returns the order in which the upstream saw them.
+/// and returns the order in which the upstream saw them (`case` names the run in failures).
 async fn admitted_order(
+    case: &str,
     gw: &Gateway,
     up: &Upstream,
     requests: Vec<(&str, &str, &str)>,
@@ -111,69 +112,65 @@ async fn admitted_order(
                 .header("x-seq", *seq),
         ));
         let n = (i + 1) as u64;
-        gw.wait_queued("p", n, "request parked").await;
+        gw.wait_queued("p", n, &format!("{case}: request parked"))
+            .await;
     }
     for n in 0..=requests.len() {
         up.release(1);
         up.wait_arrivals((n + 2).min(requests.len() + 1)).await;
     }
-    assert_eq!(held.await.unwrap().status(), 200);
+    assert_eq!(held.await.unwrap().status(), 200, "{case}");
     for t in tasks {
-        assert_eq!(t.await.unwrap().status(), 200);
+        assert_eq!(t.await.unwrap().status(), 200, "{case}");
     }
     up.arrivals().into_iter().skip(1).collect()
 }
 
+/// With one slot freed at a time, the queue admits by priority class first, then shares
+/// fairly between keys (round robin), or in strict arrival order with `fair_share = false`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn high_priority_overtakes_normal_and_low() {
-    let (up, gw) = proxied_pool("limit = 1").await;
-    let order = admitted_order(
-        &gw,
-        &up,
-        vec![
-            ("low", KEY, "low"),
-            ("n1", KEY, "normal"),
-            ("n2", KEY, "normal"),
-            ("high", KEY, "high"),
-        ],
-    )
-    .await;
-    assert_eq!(order, vec!["high", "n1", "n2", "low"]);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_keys_flooding_unequally_alternate() {
-    let (up, gw) = proxied_pool("limit = 1").await;
-    let order = admitted_order(
-        &gw,
-        &up,
-        vec![
-            ("a1", KEY, "normal"),
-            ("a2", KEY, "normal"),
-            ("a3", KEY, "normal"),
-            ("a4", KEY, "normal"),
-            ("b1", KEY2, "normal"),
-            ("b2", KEY2, "normal"),
-        ],
-    )
-    .await;
-    assert_eq!(order, vec!["a1", "b1", "a2", "b2", "a3", "a4"]);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fair_share_off_is_strict_fifo() {
-    let (up, gw) = proxied_pool("limit = 1\nfair_share = false").await;
-    let order = admitted_order(
-        &gw,
-        &up,
-        vec![
-            ("a1", KEY, "normal"),
-            ("a2", KEY, "normal"),
-            ("b1", KEY2, "normal"),
-        ],
-    )
-    .await;
-    assert_eq!(order, vec!["a1", "a2", "b1"]);
+async fn admission_order_follows_priority_and_fair_share() {
+    let (a, b) = (KEY, KEY2);
+    for (case, concurrency, requests, want) in [
+        (
+            "high priority overtakes normal and low",
+            "limit = 1",
+            vec![
+                ("low", a, "low"),
+                ("n1", a, "normal"),
+                ("n2", a, "normal"),
+                ("high", a, "high"),
+            ],
+            vec!["high", "n1", "n2", "low"],
+        ),
+        (
+            "two keys flooding unequally alternate",
+            "limit = 1",
+            vec![
+                ("a1", a, "normal"),
+                ("a2", a, "normal"),
+                ("a3", a, "normal"),
+                ("a4", a, "normal"),
+                ("b1", b, "normal"),
+                ("b2", b, "normal"),
+            ],
+            vec!["a1", "b1", "a2", "b2", "a3", "a4"],
+        ),
+        (
+            "fair share off is strict FIFO",
+            "limit = 1\nfair_share = false",
+            vec![
+                ("a1", a, "normal"),
+                ("a2", a, "normal"),
+                ("b1", b, "normal"),
+            ],
+            vec!["a1", "a2", "b1"],
+        ),
+    ] {
+        let (up, gw) = proxied_pool(concurrency).await;
+        let order = admitted_order(case, &gw, &up, requests).await;
+        assert_eq!(order, want, "{case}");
+    }
 }
 
 /// RPM 60 on an injected clock: 60 admitted in the minute, the 61st refused with the exact

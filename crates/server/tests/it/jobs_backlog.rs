@@ -53,6 +53,16 @@ async fn assert_backlog_full(r: reqwest::Response) {
     assert_eq!(v["error"], "too_many_requests", "{v}");
 }
 
+/// Waits (bounded) until a new job is accepted (202) again; its id.
+async fn accepted_again(gw: &Gateway) -> String {
+    let r = eventually("a job to be accepted again", async || {
+        let r = send(post_async(gw, "/echo").body("again")).await;
+        (r.status() == 202).then_some(r)
+    })
+    .await;
+    accepted_id(r).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_max_pending_a_job_gets_429_until_the_backlog_drains() {
     let up = Upstream::start().await;
@@ -81,12 +91,7 @@ async fn past_max_pending_a_job_gets_429_until_the_backlog_drains() {
         wait_completed(&gw, id).await;
     }
     // Their places are free again (each is given back just after its result is recorded).
-    let id = eventually("a job to be accepted again", async || {
-        let r = send(post_async(&gw, "/echo").body("again")).await;
-        (r.status() == 202).then_some(r)
-    })
-    .await;
-    let id = accepted_id(id).await;
+    let id = accepted_again(&gw).await;
     wait_completed(&gw, &id).await;
 }
 
@@ -122,10 +127,5 @@ async fn a_restart_resumes_a_backlog_larger_than_one_page() {
     for id in &ids {
         wait_completed(&gw, id).await;
     }
-    let r = eventually("a job to be accepted again", async || {
-        let r = send(post_async(&gw, "/echo").body("again")).await;
-        (r.status() == 202).then_some(r)
-    })
-    .await;
-    accepted_id(r).await;
+    accepted_again(&gw).await;
 }

@@ -40,6 +40,13 @@ async fn finish(what: &str, task: JoinHandle<Response>) -> Response {
     bounded(what, task).await.unwrap()
 }
 
+/// Awaits a spawned request that must succeed (200).
+async fn finished_ok(what: &str, task: JoinHandle<Response>) -> Response {
+    let r = finish(what, task).await;
+    assert_eq!(r.status(), 200, "{what}");
+    r
+}
+
 fn header(r: &Response, name: &str) -> Option<String> {
     r.headers()
         .get(name)
@@ -49,6 +56,20 @@ fn header(r: &Response, name: &str) -> Option<String> {
 /// Asserts header `name` of `r` is `want` (`None`: absent).
 fn assert_header(r: &Response, name: &str, want: Option<&str>) {
     assert_eq!(header(r, name).as_deref(), want, "{name}");
+}
+
+/// Asserts the governor headers of `r`: remaining slots, effective limit and queued ms.
+fn assert_gate(r: &Response, remaining: &str, limit: &str, queued_ms: &str) {
+    assert_header(r, "x-nthpool-remaining-slots", Some(remaining));
+    assert_header(r, "x-nthpool-effective-limit", Some(limit));
+    assert_header(r, "x-nthpool-queued-ms", Some(queued_ms));
+}
+
+/// Asserts a fail-fast acquire on `pool` is refused `429` with `Retry-After: retry_after`.
+async fn assert_refused_for(gw: &Gateway, pool: &str, retry_after: &str) {
+    let r = acquire(gw, pool).await;
+    assert_header(&r, "retry-after", Some(retry_after));
+    expect_error(r, 429, "too_many_requests").await;
 }
 
 /// An acquire with the test key whose body is `body`, sent as JSON.
@@ -139,9 +160,7 @@ async fn grant_has_the_seed_fields_exact_deadlines_and_governor_headers() {
     assert!(header(&r, "content-type")
         .unwrap()
         .starts_with("application/json"));
-    assert_header(&r, "x-nthpool-remaining-slots", Some("2"));
-    assert_header(&r, "x-nthpool-effective-limit", Some("3"));
-    assert_header(&r, "x-nthpool-queued-ms", Some("0"));
+    assert_gate(&r, "2", "3", "0");
     assert_eq!(
         header(&r, "x-nthpool-rpm-remaining"),
         None,
@@ -200,14 +219,10 @@ async fn rpm_pool_grants_carry_rpm_remaining_and_refusals_an_exact_retry_after()
     let r = acquire(&gw, "p").await;
     assert_header(&r, "retry-after", Some("60"));
     assert_header(&r, "x-nthpool-rpm-remaining", Some("0"));
-    assert_header(&r, "x-nthpool-remaining-slots", Some("3"));
-    assert_header(&r, "x-nthpool-effective-limit", Some("5"));
-    assert_header(&r, "x-nthpool-queued-ms", Some("0"));
+    assert_gate(&r, "3", "5", "0");
     expect_error(r, 429, "too_many_requests").await;
     clock.advance(15_000);
-    let r = acquire(&gw, "p").await;
-    assert_header(&r, "retry-after", Some("45"));
-    expect_error(r, 429, "too_many_requests").await;
+    assert_refused_for(&gw, "p", "45").await;
     clock.advance(45_000);
     let r = acquire(&gw, "p").await;
     assert_eq!(r.status(), 200);
@@ -223,9 +238,7 @@ async fn acquire_fails_fast_by_default_with_429_and_governor_headers() {
     let (gw, clock) = clocked(&lock_pool_toml("p", "limit = 1")).await;
     let held = grant(&gw, "p").await;
     let r = acquire(&gw, "p").await;
-    assert_header(&r, "x-nthpool-remaining-slots", Some("0"));
-    assert_header(&r, "x-nthpool-effective-limit", Some("1"));
-    assert_header(&r, "x-nthpool-queued-ms", Some("0"));
+    assert_gate(&r, "0", "1", "0");
     assert_eq!(header(&r, "retry-after"), None, "no estimate yet");
     expect_error(r, 429, "too_many_requests").await;
     assert_eq!(gw.state("p").await["queued"], 0, "nobody was parked");
@@ -286,8 +299,7 @@ async fn body_wait_ms_beats_the_queue_timeout_header() {
     clock.advance(4_999);
     assert_eq!(gw.state("p").await["queued"], 1);
     assert!(released(&gw, "p", &slot(&held), None).await);
-    let r = finish("the 5000 ms waiter", w).await;
-    assert_eq!(r.status(), 200);
+    let r = finished_ok("the 5000 ms waiter", w).await;
     assert_header(&r, "x-nthpool-queued-ms", Some("4999"));
     let g: Value = r.json().await.unwrap();
     assert_eq!(g["leaseDeadline"], T0 + 50 + 4_999 + 30_000);
@@ -373,8 +385,7 @@ async fn body_priority_overtakes_queued_normal_waiters() {
     assert_eq!(s["queuedByClass"]["high"], 1);
     assert_eq!(s["queuedByClass"]["normal"], 1);
     assert!(released(&gw, "p", &slot(&held), None).await);
-    let r = finish("the high waiter", high).await;
-    assert_eq!(r.status(), 200);
+    let r = finished_ok("the high waiter", high).await;
     let g: Value = r.json().await.unwrap();
     let s = gw.state("p").await;
     assert_eq!(
@@ -382,7 +393,7 @@ async fn body_priority_overtakes_queued_normal_waiters() {
         "the normal one still waits"
     );
     assert!(released(&gw, "p", &slot(&g), None).await);
-    assert_eq!(finish("the normal waiter", normal).await.status(), 200);
+    finished_ok("the normal waiter", normal).await;
 }
 
 /// A waiter whose client goes away leaves the queue and holds nothing.
@@ -464,20 +475,17 @@ async fn authorization_forms_follow_the_pool_auth_accept() {
 async fn unknown_pool_is_404_pool_not_found() {
     let gw = gateway(&lock_pool_toml("p", "")).await;
     let id = slot(&grant(&gw, "p").await);
-    for rest in [
-        "acquire".to_string(),
-        format!("{id}/renew"),
-        format!("{id}/release"),
-    ] {
-        expect_error(send(keyed(&gw, "nope", &rest)).await, 404, "pool_not_found").await;
-    }
-    // A pool segment that does not even decode names no pool either (JSON, not a bare 400).
-    for rest in [
-        "acquire".to_string(),
-        format!("{id}/renew"),
-        format!("{id}/release"),
-    ] {
-        expect_error(send(keyed(&gw, "%FF", &rest)).await, 404, "pool_not_found").await;
+    // A pool segment that does not even decode (`%FF`) names no pool either (JSON, not a bare
+    // 400).
+    for pool in ["nope", "%FF"] {
+        for rest in [
+            "acquire".to_string(),
+            format!("{id}/renew"),
+            format!("{id}/release"),
+        ] {
+            let r = send(keyed(&gw, pool, &rest)).await;
+            expect_error(r, 404, "pool_not_found").await;
+        }
     }
     // Other unknown routes under /pools answer the API host's JSON 404.
     expect_error(
@@ -739,15 +747,8 @@ async fn a_release_that_freed_nothing_teaches_nothing_and_pauses_are_capped() {
 async fn a_reported_throttle_pauses_admission() {
     let (gw, clock) = clocked(&lock_pool_toml("p", "limit = 4")).await;
     let id = slot(&grant(&gw, "p").await);
-    assert!(
-        released(
-            &gw,
-            "p",
-            &id,
-            Some(json!({"status": 429, "throttled": 1, "retryAfterMs": 2000}))
-        )
-        .await
-    );
+    let report = json!({"status": 429, "throttled": 1, "retryAfterMs": 2000});
+    assert!(released(&gw, "p", &id, Some(report)).await);
     let r = acquire(&gw, "p").await;
     assert_header(&r, "retry-after", Some("2"));
     assert!(header(&r, "x-nthpool-effective-limit").is_some());
@@ -770,12 +771,9 @@ async fn a_reported_throttle_pauses_admission() {
     gw.wait_queued("p", 1, "waiter parked behind the pause")
         .await;
     clock.advance(1_999);
-    let r = acquire(&gw, "p").await;
-    assert_header(&r, "retry-after", Some("1"));
-    expect_error(r, 429, "too_many_requests").await;
+    assert_refused_for(&gw, "p", "1").await;
     clock.advance(1);
-    let r = finish("the waiter behind the pause", w).await;
-    assert_eq!(r.status(), 200);
+    let r = finished_ok("the waiter behind the pause", w).await;
     assert_header(&r, "x-nthpool-queued-ms", Some("2000"));
     let r = acquire(&gw, "p").await;
     assert_eq!(r.status(), 200);
@@ -799,9 +797,7 @@ async fn release_headers_are_parsed_and_rate_wins_over_them() {
     assert!(released(&gw, "p", &id, Some(report)).await);
     let s = gw.state("p").await;
     assert_eq!(s["pausedUntil"], T0 + 30_000, "{s}");
-    let r = acquire(&gw, "p").await;
-    assert_header(&r, "retry-after", Some("30"));
-    expect_error(r, 429, "too_many_requests").await;
+    assert_refused_for(&gw, "p", "30").await;
     clock.advance(30_000);
     let now = T0 + 30_000;
 
@@ -870,8 +866,7 @@ async fn an_unrenewed_lease_is_reclaimed_at_its_deadline() {
         (json!(1), json!(1))
     );
     clock.advance(1);
-    let r = finish("the waiter behind the vanished holder", w).await;
-    assert_eq!(r.status(), 200);
+    let r = finished_ok("the waiter behind the vanished holder", w).await;
     assert_header(&r, "x-nthpool-queued-ms", Some("30000"));
     let next: Value = r.json().await.unwrap();
     assert_eq!(next["leaseDeadline"], T0 + 60_000);
@@ -901,32 +896,38 @@ async fn an_unrenewed_lease_is_reclaimed_for_real() {
 
 // ---- locks and the proxy ----
 
-/// On a pool host, lock paths are just paths: proxied upstream, never served as the lock API.
+/// On a pool host, lock and admin paths are just paths: proxied upstream, never served as the
+/// lock or admin API.
 #[tokio::test]
 async fn lock_paths_on_a_pool_host_go_upstream() {
     let (up, gw) = proxied_pool("limit = 1").await;
-    for path in [
-        "/pools/p/lock/acquire",
-        "/pools/p/lock/0123456789abcdef0123456789abcdef/renew",
+    let renew = "/pools/p/lock/0123456789abcdef0123456789abcdef/renew";
+    for (method, path) in [
+        (Method::POST, "/pools/p/lock/acquire"),
+        (Method::POST, renew),
+        (Method::GET, "/admin/pools"),
     ] {
-        let r = send(
-            gw.pool("p", Method::POST, path)
-                .header("x-nthpool-key", KEY),
-        )
-        .await;
-        assert_eq!(r.status(), 200);
-        assert_eq!(r.text().await.unwrap(), "ok", "the upstream answered");
+        let r = send(gw.pool("p", method, path).header("x-nthpool-key", KEY)).await;
+        assert_eq!(r.status(), 200, "{path}");
+        assert_eq!(
+            r.text().await.unwrap(),
+            "ok",
+            "the upstream answered {path}"
+        );
     }
     let seen = up.seen();
-    let paths: Vec<&str> = seen.iter().map(|s| s.path.as_str()).collect();
+    let sent: Vec<(&str, &str)> = seen
+        .iter()
+        .map(|s| (s.method.as_str(), s.path.as_str()))
+        .collect();
     assert_eq!(
-        paths,
-        vec![
-            "/pools/p/lock/acquire",
-            "/pools/p/lock/0123456789abcdef0123456789abcdef/renew"
+        sent,
+        [
+            ("POST", "/pools/p/lock/acquire"),
+            ("POST", renew),
+            ("GET", "/admin/pools")
         ]
     );
-    assert!(seen.iter().all(|s| s.method == "POST"));
     gw.wait_freed("p", "no slot left held").await;
 }
 
@@ -957,10 +958,7 @@ async fn locks_and_proxied_requests_share_one_limit() {
     // One slot left again (the proxied /hold still has the other): a lock gets it.
     let again = grant(&gw, "p").await;
     up.release(1);
-    assert_eq!(
-        finish("the held proxy request", proxied).await.status(),
-        200
-    );
+    finished_ok("the held proxy request", proxied).await;
     assert!(released(&gw, "p", &slot(&again), None).await);
     gw.wait_freed("p", "idle").await;
 }
@@ -978,8 +976,7 @@ async fn queued_locks_and_proxied_requests_are_admitted_in_arrival_order() {
     let proxied = gw.hold("p", "proxy-1");
     gw.wait_queued("p", 2, "proxy parked").await;
     assert!(released(&gw, "p", &slot(&holder), None).await);
-    let r = finish("the queued lock", lock).await;
-    assert_eq!(r.status(), 200, "the lock came first");
+    let r = finished_ok("the queued lock: the lock came first", lock).await;
     let second = r.json::<Value>().await.unwrap();
     let s = gw.state("p").await;
     assert_eq!(
@@ -993,10 +990,7 @@ async fn queued_locks_and_proxied_requests_are_admitted_in_arrival_order() {
     assert!(released(&gw, "p", &slot(&second), None).await);
     up.wait_arrivals(1).await;
     up.release(1);
-    assert_eq!(
-        finish("the queued proxy request", proxied).await.status(),
-        200
-    );
+    finished_ok("the queued proxy request", proxied).await;
     gw.wait_freed("p", "idle").await;
 
     // Proxied request first, then the lock.
@@ -1011,12 +1005,8 @@ async fn queued_locks_and_proxied_requests_are_admitted_in_arrival_order() {
     let s = gw.state("p").await;
     assert_eq!(s["queued"], 1, "the lock waits behind the proxied request");
     up.release(1);
-    assert_eq!(
-        finish("the queued proxy request", proxied).await.status(),
-        200
-    );
-    let r = finish("the queued lock", lock).await;
-    assert_eq!(r.status(), 200);
+    finished_ok("the queued proxy request", proxied).await;
+    let r = finished_ok("the queued lock", lock).await;
     assert!(released(&gw, "p", &slot(&r.json::<Value>().await.unwrap()), None).await);
     assert_eq!(up.max_in_flight(), 1);
 }

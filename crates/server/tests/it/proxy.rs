@@ -10,12 +10,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[tokio::test]
 async fn upstream_sees_managed_credentials_never_our_headers() {
-    let up = Upstream::start().await;
-    let toml = format!(
-        "{}[pools.upstream_headers]\nauthorization = \"Bearer sk-managed\"\nx-api-version = \"2024-01\"\n",
-        pool_toml("p", &up.url(), "limit = 2")
-    );
-    let gw = gateway(&toml).await;
+    let headers = "authorization = \"Bearer sk-managed\"\nx-api-version = \"2024-01\"\n";
+    let extra = format!("[pools.upstream_headers]\n{headers}");
+    let (up, gw) = proxied_pool_with("", "limit = 2", &extra).await;
     let r = send(
         gw.get("p", "/echo?a=1&b=two")
             .header("authorization", "Bearer caller-supplied")
@@ -59,12 +56,8 @@ async fn upstream_sees_managed_credentials_never_our_headers() {
 
 #[tokio::test]
 async fn pool_key_in_authorization_is_not_forwarded() {
-    let up = Upstream::start().await;
-    let toml = format!(
-        "{}[pools.auth]\naccept = [\"bearer\", \"nthbouncer\"]\n",
-        pool_toml("p", &up.url(), "")
-    );
-    let gw = gateway(&toml).await;
+    let auth = "[pools.auth]\naccept = [\"bearer\", \"nthbouncer\"]\n";
+    let (_up, gw) = proxied_pool_with("", "", auth).await;
     // The header form is not accepted by this pool.
     let r = send(gw.get("p", "/echo")).await;
     assert_eq!(r.status(), 401);
@@ -90,21 +83,6 @@ async fn upstream_base_path_is_prefixed() {
     let r = send(gw.get("p", "/x/y?z=1")).await;
     assert_eq!(r.status(), 200);
     assert_eq!(up.seen()[0].path, "/base/x/y?z=1");
-}
-
-#[tokio::test]
-async fn lock_paths_on_a_pool_host_are_proxied() {
-    let (up, gw) = proxied_pool("").await;
-    let r = send(
-        gw.pool("p", Method::POST, "/pools/p/lock/acquire")
-            .header("x-nthpool-key", KEY),
-    )
-    .await;
-    assert_eq!(r.status(), 200);
-    let r = send(gw.get("p", "/admin/pools")).await;
-    assert_eq!(r.status(), 200);
-    let paths: Vec<String> = up.seen().into_iter().map(|s| s.path).collect();
-    assert_eq!(paths, vec!["/pools/p/lock/acquire", "/admin/pools"]);
 }
 
 #[tokio::test]
@@ -154,13 +132,7 @@ async fn a_client_killed_mid_request_frees_its_slot_when_the_upstream_answers() 
 
 #[tokio::test]
 async fn a_client_killed_mid_request_to_a_hung_upstream_frees_its_slot_at_the_timeout() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml(
-        "p",
-        &up.url(),
-        "limit = 1\nrequest_timeout_ms = 300",
-    ))
-    .await;
+    let (up, gw) = proxied_pool("limit = 1\nrequest_timeout_ms = 300").await;
     let task = gw.hold("p", "doomed");
     up.wait_arrivals(1).await;
     task.abort();
@@ -246,10 +218,7 @@ async fn a_revoked_or_expired_key_is_refused() {
 
 #[tokio::test]
 async fn oversized_bodies_get_413() {
-    let up = Upstream::start().await;
-    let mut gw_toml = pool_toml("p", &up.url(), "");
-    gw_toml.insert_str(0, "[server]\nmax_body_bytes = 1024\n");
-    let gw = gateway(&gw_toml).await;
+    let (_up, gw) = proxied_pool_with("max_body_bytes = 1024", "", "").await;
     // Declared too large: refused before admission.
     let post_body = || {
         gw.pool("p", Method::POST, "/body")
@@ -373,10 +342,7 @@ async fn content_length_plus_transfer_encoding_cannot_smuggle() {
 /// Slowloris: a client that never finishes its request head is cut off.
 #[tokio::test]
 async fn slow_request_heads_are_cut_off() {
-    let up = Upstream::start().await;
-    let mut toml = pool_toml("p", &up.url(), "");
-    toml.insert_str(0, "[server]\nheader_read_timeout_ms = 300\n");
-    let gw = gateway(&toml).await;
+    let (up, gw) = proxied_pool_with("header_read_timeout_ms = 300", "", "").await;
     let mut s = tokio::net::TcpStream::connect(gw.running.addr)
         .await
         .unwrap();
@@ -393,10 +359,7 @@ async fn slow_request_heads_are_cut_off() {
 /// keep-alive timeout can bite: after an idle spell, a new connection is used.
 #[tokio::test]
 async fn idle_upstream_connections_are_retired() {
-    let up = Upstream::start().await;
-    let mut toml = pool_toml("p", &up.url(), "");
-    toml.insert_str(0, "[server]\nupstream_idle_timeout_ms = 100\n");
-    let gw = gateway(&toml).await;
+    let (up, gw) = proxied_pool_with("upstream_idle_timeout_ms = 100", "", "").await;
     assert_eq!(send(gw.get("p", "/")).await.status(), 200);
     assert_eq!(send(gw.get("p", "/")).await.status(), 200);
     assert_eq!(
@@ -434,13 +397,7 @@ async fn many_clients_never_exceed_the_limit() {
 /// freed, while the stalled client still holds its socket unread.
 #[tokio::test]
 async fn a_client_that_stops_reading_is_cut_off_at_the_deadline() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml(
-        "p",
-        &up.url(),
-        "limit = 1\nrequest_timeout_ms = 500",
-    ))
-    .await;
+    let (up, gw) = proxied_pool("limit = 1\nrequest_timeout_ms = 500").await;
     let mut stalled = tokio::net::TcpStream::connect(gw.running.addr)
         .await
         .unwrap();
@@ -467,13 +424,7 @@ async fn a_client_that_stops_reading_is_cut_off_at_the_deadline() {
 /// guarantee in place, which the soak's streamed variant did catch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_call_frees_its_slot_only_once_its_connection_is_closed() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml(
-        "p",
-        &up.url(),
-        "limit = 1\nrequest_timeout_ms = 300",
-    ))
-    .await;
+    let (up, gw) = proxied_pool("limit = 1\nrequest_timeout_ms = 300").await;
     for round in 0..5 {
         let hung = spawn_send(gw.get("p", "/hang"));
         until("the hung call reached the origin", async || {

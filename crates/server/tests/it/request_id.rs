@@ -208,13 +208,7 @@ async fn success_answers_on_the_api_host_carry_the_id_too() {
 /// `504 upstream_timeout`.
 #[tokio::test]
 async fn governor_refusals_and_upstream_timeouts_carry_the_id() {
-    let up = Upstream::start().await;
-    let gw = gateway(&pool_toml(
-        "p",
-        &up.url(),
-        "limit = 1\nrequest_timeout_ms = 300",
-    ))
-    .await;
+    let (up, gw) = proxied_pool("limit = 1\nrequest_timeout_ms = 300").await;
     let held = tokio::spawn(
         gw.get("p", "/hold")
             .header("x-seq", "h")
@@ -265,14 +259,10 @@ async fn receiver() -> (SocketAddr, Arc<Mutex<Vec<(HeaderMap, Bytes)>>>) {
 
 #[tokio::test]
 async fn an_async_job_keeps_its_intake_id_upstream_on_its_views_and_deliveries() {
-    let up = Upstream::start().await;
     let (hook, got) = receiver().await;
-    let toml = format!(
-        "[server]\nallow_private_webhooks = true\n{}[pools.async]\nenabled = true\n{}",
-        pool_toml("p", &up.url(), "limit = 2"),
-        webhook_toml(&format!("http://{hook}/hook")),
-    );
-    let gw = gateway(&toml).await;
+    let extra = "[pools.async]\nenabled = true\n".to_string()
+        + &webhook_toml(&format!("http://{hook}/hook"));
+    let (up, gw) = proxied_pool_with("allow_private_webhooks = true", "limit = 2", &extra).await;
     let id = "job-trace-0001";
     let r = send(gw.get_async("p", "/echo").header("x-request-id", id)).await;
     assert_eq!(r.status(), 202);

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use nthbouncer_testkit::tls::{
-    client, get, write, write_leaf, Alpn, Ca, ExtendedKeyUsagePurpose, Https,
+    client, get, write, write_leaf, Alpn, Ca, ExtendedKeyUsagePurpose, Https, Leaf,
 };
 use nthbouncer_testkit::{gateway, pool_toml, Gateway, Upstream, ADMIN_TOKEN};
 use rustls_pki_types::pem::PemObject;
@@ -31,44 +31,36 @@ fn port(gw: &Gateway) -> u16 {
     gw.running.addr.port()
 }
 
+/// A gateway on TLS (the default certificate from `ca`) with pool `p` in front of `up`.
+async fn tls_gateway(dir: &Path, ca: &Ca, up: &Upstream) -> Gateway {
+    gateway(&(server_tls(dir, ca, "") + &pool_toml("p", &up.url(), "limit = 2"))).await
+}
+
+/// A client that trusts only `ca` and shows no certificate.
+fn trusting(ca: &Ca, alpn: Alpn) -> Https {
+    client(&[&ca.pem()], None, alpn, None)
+}
+
+/// GET `path` on `host` through `c`: status and HTTP version (the handshake must succeed).
+async fn at(c: &Https, gw: &Gateway, host: &str, path: &str) -> (u16, http::Version) {
+    let (status, version, _) = get(c, host, port(gw), path).await.unwrap();
+    (status, version)
+}
+
 #[tokio::test]
 async fn https_and_h2_reach_the_upstream() {
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
     let ca = Ca::new("test root");
-    let toml = server_tls(dir.path(), &ca, "") + &pool_toml("p", &up.url(), "limit = 2");
-    let gw = gateway(&toml).await;
-    let pem = ca.pem();
-
-    let (status, version, _) = get(
-        &client(&[&pem], None, Alpn::Http1, None),
-        "p.localhost",
-        port(&gw),
-        "/v1/a",
-    )
-    .await
-    .unwrap();
-    assert_eq!((status, version), (200, http::Version::HTTP_11));
-    let (status, version, _) = get(
-        &client(&[&pem], None, Alpn::H2, None),
-        "p.localhost",
-        port(&gw),
-        "/v1/b",
-    )
-    .await
-    .unwrap();
-    assert_eq!((status, version), (200, http::Version::HTTP_2));
+    let gw = tls_gateway(dir.path(), &ca, &up).await;
+    let (h1, h2) = (trusting(&ca, Alpn::Http1), trusting(&ca, Alpn::H2));
+    let http_11 = at(&h1, &gw, "p.localhost", "/v1/a").await;
+    assert_eq!(http_11, (200, http::Version::HTTP_11));
+    let http_2 = at(&h2, &gw, "p.localhost", "/v1/b").await;
+    assert_eq!(http_2, (200, http::Version::HTTP_2));
     assert_eq!(up.total(), 2, "both reached the upstream");
     // The API host too, over h2.
-    let (status, _, _) = get(
-        &client(&[&pem], None, Alpn::H2, None),
-        "api.localhost",
-        port(&gw),
-        "/healthz",
-    )
-    .await
-    .unwrap();
-    assert_eq!(status, 200);
+    assert_eq!(at(&h2, &gw, "api.localhost", "/healthz").await.0, 200);
     // Plain HTTP on a TLS listener is not served.
     let plain = reqwest::Client::new()
         .get(format!("http://127.0.0.1:{}/healthz", port(&gw)))
@@ -151,57 +143,32 @@ async fn a_reload_swaps_certificates_for_new_connections_only() {
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
     let (old_ca, new_ca) = (Ca::new("old root"), Ca::new("new root"));
-    let toml = server_tls(dir.path(), &old_ca, "") + &pool_toml("p", &up.url(), "limit = 2");
-    let gw = gateway(&toml).await;
+    let gw = tls_gateway(dir.path(), &old_ca, &up).await;
     let tls = gw.running.state.tls.clone().expect("TLS is on");
 
     // One HTTP/2 connection, opened before the swap.
-    let open = client(&[&old_ca.pem()], None, Alpn::H2, None);
-    assert_eq!(
-        get(&open, "p.localhost", port(&gw), "/v1/1")
-            .await
-            .unwrap()
-            .0,
-        200
-    );
+    let open = trusting(&old_ca, Alpn::H2);
+    assert_eq!(at(&open, &gw, "p.localhost", "/v1/1").await.0, 200);
 
     let leaf = new_ca.server(&["p.localhost", "api.localhost"]);
     write_leaf(dir.path(), "server", &leaf);
     tls.reload().unwrap();
 
     // The open connection goes on (a new one would be refused: its certificate is the new CA's).
-    assert_eq!(
-        get(&open, "p.localhost", port(&gw), "/v1/2")
-            .await
-            .unwrap()
-            .0,
-        200
-    );
-    let fresh_old = client(&[&old_ca.pem()], None, Alpn::H2, None);
+    assert_eq!(at(&open, &gw, "p.localhost", "/v1/2").await.0, 200);
+    let fresh_old = trusting(&old_ca, Alpn::H2);
     assert!(get(&fresh_old, "p.localhost", port(&gw), "/v1/3")
         .await
         .is_err());
-    let fresh_new = client(&[&new_ca.pem()], None, Alpn::Http1, None);
-    assert_eq!(
-        get(&fresh_new, "p.localhost", port(&gw), "/v1/4")
-            .await
-            .unwrap()
-            .0,
-        200
-    );
+    let fresh_new = trusting(&new_ca, Alpn::Http1);
+    assert_eq!(at(&fresh_new, &gw, "p.localhost", "/v1/4").await.0, 200);
 
     // A bad file changes nothing: the error names the key, the new certificate stays.
     write(dir.path(), "server.crt", "not a certificate");
     let e = tls.reload().unwrap_err();
     assert_eq!(e.key, "server.tls.cert_file", "{e}");
-    let again = client(&[&new_ca.pem()], None, Alpn::Http1, None);
-    assert_eq!(
-        get(&again, "p.localhost", port(&gw), "/v1/5")
-            .await
-            .unwrap()
-            .0,
-        200
-    );
+    let again = trusting(&new_ca, Alpn::Http1);
+    assert_eq!(at(&again, &gw, "p.localhost", "/v1/5").await.0, 200);
 
     // A re-read config may name other files: they are used, and reloaded from then on.
     let third_ca = Ca::new("third root");
@@ -213,14 +180,8 @@ async fn a_reload_swaps_certificates_for_new_connections_only() {
     };
     tls.use_spec(&spec).unwrap();
     tls.reload().unwrap();
-    let third = client(&[&third_ca.pem()], None, Alpn::Http1, None);
-    assert_eq!(
-        get(&third, "p.localhost", port(&gw), "/v1/6")
-            .await
-            .unwrap()
-            .0,
-        200
-    );
+    let third = trusting(&third_ca, Alpn::Http1);
+    assert_eq!(at(&third, &gw, "p.localhost", "/v1/6").await.0, 200);
     assert_eq!(up.total(), 5);
 }
 
@@ -350,24 +311,20 @@ async fn mtls_pools_take_only_the_right_client_certificates() {
     let pem = ca.pem();
     let worker = clients.client("worker-1");
     let stranger = strangers.client("worker-1");
-    let at = |c: Https, host: &'static str| {
-        let port = port(&gw);
-        async move { get(&c, host, port, "/v1/x").await.unwrap() }
+    // GET /v1/x on `host` showing `identity` (status and body).
+    let showing = |identity: Option<&Leaf>, alpn: Alpn, host: &'static str| {
+        let (c, port) = (client(&[&pem], identity, alpn, None), port(&gw));
+        async move {
+            let (status, _, body) = get(&c, host, port, "/v1/x").await.unwrap();
+            (status, body)
+        }
     };
 
-    let (status, _, _) = at(
-        client(&[&pem], Some(&worker), Alpn::H2, None),
-        "m.localhost",
-    )
-    .await;
+    let (status, _) = showing(Some(&worker), Alpn::H2, "m.localhost").await;
     assert_eq!(status, 200, "a certificate from the pool's CA");
-    let (status, _, none_body) = at(client(&[&pem], None, Alpn::Http1, None), "m.localhost").await;
+    let (status, none_body) = showing(None, Alpn::Http1, "m.localhost").await;
     assert_eq!(status, 401, "no certificate");
-    let (status, _, other_body) = at(
-        client(&[&pem], Some(&stranger), Alpn::Http1, None),
-        "m.localhost",
-    )
-    .await;
+    let (status, other_body) = showing(Some(&stranger), Alpn::Http1, "m.localhost").await;
     assert_eq!(status, 401, "a certificate from another CA");
     let shown = |body: &str| {
         let mut v: serde_json::Value = serde_json::from_str(body).unwrap();
@@ -380,30 +337,24 @@ async fn mtls_pools_take_only_the_right_client_certificates() {
         "the same uniform refusal"
     );
     assert_eq!(shown(&none_body)["error"], "unauthorized");
-    let (status, _, _) = at(
-        client(&[&pem], Some(&worker), Alpn::Http1, None),
-        "n.localhost",
-    )
-    .await;
+    let (status, _) = showing(Some(&worker), Alpn::Http1, "n.localhost").await;
     assert_eq!(status, 401, "a subject not on allowed_subjects");
     let worker3 = clients.issue(
         &["worker-3.internal"],
         "worker-3",
         ExtendedKeyUsagePurpose::ClientAuth,
     );
-    let (status, _, _) = at(
-        client(&[&pem], Some(&worker3), Alpn::Http1, None),
-        "n.localhost",
-    )
-    .await;
+    let (status, _) = showing(Some(&worker3), Alpn::Http1, "n.localhost").await;
     assert_eq!(status, 200, "a SAN on allowed_sans");
     // Pools without the policy do not care.
-    let (status, _, _) = at(client(&[&pem], None, Alpn::Http1, None), "p.localhost").await;
+    let (status, _) = showing(None, Alpn::Http1, "p.localhost").await;
     assert_eq!(status, 200);
 
     // A connection opened for p (SNI) is not reused for m, even with the right certificate.
     let coalesced = client(&[&pem], Some(&worker), Alpn::H2, Some("p.localhost"));
-    let (status, _, body) = at(coalesced, "m.localhost").await;
+    let (status, _, body) = get(&coalesced, "m.localhost", port(&gw), "/v1/x")
+        .await
+        .unwrap();
     assert_eq!(status, 421, "{body}");
     assert!(body.contains("\"misdirected\""), "{body}");
     assert_eq!(up.total(), 3);
@@ -543,8 +494,7 @@ async fn curl_speaks_https_and_h2_to_the_gateway() {
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
     let ca = Ca::new("root");
-    let toml = server_tls(dir.path(), &ca, "") + &pool_toml("p", &up.url(), "limit = 2");
-    let gw = gateway(&toml).await;
+    let gw = tls_gateway(dir.path(), &ca, &up).await;
     let ca_file = write(dir.path(), "ca.pem", &ca.pem());
     let port = port(&gw);
     let curl = |version: &'static str| {

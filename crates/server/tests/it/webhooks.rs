@@ -336,6 +336,12 @@ async fn destination(gw: &Gateway, id: &str) -> Value {
         .unwrap()
 }
 
+/// Asserts a destination's streak of consecutive failures is `n`.
+async fn assert_streak(gw: &Gateway, dest: &str, n: u64, why: &str) {
+    let d = destination(gw, dest).await;
+    assert_eq!(d["consecutiveFailures"], n, "{why}");
+}
+
 async fn wait_destination(
     gw: &Gateway,
     id: &str,
@@ -493,11 +499,7 @@ async fn retries_after_failures_then_succeeds() {
         (4_500..=5_500).contains(&wait),
         "first retry after 5 s ± 10 %, got {wait} ms"
     );
-    assert_eq!(
-        destination(&gw, &dest).await["consecutiveFailures"],
-        1,
-        "a failed attempt counts"
-    );
+    assert_streak(&gw, &dest, 1, "a failed attempt counts").await;
 
     clock.advance(6_000);
     let a = wait_attempts(&gw, &job, 2).await;
@@ -515,11 +517,7 @@ async fn retries_after_failures_then_succeeds() {
     assert_eq!(a[2]["outcome"], "delivered");
     let done = wait_delivered(&gw, &job, "delivered").await;
     assert_eq!(done["webhook"]["failed"], 0);
-    assert_eq!(
-        destination(&gw, &dest).await["consecutiveFailures"],
-        0,
-        "a success resets the streak"
-    );
+    assert_streak(&gw, &dest, 0, "a success resets the streak").await;
 
     let got = rx.received();
     assert_eq!(got.len(), 3, "the redirect was not followed");
@@ -681,11 +679,13 @@ async fn manual_redelivery() {
     assert_eq!(a[1]["manual"], true);
     assert_eq!(a[1]["statusCode"], 500);
     assert_eq!(a[1]["attempt"], 2);
-    assert_eq!(
-        destination(&gw, &dest).await["consecutiveFailures"],
+    assert_streak(
+        &gw,
+        &dest,
         0,
-        "a manual redelivery's failure does not count towards the streak"
-    );
+        "a manual redelivery's failure does not count towards the streak",
+    )
+    .await;
     clock.advance(6_000);
     let a = wait_attempts(&gw, &job, 3).await;
     assert_eq!(a[2]["statusCode"], 200);
