@@ -297,3 +297,105 @@ async fn a_pools_overview_has_examples_for_its_own_host() {
     let r = send(d.req(Method::GET, "/dashboard/pools/nope", Some(&cookie))).await;
     assert_eq!(r.status(), 404);
 }
+
+/// HTML text back to what it escapes.
+fn unescape(html: &str) -> String {
+    html.replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&quot;", "\"")
+        .replace("&#39;", "'")
+        .replace("&amp;", "&")
+}
+
+/// The shell lines of the Overview's example titled `title`.
+fn example(page: &str, title: &str) -> String {
+    let section = page
+        .split(&format!("<h4>{title}</h4>"))
+        .nth(1)
+        .unwrap_or_else(|| panic!("no example {title:?}: {page}"));
+    let code = section
+        .split("<pre><code>")
+        .nth(1)
+        .and_then(|c| c.split("</code></pre>").next())
+        .unwrap();
+    unescape(code)
+}
+
+/// Runs an example's shell lines with bash, `curl` sent to the gateway whatever the host name;
+/// what it printed.
+async fn run_example(shell: &str, gw: &Gateway, host: &str, env: &[(&str, &str)]) -> String {
+    let port = gw.running.addr.port();
+    let shell = shell.replace(
+        "curl -s ",
+        &format!("curl -s -o /dev/null -w '%{{http_code}}' --resolve {host}:{port}:127.0.0.1 "),
+    );
+    let mut cmd = std::process::Command::new("bash");
+    cmd.arg("-c").arg(&shell);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = tokio::task::spawn_blocking(move || cmd.output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(out.status.success(), "{shell}: {out:?}");
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[tokio::test]
+async fn the_signed_example_is_accepted_as_written() {
+    const SECRET: &str = "0123456789abcdef0123";
+    let up = Upstream::start().await;
+    let toml = pool_toml("signed", &up.url(), "")
+        + &format!("[pools.access.hmac]\nsecrets = [\"{SECRET}\"]\n");
+    let gw = gateway(&toml).await;
+    let d = Dash {
+        gw: &gw,
+        http: browser(),
+    };
+    let (cookie, _) = d.login().await;
+    let page = send(d.req(Method::GET, "/dashboard/pools/signed", Some(&cookie)))
+        .await
+        .text()
+        .await
+        .unwrap();
+    let shell = example(&page, "A signed call (access.hmac)").replace("YOUR_POOL_KEY", KEY);
+    let host = format!("signed.localhost:{}", gw.running.addr.port());
+    assert!(shell.contains(&format!("'{host}'")), "{shell}");
+    let status = run_example(&shell, &gw, "signed.localhost", &[("HMAC_SECRET", SECRET)]).await;
+    assert_eq!(status, "200", "{shell}");
+    assert_eq!(up.total(), 1);
+    let status = run_example(&shell, &gw, "signed.localhost", &[("HMAC_SECRET", "wrong")]).await;
+    assert_eq!(status, "401");
+    assert_eq!(up.total(), 1, "a wrong signature reached the origin");
+}
+
+#[tokio::test]
+async fn a_database_pools_overview_has_a_query_example() {
+    let toml = "[[pools]]\nname = \"db\"\nkind = \"database\"\n\
+                upstream = \"postgres://app:s3cret-pw@127.0.0.1:5432/app\"\n"
+        .to_string();
+    let gw = gateway(&toml).await;
+    let d = Dash {
+        gw: &gw,
+        http: browser(),
+    };
+    let (cookie, _) = d.login().await;
+    let page = send(d.req(Method::GET, "/dashboard/pools/db", Some(&cookie)))
+        .await
+        .text()
+        .await
+        .unwrap();
+    let port = gw.running.addr.port();
+    let sql = example(&page, "A SQL query");
+    assert!(
+        sql.contains(&format!("http://db.localhost:{port}/sql")) && sql.contains("\"query\""),
+        "{sql}"
+    );
+    let signed = example(&page, "A signed call (access.hmac)");
+    assert!(signed.contains("/sql"), "{signed}");
+    assert!(
+        !page.contains("s3cret-pw"),
+        "the database password is shown"
+    );
+}
