@@ -18,6 +18,8 @@ pub mod status {
     pub const COMPLETED: &str = "completed";
     pub const FAILED: &str = "failed";
     pub const EXPIRED: &str = "expired";
+    /// Every status, in a job's order of life.
+    pub const ALL: [&str; 6] = [ACCEPTED, QUEUED, RUNNING, COMPLETED, FAILED, EXPIRED];
 
     pub fn is_terminal(s: &str) -> bool {
         matches!(s, COMPLETED | FAILED | EXPIRED)
