@@ -310,7 +310,7 @@ fn unescape(html: &str) -> String {
 /// The shell lines of the Overview's example titled `title`.
 fn example(page: &str, title: &str) -> String {
     let section = page
-        .split(&format!("<h4>{title}</h4>"))
+        .split(&format!("<h3>{title}</h3>"))
         .nth(1)
         .unwrap_or_else(|| panic!("no example {title:?}: {page}"));
     let code = section
@@ -398,4 +398,357 @@ async fn a_database_pools_overview_has_a_query_example() {
         !page.contains("s3cret-pw"),
         "the database password is shown"
     );
+}
+
+/// The session's CSRF token, from any signed-in page.
+fn csrf_of(page: &str) -> String {
+    page.split("name=\"csrf\" value=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .unwrap()
+        .to_string()
+}
+
+/// A form body of `pairs`, encoded.
+fn form(pairs: &[(&str, &str)]) -> String {
+    serde_urlencoded::to_string(pairs).unwrap()
+}
+
+impl Dash<'_> {
+    /// A signed-in page's status and text.
+    async fn page(&self, path: &str, cookie: &str) -> (u16, String) {
+        let r = send(self.req(Method::GET, path, Some(cookie))).await;
+        (r.status().as_u16(), r.text().await.unwrap())
+    }
+
+    /// A signed-in POST of `pairs` (the CSRF token added): the status, `Location` and text.
+    async fn submit(
+        &self,
+        path: &str,
+        cookie: &str,
+        csrf: &str,
+        pairs: &[(&str, &str)],
+    ) -> (u16, String, String) {
+        let mut all = vec![("csrf", csrf)];
+        all.extend_from_slice(pairs);
+        let r = self.post_form(path, Some(cookie), &form(&all)).await;
+        let location = r
+            .headers()
+            .get(h::LOCATION)
+            .map(|l| l.to_str().unwrap().to_string())
+            .unwrap_or_default();
+        (r.status().as_u16(), location, r.text().await.unwrap())
+    }
+
+    /// Logs in and reads the session's CSRF token.
+    async fn sign_in(&self) -> (String, String) {
+        let (cookie, _) = self.login().await;
+        let (_, page) = self.page("/dashboard", &cookie).await;
+        let csrf = csrf_of(&page);
+        (cookie, csrf)
+    }
+}
+
+/// The Concurrency form as it comes, with `limit` changed.
+fn concurrency_fields(limit: &str) -> Vec<(&str, &str)> {
+    vec![
+        ("limit", limit),
+        ("min_limit", "1"),
+        ("queue_size", "1000"),
+        ("queue_timeout_ms", "30000"),
+        ("rpm", "0"),
+        ("request_timeout_ms", "120000"),
+        ("lease_term_ms", "30000"),
+        ("renew_interval_ms", "10000"),
+        ("max_pause_ms", "300000"),
+        ("adaptive", "true"),
+        ("fair_share", "true"),
+        ("proxy_wait", "open"),
+    ]
+}
+
+#[tokio::test]
+async fn a_pool_is_created_and_its_limit_changed_live_from_the_dashboard() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("owned", &up.url(), "")).await;
+    let d = Dash {
+        gw: &gw,
+        http: browser(),
+    };
+    let (cookie, csrf) = d.sign_in().await;
+    let (_, list) = d.page("/dashboard", &cookie).await;
+    for markup in [
+        "<h1 id=\"pools-title\">Pools</h1>",
+        "data-testid=\"create-pool\"",
+        "<label for=\"f-name\">",
+        "<label for=\"f-upstream\">",
+        "data-testid=\"logout\"",
+    ] {
+        assert!(list.contains(markup), "{markup} missing: {list}");
+    }
+
+    // Without the CSRF token nothing is created.
+    let r = d
+        .post_form(
+            "/dashboard/pools",
+            Some(&cookie),
+            &form(&[("name", "fresh")]),
+        )
+        .await;
+    assert_eq!(r.status(), 403);
+
+    // Refused input: the message next to its field, the values kept.
+    let upstream = up.url();
+    let (status, _, page) = d
+        .submit(
+            "/dashboard/pools",
+            &cookie,
+            &csrf,
+            &[
+                ("name", "Bad Name!"),
+                ("kind", "proxy"),
+                ("upstream", &upstream),
+                ("limit", "2"),
+            ],
+        )
+        .await;
+    assert_eq!(status, 400);
+    assert!(page.contains("data-testid=\"error-name\""), "{page}");
+    assert!(page.contains("value=\"Bad Name!\""), "{page}");
+
+    let (status, location, _) = d
+        .submit(
+            "/dashboard/pools",
+            &cookie,
+            &csrf,
+            &[
+                ("name", "fresh"),
+                ("kind", "proxy"),
+                ("upstream", &upstream),
+                ("limit", "2"),
+            ],
+        )
+        .await;
+    assert_eq!((status, location.as_str()), (303, "/dashboard/pools/fresh"));
+    let pool = gw.admin_json("/admin/pools/fresh").await;
+    assert_eq!(pool["managedBy"], "api");
+    assert_eq!(pool["concurrency"]["limit"], 2);
+    let (status, _, page) = d
+        .submit(
+            "/dashboard/pools",
+            &cookie,
+            &csrf,
+            &[
+                ("name", "fresh"),
+                ("kind", "proxy"),
+                ("upstream", &upstream),
+                ("limit", "2"),
+            ],
+        )
+        .await;
+    assert_eq!(status, 409);
+    assert!(page.contains("data-testid=\"form-error\""), "{page}");
+
+    // The Concurrency page: the settings and the live state.
+    let (status, page) = d.page("/dashboard/pools/fresh/concurrency", &cookie).await;
+    assert_eq!(status, 200);
+    assert!(page.contains("<h1>fresh · Concurrency</h1>"), "{page}");
+    assert!(page.contains("data-testid=\"field-limit\" ") && page.contains("value=\"2\""));
+    assert!(page.contains("data-testid=\"limit\">2<"), "{page}");
+
+    // Refused as the admin API refuses it, with the API's message next to the field.
+    let mut spec = gw.admin_json("/admin/pools/fresh").await;
+    spec["concurrency"]["limit"] = 0.into();
+    let (status, api) = gw.put("/admin/pools/fresh", spec).await;
+    assert_eq!(status, 400);
+    let (status, _, page) = d
+        .submit(
+            "/dashboard/pools/fresh/concurrency",
+            &cookie,
+            &csrf,
+            &concurrency_fields("0"),
+        )
+        .await;
+    assert_eq!(status, 400);
+    assert!(page.contains("id=\"f-limit-error\""), "{page}");
+    let message = api["message"].as_str().unwrap();
+    assert!(
+        unescape(&page).contains(message),
+        "{message} missing: {page}"
+    );
+    let (status, _, page) = d
+        .submit(
+            "/dashboard/pools/fresh/concurrency",
+            &cookie,
+            &csrf,
+            &concurrency_fields("lots"),
+        )
+        .await;
+    assert_eq!(status, 400);
+    assert!(page.contains("id=\"f-limit-error\"") && page.contains("value=\"lots\""));
+    assert_eq!(
+        gw.admin_json("/admin/pools/fresh").await["concurrency"]["limit"],
+        2
+    );
+
+    // Saved: applied at once.
+    let (status, location, _) = d
+        .submit(
+            "/dashboard/pools/fresh/concurrency",
+            &cookie,
+            &csrf,
+            &concurrency_fields("5"),
+        )
+        .await;
+    assert_eq!(
+        (status, location.as_str()),
+        (303, "/dashboard/pools/fresh/concurrency?saved=1")
+    );
+    assert_eq!(
+        gw.admin_json("/admin/pools/fresh/state").await["effectiveLimit"],
+        5
+    );
+    let (_, live) = call(d.req(Method::GET, "/dashboard/api/pools", Some(&cookie))).await;
+    let fresh = live["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "fresh");
+    assert_eq!(fresh.unwrap()["effectiveLimit"], 5);
+    let (_, page) = d.page(&location, &cookie).await;
+    assert!(page.contains("role=\"status\""), "{page}");
+
+    // A pool of the config file: read-only here, refused as by the API.
+    let (_, page) = d.page("/dashboard/pools/owned/concurrency", &cookie).await;
+    assert!(page.contains("data-testid=\"read-only\"") && !page.contains("Save settings"));
+    let (status, _, page) = d
+        .submit(
+            "/dashboard/pools/owned/concurrency",
+            &cookie,
+            &csrf,
+            &concurrency_fields("3"),
+        )
+        .await;
+    assert_eq!(status, 409);
+    assert!(page.contains("data-testid=\"form-error\""), "{page}");
+    assert_eq!(
+        gw.admin_json("/admin/pools/owned/state").await["effectiveLimit"],
+        10
+    );
+}
+
+#[tokio::test]
+async fn a_key_is_shown_once_and_revoked_from_the_dashboard() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), "")).await;
+    let d = Dash {
+        gw: &gw,
+        http: browser(),
+    };
+    let (cookie, csrf) = d.sign_in().await;
+    let (status, page) = d.page("/dashboard/pools/p/keys", &cookie).await;
+    assert_eq!(status, 200);
+    assert_eq!(page.matches("data-testid=\"key-row\"").count(), 2, "{page}");
+    assert!(
+        !page.contains("data-testid=\"revoke-key\""),
+        "config keys: {page}"
+    );
+    assert!(!page.contains(KEY), "a key is shown");
+
+    let r = d
+        .post_form("/dashboard/pools/p/keys", Some(&cookie), "label=ci")
+        .await;
+    assert_eq!(r.status(), 403);
+    let (status, _, page) = d
+        .submit(
+            "/dashboard/pools/p/keys",
+            &cookie,
+            &csrf,
+            &[("label", "ci")],
+        )
+        .await;
+    assert_eq!(status, 201);
+    let key = page
+        .split("data-testid=\"new-key\">")
+        .nth(1)
+        .and_then(|rest| rest.split('<').next())
+        .unwrap()
+        .to_string();
+    assert!(key.starts_with("nb_live_"), "{key}");
+    let with_key = |key: &str| {
+        gw.pool("p", Method::GET, "/echo")
+            .header("x-nthpool-key", key.to_string())
+    };
+    assert_eq!(send(with_key(&key)).await.status(), 200);
+
+    // Never shown again.
+    let (_, page) = d.page("/dashboard/pools/p/keys", &cookie).await;
+    assert!(!page.contains(&key), "the key is shown twice");
+    assert_eq!(page.matches("data-testid=\"key-row\"").count(), 3);
+    let keys = gw.admin_json("/admin/pools/p/keys").await;
+    let id = keys["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|k| k["label"] == "ci")
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(page.contains(&format!("/dashboard/pools/p/keys/{id}/revoke")));
+
+    // Refused as the API refuses it.
+    let long = "x".repeat(201);
+    let (status, api) = gw
+        .post("/admin/pools/p/keys", serde_json::json!({ "label": long }))
+        .await;
+    assert_eq!(status, 400);
+    let (status, _, page) = d
+        .submit(
+            "/dashboard/pools/p/keys",
+            &cookie,
+            &csrf,
+            &[("label", &long)],
+        )
+        .await;
+    assert_eq!(status, 400);
+    assert!(page.contains("id=\"f-label-error\""), "{page}");
+    assert!(page.contains(api["message"].as_str().unwrap()));
+
+    let revoke = format!("/dashboard/pools/p/keys/{id}/revoke");
+    let r = d.post_form(&revoke, Some(&cookie), "").await;
+    assert_eq!(r.status(), 403);
+    let (status, location, _) = d.submit(&revoke, &cookie, &csrf, &[]).await;
+    assert_eq!(
+        (status, location.as_str()),
+        (303, &*format!("/dashboard/pools/p/keys?revoked={id}"))
+    );
+    expect_error(send(with_key(&key)).await, 401, "unauthorized").await;
+    let (_, page) = d.page(&location, &cookie).await;
+    assert!(
+        page.contains("role=\"status\"") && page.contains(">revoked<"),
+        "{page}"
+    );
+
+    // A config key cannot be revoked here either.
+    let config_id = keys["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|k| k["managedBy"] == "config")
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (status, _, page) = d
+        .submit(
+            &format!("/dashboard/pools/p/keys/{config_id}/revoke"),
+            &cookie,
+            &csrf,
+            &[],
+        )
+        .await;
+    assert_eq!(status, 409);
+    assert!(page.contains("role=\"alert\""), "{page}");
+    assert_eq!(send(gw.get("p", "/echo")).await.status(), 200);
 }
