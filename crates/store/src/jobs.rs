@@ -24,6 +24,16 @@ pub mod status {
     pub fn is_terminal(s: &str) -> bool {
         matches!(s, COMPLETED | FAILED | EXPIRED)
     }
+
+    /// A job's status as its poll shows it: past its deadline and never finished, it is
+    /// expired whether or not the sweeper got there.
+    pub fn as_seen(status: &str, expires_at: u64, now: u64) -> &str {
+        if !is_terminal(status) && now >= expires_at {
+            EXPIRED
+        } else {
+            status
+        }
+    }
 }
 
 /// The upstream request a job will make.

@@ -4,17 +4,22 @@
 //! It owns the dashboard's routes, its sessions (the admin token exchanged for an HttpOnly,
 //! SameSite=Strict cookie that opens `/dashboard` only, with a CSRF token per session required
 //! on every POST) and its pages: server-rendered HTML with one small embedded script that polls
-//! `/dashboard/api/pools`. It reads the pools registry and the gates' live state directly, as the
-//! admin API does; it imports no other feature.
+//! `/dashboard/api/pools`. Per pool: Overview, Concurrency (`settings`), Keys, Webhooks, Jobs,
+//! Access log. It reads the pools registry, the gates' live state and the stores directly, as
+//! the admin API does, and changes things only through the operations the admin API's
+//! handlers call (`pools::ops`, `pools::actions`); it imports no other feature. The routes and
+//! the markup browser tests may rely on are listed in `pages`.
 
 mod chart;
 mod examples;
 mod form;
 pub mod history;
+mod jobs;
 mod keys;
 mod pages;
 mod session;
 mod settings;
+mod webhooks;
 
 use std::sync::Arc;
 
@@ -152,6 +157,25 @@ pub fn router(state: &Arc<Dashboard>) -> Router {
             "/dashboard/pools/{pool}/keys/{id}/revoke",
             post(keys::revoke),
         )
+        .route(
+            "/dashboard/pools/{pool}/webhooks",
+            get(webhooks::page).post(webhooks::create),
+        )
+        .route(
+            "/dashboard/pools/{pool}/webhooks/{id}/active",
+            post(webhooks::set_active),
+        )
+        .route(
+            "/dashboard/pools/{pool}/webhooks/{id}/rotate",
+            post(webhooks::rotate),
+        )
+        .route("/dashboard/pools/{pool}/jobs", get(jobs::list))
+        .route("/dashboard/pools/{pool}/jobs/{job}", get(jobs::one))
+        .route(
+            "/dashboard/pools/{pool}/jobs/{job}/redeliver",
+            post(webhooks::redeliver),
+        )
+        .route("/dashboard/pools/{pool}/access-log", get(access_log::page))
         .route("/dashboard/api/pools", get(pools_json))
         .route("/dashboard/api/pools/{pool}/history", get(history_json))
         .route("/dashboard/assets/dashboard.js", get(script))

@@ -752,3 +752,217 @@ async fn a_key_is_shown_once_and_revoked_from_the_dashboard() {
     assert!(page.contains("role=\"alert\""), "{page}");
     assert_eq!(send(gw.get("p", "/echo")).await.status(), 200);
 }
+
+/// The `data-destination-id` of the first destination row of a Webhooks page.
+fn first_destination(page: &str) -> String {
+    page.split("data-testid=\"destination-row\" data-destination-id=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .unwrap_or_else(|| panic!("no destination: {page}"))
+        .to_string()
+}
+
+#[tokio::test]
+async fn webhooks_and_jobs_pages_show_deliveries_results_and_act_on_them() {
+    let up = Upstream::start().await;
+    let hook = nthbouncer_testkit::access::Recorder::start().await;
+    let toml = format!(
+        "[server]\nallow_private_webhooks = true\n{}[pools.async]\nenabled = true\n{}",
+        pool_toml("p", &up.url(), ""),
+        webhook_toml(&format!("{}/hook", hook.url())),
+    );
+    let gw = gateway(&toml).await;
+    let d = Dash {
+        gw: &gw,
+        http: browser(),
+    };
+    let (cookie, csrf) = d.sign_in().await;
+
+    let r = gw
+        .pool("p", Method::POST, "/echo")
+        .header("x-nthpool-key", KEY)
+        .header("x-nthpool-async", "1")
+        .body("{\"prompt\":\"hi\"}");
+    let (status, accepted) = call(r).await;
+    assert_eq!(status, 202, "{accepted}");
+    let job = accepted["jobId"].as_str().unwrap().to_string();
+    eventually("the job's delivery attempt", async || {
+        let page = gw.admin_json("/admin/pools/p/deliveries").await;
+        (!page["items"].as_array()?.is_empty()).then_some(())
+    })
+    .await;
+
+    // Jobs: filtered by status, one job's result.
+    let (status, page) = d.page("/dashboard/pools/p/jobs", &cookie).await;
+    assert_eq!(status, 200);
+    assert!(page.contains(&format!("data-job-id=\"{job}\"")), "{page}");
+    let (_, page) = d
+        .page("/dashboard/pools/p/jobs?status=completed", &cookie)
+        .await;
+    assert!(page.contains(&format!("data-job-id=\"{job}\"")), "{page}");
+    let (_, page) = d
+        .page("/dashboard/pools/p/jobs?status=failed", &cookie)
+        .await;
+    assert!(!page.contains("data-testid=\"job-row\""), "{page}");
+    let (status, page) = d
+        .page("/dashboard/pools/p/jobs?status=bogus", &cookie)
+        .await;
+    assert_eq!(status, 400);
+    assert!(page.contains("data-testid=\"error-status\""), "{page}");
+    let (status, page) = d
+        .page(&format!("/dashboard/pools/p/jobs/{job}"), &cookie)
+        .await;
+    assert_eq!(status, 200);
+    assert!(
+        page.contains("data-testid=\"job-status\">completed<"),
+        "{page}"
+    );
+    assert!(
+        page.contains("data-testid=\"job-result-status\">200<"),
+        "{page}"
+    );
+    // The upstream echoes the job's body inside its JSON answer.
+    assert!(unescape(&page).contains(r#"{\"prompt\":\"hi\"}"#), "{page}");
+    assert!(page.contains("data-testid=\"job-event\""));
+    let (status, _) = d
+        .page(
+            "/dashboard/pools/p/jobs/job_00000000000000000000000000000000",
+            &cookie,
+        )
+        .await;
+    assert_eq!(status, 404);
+
+    // Webhooks: the destination (secret masked) and the attempt with its status and latency.
+    let (status, page) = d.page("/dashboard/pools/p/webhooks", &cookie).await;
+    assert_eq!(status, 200);
+    assert!(!page.contains(WEBHOOK_SECRET), "the secret is shown");
+    assert!(
+        page.contains("data-testid=\"destination-state\">active<"),
+        "{page}"
+    );
+    assert!(
+        page.contains("data-testid=\"attempt-status\">200<"),
+        "{page}"
+    );
+    assert!(page.contains("data-testid=\"attempt-latency\">"));
+    let id = first_destination(&page);
+
+    // Deactivate and re-enable (a config destination: its state stays actionable).
+    let toggle = format!("/dashboard/pools/p/webhooks/{id}/active");
+    let r = d.post_form(&toggle, Some(&cookie), "active=false").await;
+    assert_eq!(r.status(), 403);
+    let (status, location, _) = d
+        .submit(&toggle, &cookie, &csrf, &[("active", "false")])
+        .await;
+    assert_eq!(
+        (status, location.as_str()),
+        (303, "/dashboard/pools/p/webhooks?done=disabled")
+    );
+    let listed = gw.admin_json("/admin/pools/p/webhooks").await;
+    assert_eq!(listed["items"][0]["active"], false);
+    let (_, page) = d.page(&location, &cookie).await;
+    assert!(
+        page.contains("data-testid=\"destination-state\">inactive<")
+            && page.contains(">Re-enable<")
+    );
+    let (status, _, page) = d
+        .submit(
+            &format!("/dashboard/pools/p/jobs/{job}/redeliver"),
+            &cookie,
+            &csrf,
+            &[],
+        )
+        .await;
+    assert_eq!(status, 409, "no active destination");
+    assert!(page.contains("role=\"alert\""));
+    let (status, _, _) = d
+        .submit(&toggle, &cookie, &csrf, &[("active", "true")])
+        .await;
+    assert_eq!(status, 303);
+    assert_eq!(
+        gw.admin_json("/admin/pools/p/webhooks").await["items"][0]["active"],
+        true
+    );
+
+    // Redeliver: a second delivery reaches the receiver.
+    let (status, location, _) = d
+        .submit(
+            &format!("/dashboard/pools/p/jobs/{job}/redeliver"),
+            &cookie,
+            &csrf,
+            &[("back", "webhooks")],
+        )
+        .await;
+    assert_eq!(
+        (status, location.as_str()),
+        (303, "/dashboard/pools/p/webhooks?done=redelivered")
+    );
+    eventually("the redelivery", async || {
+        (hook.completed() >= 2).then_some(())
+    })
+    .await;
+
+    // A config destination's secret is the file's: no rotate button; rotating is refused.
+    let rotate = format!("/dashboard/pools/p/webhooks/{id}/rotate");
+    let (status, _, _) = d.submit(&rotate, &cookie, &csrf, &[]).await;
+    assert_eq!(status, 409);
+
+    // Add one: refused as the API refuses it, then its secret shown once; rotate it.
+    let (status, _, page) = d
+        .submit(
+            "/dashboard/pools/p/webhooks",
+            &cookie,
+            &csrf,
+            &[("url", "ftp://example.com/x")],
+        )
+        .await;
+    assert_eq!(status, 400);
+    assert!(page.contains("id=\"f-url-error\""), "{page}");
+    let url = format!("{}/two", hook.url());
+    let (status, _, page) = d
+        .submit(
+            "/dashboard/pools/p/webhooks",
+            &cookie,
+            &csrf,
+            &[("url", &url), ("deactivate_after", "3")],
+        )
+        .await;
+    assert_eq!(status, 201, "{page}");
+    let secret = page
+        .split("data-testid=\"new-secret\">")
+        .nth(1)
+        .and_then(|rest| rest.split('<').next())
+        .unwrap()
+        .to_string();
+    assert!(secret.starts_with("whsec_"), "{secret}");
+    let (_, page) = d.page("/dashboard/pools/p/webhooks", &cookie).await;
+    assert!(!page.contains(&secret), "the secret is shown twice");
+    let added = gw.admin_json("/admin/pools/p/webhooks").await["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["managedBy"] == "api")
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(page.matches("data-testid=\"rotate-secret\"").count(), 1);
+    let (status, _, page) = d
+        .submit(
+            &format!("/dashboard/pools/p/webhooks/{added}/rotate"),
+            &cookie,
+            &csrf,
+            &[],
+        )
+        .await;
+    assert_eq!(status, 200);
+    let rotated = page
+        .split("data-testid=\"new-secret\">")
+        .nth(1)
+        .and_then(|rest| rest.split('<').next())
+        .unwrap()
+        .to_string();
+    assert!(rotated.starts_with("whsec_") && rotated != secret);
+    let (_, page) = d.page("/dashboard/pools/p/webhooks", &cookie).await;
+    assert!(!page.contains(&rotated));
+}
