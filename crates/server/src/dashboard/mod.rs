@@ -10,6 +10,7 @@
 //! handlers call (`pools::ops`, `pools::actions`); it imports no other feature. The routes and
 //! the markup browser tests may rely on are listed in `pages`.
 
+mod access_log;
 mod chart;
 mod examples;
 mod form;

@@ -966,3 +966,60 @@ async fn webhooks_and_jobs_pages_show_deliveries_results_and_act_on_them() {
     let (_, page) = d.page("/dashboard/pools/p/webhooks", &cookie).await;
     assert!(!page.contains(&rotated));
 }
+
+#[tokio::test]
+async fn the_access_log_page_filters_and_pages() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), "")).await;
+    let d = Dash {
+        gw: &gw,
+        http: browser(),
+    };
+    let (cookie, _) = d.sign_in().await;
+    for _ in 0..50 {
+        assert_eq!(send(gw.get("p", "/echo")).await.status(), 200);
+    }
+    let anon = gw.pool("p", Method::GET, "/echo");
+    assert_eq!(send(anon).await.status(), 401);
+    gw.flush_access_log().await;
+
+    let (status, page) = d.page("/dashboard/pools/p/access-log", &cookie).await;
+    assert_eq!(status, 200);
+    assert!(page.contains("<label for=\"f-outcome\">"), "{page}");
+    assert_eq!(page.matches("data-testid=\"log-row\"").count(), 50);
+    let next = page
+        .split("href=\"")
+        .find(|s| s.contains("data-testid=\"next-page\""))
+        .and_then(|s| s.split('"').next())
+        .unwrap_or_else(|| panic!("no next page: {page}"))
+        .replace("&amp;", "&");
+    let (_, older) = d.page(&next, &cookie).await;
+    assert_eq!(
+        older.matches("data-testid=\"log-row\"").count(),
+        1,
+        "{older}"
+    );
+
+    let (_, page) = d
+        .page("/dashboard/pools/p/access-log?outcome=admitted", &cookie)
+        .await;
+    assert_eq!(
+        page.matches("data-testid=\"log-outcome\">admitted<")
+            .count(),
+        50
+    );
+    let (_, page) = d
+        .page("/dashboard/pools/p/access-log?outcome=401", &cookie)
+        .await;
+    assert_eq!(page.matches("data-testid=\"log-row\"").count(), 1, "{page}");
+    let (status, page) = d
+        .page("/dashboard/pools/p/access-log?since=yesterday", &cookie)
+        .await;
+    assert_eq!(status, 400);
+    assert!(page.contains("id=\"f-since-error\"") && page.contains("value=\"yesterday\""));
+    let (status, page) = d
+        .page("/dashboard/pools/p/access-log?cursor=nope", &cookie)
+        .await;
+    assert_eq!(status, 400);
+    assert!(page.contains("data-testid=\"form-error\""), "{page}");
+}
