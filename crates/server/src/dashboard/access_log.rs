@@ -59,11 +59,11 @@ pub async fn page(
 ) -> Response {
     let open = match d.open(&headers) {
         Ok(open) => open,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let pool = match d.pool(&name) {
         Ok(pool) => pool,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let (status, problems, rows) = match read(&d, &pool, &f).await {
         Ok(rows) => (StatusCode::OK, Problems::default(), rows),

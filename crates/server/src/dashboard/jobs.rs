@@ -41,11 +41,11 @@ pub async fn list(
 ) -> Response {
     let open = match d.open(&headers) {
         Ok(open) => open,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let pool = match d.pool(&name) {
         Ok(pool) => pool,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let wanted = q.status.as_deref().filter(|s| !s.is_empty());
     let (status, problems, page) = match read(&d, &pool, wanted, q.cursor.as_deref()).await {
@@ -164,11 +164,11 @@ pub async fn one(
 ) -> Response {
     let open = match d.open(&headers) {
         Ok(open) => open,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let pool = match d.pool(&name) {
         Ok(pool) => pool,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     match job_body(&d, &pool, &job_id, &open.csrf).await {
         Ok(body) => {
@@ -231,10 +231,10 @@ async fn job_body(
     out.push_str(&events(&history));
     out.push_str(&delivery_table(&deliveries));
     if status::is_terminal(shown) {
-        let _ = write!(
+        let _ = writeln!(
             out,
             "<form method=\"post\" action=\"/dashboard/pools/{}/jobs/{}/redeliver\">{}\
-             <button type=\"submit\" data-testid=\"redeliver\">Redeliver this job</button></form>\n",
+             <button type=\"submit\" data-testid=\"redeliver\">Redeliver this job</button></form>",
             url_segment(&pool.name),
             url_segment(&job.id),
             pages::csrf_field(csrf)

@@ -34,11 +34,11 @@ pub async fn page(
 ) -> Response {
     let open = match d.open(&headers) {
         Ok(open) => open,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let pool = match d.pool(&name) {
         Ok(pool) => pool,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let flash = match q.revoked {
         Some(id) => Flash::Done(format!("Key {id} revoked.")),
@@ -60,11 +60,11 @@ pub async fn create(
 ) -> Response {
     let (open, form) = match d.post(&headers, &body) {
         Ok(ok) => ok,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let pool = match d.pool(&name) {
         Ok(pool) => pool,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let label = form.optional("label");
     match d.pools.create_key(&pool.name, label, None).await {
@@ -97,11 +97,11 @@ pub async fn revoke(
 ) -> Response {
     let (open, _) = match d.post(&headers, &body) {
         Ok(ok) => ok,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let pool = match d.pool(&name) {
         Ok(pool) => pool,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     match d.pools.revoke_key(&pool.name, &id).await {
         Ok(()) => Redirect::to(&format!(

@@ -93,28 +93,28 @@ impl Dashboard {
     }
 
     /// The request's live session, or the redirect to the login form.
-    fn open(&self, headers: &HeaderMap) -> Result<Open, Response> {
+    fn open(&self, headers: &HeaderMap) -> Result<Open, Box<Response>> {
         self.session(headers)
             .map(|(_, open)| open)
-            .ok_or_else(|| Redirect::to(LOGIN_PATH).into_response())
+            .ok_or_else(|| Box::new(Redirect::to(LOGIN_PATH).into_response()))
     }
 
     /// A POST's session and form: refused unless the session is live and the form's `csrf`
     /// field is its token.
-    fn post(&self, headers: &HeaderMap, body: &Bytes) -> Result<(Open, Form), Response> {
+    fn post(&self, headers: &HeaderMap, body: &Bytes) -> Result<(Open, Form), Box<Response>> {
         let open = self.open(headers)?;
         let form = Form::parse(body);
         if !open.csrf_matches(form.text("csrf")) {
-            return Err(html(StatusCode::FORBIDDEN, pages::forbidden()));
+            return Err(Box::new(html(StatusCode::FORBIDDEN, pages::forbidden())));
         }
         Ok((open, form))
     }
 
     /// The pool named `name`, or the "No such pool" page.
-    fn pool(&self, name: &str) -> Result<Arc<PoolRuntime>, Response> {
+    fn pool(&self, name: &str) -> Result<Arc<PoolRuntime>, Box<Response>> {
         self.pools
             .get(name)
-            .ok_or_else(|| html(StatusCode::NOT_FOUND, pages::no_such_pool()))
+            .ok_or_else(|| Box::new(html(StatusCode::NOT_FOUND, pages::no_such_pool())))
     }
 
     fn cookie_header(&self, value: &str, max_age_s: u64) -> String {
@@ -332,11 +332,11 @@ async fn pool_overview(
 ) -> Response {
     let open = match d.open(&headers) {
         Ok(open) => open,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let pool = match d.pool(&name) {
         Ok(pool) => pool,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let live = d.live.load();
     let examples = examples::for_pool(&pool, &live);

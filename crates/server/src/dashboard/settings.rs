@@ -57,7 +57,7 @@ fn number(raw: &str) -> Value {
 pub async fn create(State(d): DashRef, headers: HeaderMap, body: Bytes) -> Response {
     let (open, form) = match d.post(&headers, &body) {
         Ok(ok) => ok,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let body = json!({
         "name": form.text("name"),
@@ -106,11 +106,11 @@ pub async fn page(
 ) -> Response {
     let open = match d.open(&headers) {
         Ok(open) => open,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let pool = match d.pool(&name) {
         Ok(pool) => pool,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let flash = match q.saved {
         Some(_) => Flash::Done("Saved: the new settings apply now.".into()),
@@ -133,11 +133,11 @@ pub async fn save(
 ) -> Response {
     let (open, form) = match d.post(&headers, &body) {
         Ok(ok) => ok,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let pool = match d.pool(&name) {
         Ok(pool) => pool,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     match apply(&d, &pool, &form).await {
         Ok(()) => Redirect::to(&format!(

@@ -51,11 +51,11 @@ pub async fn page(
 ) -> Response {
     let open = match d.open(&headers) {
         Ok(open) => open,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let pool = match d.pool(&name) {
         Ok(pool) => pool,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let flash = match q.done.as_deref() {
         Some("enabled") => Flash::Done("Destination re-enabled.".into()),
@@ -270,11 +270,11 @@ pub async fn create(
 ) -> Response {
     let (open, form) = match d.post(&headers, &body) {
         Ok(ok) => ok,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let pool = match d.pool(&name) {
         Ok(pool) => pool,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let after = form.optional("deactivate_after");
     let parsed = match after.as_deref().map(str::parse::<u32>).transpose() {
@@ -322,11 +322,11 @@ pub async fn set_active(
 ) -> Response {
     let (open, form) = match d.post(&headers, &body) {
         Ok(ok) => ok,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let pool = match d.pool(&name) {
         Ok(pool) => pool,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let active = form.text("active") == "true";
     let change = DestinationChange {
@@ -354,11 +354,11 @@ pub async fn rotate(
 ) -> Response {
     let (open, _) = match d.post(&headers, &body) {
         Ok(ok) => ok,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let pool = match d.pool(&name) {
         Ok(pool) => pool,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     match d
         .pools
@@ -392,11 +392,11 @@ pub async fn redeliver(
 ) -> Response {
     let (open, form) = match d.post(&headers, &body) {
         Ok(ok) => ok,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let pool = match d.pool(&name) {
         Ok(pool) => pool,
-        Err(answer) => return answer,
+        Err(answer) => return *answer,
     };
     let pool_path = format!("/dashboard/pools/{}", url_segment(&pool.name));
     match d.pools.redeliver(&pool.name, &job).await {

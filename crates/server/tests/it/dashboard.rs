@@ -1023,3 +1023,74 @@ async fn the_access_log_page_filters_and_pages() {
     assert_eq!(status, 400);
     assert!(page.contains("data-testid=\"form-error\""), "{page}");
 }
+
+/// The live row of pool `name` as the dashboard's script reads it.
+async fn live_row(d: &Dash<'_>, cookie: &str, name: &str) -> Value {
+    let (status, live) = call(d.req(Method::GET, "/dashboard/api/pools", Some(cookie))).await;
+    assert_eq!(status, 200);
+    live["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == name)
+        .cloned()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_live_state_follows_a_limit_changed_on_the_concurrency_page() {
+    let gw = gateway("").await;
+    let (status, _) = gw
+        .post(
+            "/admin/pools",
+            serde_json::json!({"name": "x", "upstream": NO_UPSTREAM, "keys": [KEY],
+                               "concurrency": {"limit": 1}}),
+        )
+        .await;
+    assert_eq!(status, 201);
+    let d = Dash {
+        gw: &gw,
+        http: browser(),
+    };
+    let (cookie, csrf) = d.sign_in().await;
+    let wait = Some(std::time::Duration::from_secs(30));
+    let held = gw.lock_client("x").acquire(wait).await.unwrap();
+    let lock = gw.lock_client("x");
+    let waiter = tokio::spawn(async move { lock.acquire(wait).await });
+    eventually("the waiter queued", async || {
+        (live_row(&d, &cookie, "x").await["queued"] == 1).then_some(())
+    })
+    .await;
+    let row = live_row(&d, &cookie, "x").await;
+    assert_eq!(
+        (row["inFlight"].clone(), row["effectiveLimit"].clone()),
+        (1.into(), 1.into())
+    );
+
+    // Raised on the page: the waiter is admitted at once, and the row says so.
+    let (status, _, _) = d
+        .submit(
+            "/dashboard/pools/x/concurrency",
+            &cookie,
+            &csrf,
+            &concurrency_fields("2"),
+        )
+        .await;
+    assert_eq!(status, 303);
+    let second = waiter.await.unwrap().unwrap();
+    let row = live_row(&d, &cookie, "x").await;
+    assert_eq!(
+        (
+            row["inFlight"].clone(),
+            row["effectiveLimit"].clone(),
+            row["queued"].clone()
+        ),
+        (2.into(), 2.into(), 0.into())
+    );
+    let (_, page) = d.page("/dashboard/pools/x/concurrency", &cookie).await;
+    assert!(
+        page.contains("data-testid=\"in-flight\">2<") && page.contains("data-testid=\"limit\">2<")
+    );
+    held.release(None).await.unwrap();
+    second.release(None).await.unwrap();
+}
