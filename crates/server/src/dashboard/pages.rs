@@ -1,5 +1,31 @@
 //! The dashboard's HTML, rendered on the server: plain, accessible markup (a language, labels,
 //! table headers with scopes) that works without the script, which only refreshes numbers.
+//!
+//! # Markup contract (for browser tests; keep it stable)
+//!
+//! Every page has one `<h1>`; every input a `<label for>` (input `id` = `f-{name}`,
+//! `data-testid` = `field-{name}`); a refused field gets `<p id="f-{name}-error"
+//! data-testid="error-{name}">`, a refusal not about a field `data-testid="form-error"`
+//! (`role="alert"`); a done action `data-testid="notice"` (`role="status"`). Every POST carries
+//! the hidden `csrf` field; buttons are `<button>`s with their action as text.
+//!
+//! | Route | What | Form fields / hooks |
+//! |---|---|---|
+//! | `GET /dashboard/login`, `POST` | log in | `token`; wrong → 401 |
+//! | `POST /dashboard/logout` | log out | button `data-testid="logout"` (every signed-in page) |
+//! | `GET /dashboard` | pool list, live every 2 s | rows `data-testid="pool-row"` `data-pool="{name}"`; cells `in-flight`, `limit`, `queued`, `learned-limit`, `learned-rpm`, `last-throttle`, `paused-until` |
+//! | `POST /dashboard/pools` | create a pool | form `create-pool`: `name`, `kind` (`proxy`/`database`), `upstream`, `limit` → 303 to the pool |
+//! | `GET /dashboard/pools/{pool}` | Overview | chart `#history-chart`, examples `<h3>` + `<pre><code>` |
+//! | `GET/POST …/{pool}/concurrency` | settings, live state row (as above) | form `concurrency-form`: `limit`, `min_limit`, `queue_size`, `queue_timeout_ms`, `rpm`, `request_timeout_ms`, `lease_term_ms`, `renew_interval_ms`, `max_pause_ms`, checkboxes `adaptive`, `fair_share`, select `proxy_wait`; saved → 303 `?saved=1`; config pool → `read-only`, no submit |
+//! | `GET/POST …/{pool}/keys` | keys | form `create-key`: `label` → 201 with `data-testid="new-key"` (once); rows `key-row` (`data-key-id`), `key-state`; button `revoke-key` posts `…/keys/{id}/revoke` → 303 `?revoked={id}` |
+//! | `GET/POST …/{pool}/webhooks` | destinations, attempts | form `add-destination`: `url`, `deactivate_after` → 201 with `new-secret` (once); rows `destination-row` (`data-destination-id`), `destination-state` (`active`/`inactive`), `destination-secret` (masked); button `toggle-destination` ("Deactivate"/"Re-enable") posts `…/webhooks/{id}/active` (`active=true|false`) → 303 `?done=enabled|disabled`; button `rotate-secret` posts `…/webhooks/{id}/rotate` → 200 with `new-secret`; rows `attempt-row` with `attempt-status`, `attempt-latency`, button `redeliver` |
+//! | `POST …/{pool}/jobs/{job}/redeliver` | redeliver | `back=webhooks` → 303 to Webhooks `?done=redelivered`, else to the job `?redelivered=1` |
+//! | `GET …/{pool}/jobs?status=&cursor=` | jobs | filter `job-filter` (select `status`); rows `job-row` (`data-job-id`), `job-status`; `next-page` |
+//! | `GET …/{pool}/jobs/{job}` | one job | `job-id`, `job-status`, `job-error`, section `job-result` with `job-result-status`, `job-result-body`; rows `job-event`, `delivery-row`; button `redeliver` once terminal |
+//! | `GET …/{pool}/access-log?outcome=&key_id=&since=&until=&cursor=` | access log | filter `log-filter`; rows `log-row`, `log-outcome`; `next-page` |
+//!
+//! A missing session redirects (303) to `/dashboard/login`; a POST without the session's CSRF
+//! token answers 403; an unknown pool 404.
 
 use std::fmt::Write;
 
