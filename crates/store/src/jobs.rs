@@ -18,9 +18,21 @@ pub mod status {
     pub const COMPLETED: &str = "completed";
     pub const FAILED: &str = "failed";
     pub const EXPIRED: &str = "expired";
+    /// Every status, in a job's order of life.
+    pub const ALL: [&str; 6] = [ACCEPTED, QUEUED, RUNNING, COMPLETED, FAILED, EXPIRED];
 
     pub fn is_terminal(s: &str) -> bool {
         matches!(s, COMPLETED | FAILED | EXPIRED)
+    }
+
+    /// A job's status as its poll shows it: past its deadline and never finished, it is
+    /// expired whether or not the sweeper got there.
+    pub fn as_seen(status: &str, expires_at: u64, now: u64) -> &str {
+        if !is_terminal(status) && now >= expires_at {
+            EXPIRED
+        } else {
+            status
+        }
     }
 }
 

@@ -11,9 +11,9 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use bytes::Bytes;
-use nthbouncer_config::{keys, PoolSpec};
+use nthbouncer_config::PoolSpec;
 use nthbouncer_coord::Clock;
-use nthbouncer_store::{AccessLogEntry, AccessLogQuery, Store, StoredKey};
+use nthbouncer_store::{AccessLogEntry, AccessLogQuery, Store};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -34,12 +34,6 @@ pub struct Admin {
     pub live: Arc<crate::core::live::LiveServer>,
     /// The proxy's response caches, for the pool state.
     pub cache: Arc<crate::cache::Caches>,
-}
-
-impl Admin {
-    fn now(&self) -> u64 {
-        self.clock.now_ms()
-    }
 }
 
 /// Rejects requests without the admin bearer token.
@@ -263,8 +257,6 @@ pub struct KeyList {
     pub next: Option<String>,
 }
 
-const MAX_LABEL_LEN: usize = 200;
-
 #[utoipa::path(post, path = "/admin/pools/{pool}/keys", tag = "admin", request_body = NewKey,
     responses((status = 201, body = CreatedKey), (status = 400, description = "invalid"), (status = 404, description = "pool_not_found")))]
 pub async fn create_key(
@@ -272,50 +264,24 @@ pub async fn create_key(
     Path(name): Path<String>,
     BodyBytes(body): BodyBytes<MAX_ADMIN_BODY_BYTES>,
 ) -> Result<(StatusCode, Json<CreatedKey>), ApiError> {
-    let pool = state.pools.get_or_404(&name)?;
+    state.pools.get_or_404(&name)?;
     let req: NewKey = if crate::core::extract::is_blank(&body) {
         NewKey::default()
     } else {
         parse_json(&body)?
     };
-    if req
-        .label
-        .as_ref()
-        .is_some_and(|l| l.chars().count() > MAX_LABEL_LEN)
-    {
-        return Err(ApiError::invalid(
-            "label",
-            format!("label must be at most {MAX_LABEL_LEN} characters"),
-        ));
-    }
-    let now = state.now();
-    epoch_ms("expiresAt", req.expires_at)?;
-    if req.expires_at.is_some_and(|at| at <= now) {
-        return Err(ApiError::invalid(
-            "expiresAt",
-            "expiresAt must be in the future (epoch milliseconds)",
-        ));
-    }
-    let key = keys::generate_key();
-    let digest = keys::digest(&key);
-    let stored = StoredKey {
-        id: keys::key_id_from_digest(&digest),
-        pool: pool.name.clone(),
-        hash: hex::encode(digest),
-        label: req.label.clone(),
-        created_at: now,
-        expires_at: req.expires_at,
-        revoked_at: None,
-    };
-    state.pools.add_key(&pool.name, &stored).await?;
+    let made = state
+        .pools
+        .create_key(&name, req.label, req.expires_at)
+        .await?;
     Ok((
         StatusCode::CREATED,
         Json(CreatedKey {
-            id: stored.id,
-            key,
-            label: req.label,
-            created_at: now,
-            expires_at: req.expires_at,
+            id: made.stored.id,
+            key: made.key,
+            label: made.stored.label,
+            created_at: made.stored.created_at,
+            expires_at: made.stored.expires_at,
         }),
     ))
 }

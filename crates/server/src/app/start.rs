@@ -168,7 +168,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
     }));
     let jobs = Arc::new(Jobs {
         intake: JobIntake::start(job_store.clone()),
-        store: job_store,
+        store: job_store.clone(),
         pools: pools.clone(),
         client: client.clone(),
         clock: clock.clone(),
@@ -183,6 +183,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
     Ok(Arc::new(AppState {
         dashboard: Arc::new(crate::dashboard::Dashboard::new(
             pools.clone(),
+            (store.clone(), job_store),
             live.clone(),
             clock.clone(),
             tls.is_some(),

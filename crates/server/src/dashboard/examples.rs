@@ -1,6 +1,7 @@
 //! A pool's copy-paste Examples (the Overview page): lock acquire, renew and release, a
-//! proxied call (a SQL query on a database pool), an async call and its poll, filled with the
-//! pool's own host (or listener) and the API host's public URL. The key is a placeholder: keys
+//! proxied call (a SQL query on a database pool), an async call and its poll, and a call signed
+//! for `access.hmac` (SPEC §9), filled with the pool's own host (or listener) and the API host's
+//! public URL. The key is a placeholder: keys
 //! are stored hashed, so the dashboard never has one to show.
 
 use nthbouncer_config::PoolKind;
@@ -10,6 +11,8 @@ use crate::pools::registry::PoolRuntime;
 
 /// Written in every example where the pool key goes.
 pub const KEY_PLACEHOLDER: &str = "YOUR_POOL_KEY";
+/// The shell variable the signed example reads the pool's HMAC secret from.
+pub const HMAC_SECRET_VAR: &str = "HMAC_SECRET";
 
 /// One example: what it does and the shell lines to paste.
 pub struct Example {
@@ -57,6 +60,7 @@ pub fn for_pool(pool: &PoolRuntime, live: &ServerSettings) -> Vec<Example> {
         PoolKind::Proxy => format!("{base}/v1/models"),
         PoolKind::Database => format!("{base}/sql"),
     };
+    let signed = signed_call(pool, &base, &key);
     vec![
         Example {
             title: "Lock: acquire a slot (wait up to 5 s)",
@@ -84,5 +88,29 @@ pub fn for_pool(pool: &PoolRuntime, live: &ServerSettings) -> Vec<Example> {
                  curl -s {api}/jobs/$JOB_ID {key}"
             ),
         },
+        signed,
     ]
+}
+
+/// A POST signed per SPEC §9: `v1=HMAC-SHA256(secret, "v1\n{METHOD}\n{host}\n{path?query}\n
+/// {timestamp}\n{nonce}\n{hex sha256(body)}")`, with `openssl` and `sha256sum`.
+fn signed_call(pool: &PoolRuntime, base: &str, key: &str) -> Example {
+    let host = base.split_once("://").map_or(base, |(_, rest)| rest);
+    let (path, body) = match pool.spec.kind {
+        PoolKind::Proxy => ("/v1/chat/completions", r#"{"model":"m","messages":[]}"#),
+        PoolKind::Database => ("/sql", r#"{"query":"SELECT 1 AS n","params":[]}"#),
+    };
+    Example {
+        title: "A signed call (access.hmac)",
+        shell: format!(
+            "BODY='{body}'\n\
+             TS=$(date +%s); NONCE=$(openssl rand -hex 16)\n\
+             HASH=$(printf '%s' \"$BODY\" | sha256sum | cut -d' ' -f1)\n\
+             SIG=$(printf 'v1\\nPOST\\n%s\\n%s\\n%s\\n%s\\n%s' '{host}' '{path}' \"$TS\" \"$NONCE\" \"$HASH\" \\\n  \
+             | openssl dgst -sha256 -hmac \"${HMAC_SECRET_VAR}\" -hex | sed 's/^.* //')\n\
+             curl -s -X POST {base}{path} {key} -H 'Content-Type: application/json' \\\n  \
+             -H \"X-Nthpool-Timestamp: $TS\" -H \"X-Nthpool-Nonce: $NONCE\" \\\n  \
+             -H \"X-Nthpool-Signature: v1=$SIG\" --data-binary \"$BODY\""
+        ),
+    }
 }

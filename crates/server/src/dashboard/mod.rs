@@ -4,14 +4,23 @@
 //! It owns the dashboard's routes, its sessions (the admin token exchanged for an HttpOnly,
 //! SameSite=Strict cookie that opens `/dashboard` only, with a CSRF token per session required
 //! on every POST) and its pages: server-rendered HTML with one small embedded script that polls
-//! `/dashboard/api/pools`. It reads the pools registry and the gates' live state directly, as the
-//! admin API does; it imports no other feature.
+//! `/dashboard/api/pools`. Per pool: Overview, Concurrency (`settings`), Keys, Webhooks, Jobs,
+//! Access log. It reads the pools registry, the gates' live state and the stores directly, as
+//! the admin API does, and changes things only through the operations the admin API's
+//! handlers call (`pools::ops`, `pools::actions`); it imports no other feature. The routes and
+//! the markup browser tests may rely on are listed in `pages`.
 
+mod access_log;
 mod chart;
 mod examples;
+mod form;
 pub mod history;
+mod jobs;
+mod keys;
 mod pages;
 mod session;
+mod settings;
+mod webhooks;
 
 use std::sync::Arc;
 
@@ -25,7 +34,9 @@ use nthbouncer_coord::Clock;
 use serde::{Deserialize, Serialize};
 
 use crate::core::error::ApiError;
+use crate::pools::registry::PoolRuntime;
 use crate::pools::Pools;
+use form::Form;
 
 use session::{Open, Sessions, SESSION_TTL_MS};
 
@@ -33,9 +44,13 @@ use session::{Open, Sessions, SESSION_TTL_MS};
 const COOKIE: &str = "nb_dashboard";
 const LOGIN_PATH: &str = "/dashboard/login";
 
-/// What the dashboard needs: the pools, the live admin token, the clock, its sessions.
+/// What the dashboard needs: the pools (and their operations, shared with the admin API), the
+/// stores it reads (access log; jobs and delivery attempts), the live admin token, the clock,
+/// its sessions.
 pub struct Dashboard {
     pub pools: Arc<Pools>,
+    pub store: Arc<dyn nthbouncer_store::Store>,
+    pub jobs: Arc<dyn nthbouncer_store::JobStore>,
     pub live: Arc<crate::core::live::LiveServer>,
     pub clock: Arc<dyn Clock>,
     /// The API listener serves TLS: the cookie is marked `Secure`.
@@ -48,12 +63,18 @@ type DashRef = State<Arc<Dashboard>>;
 impl Dashboard {
     pub fn new(
         pools: Arc<Pools>,
+        stores: (
+            Arc<dyn nthbouncer_store::Store>,
+            Arc<dyn nthbouncer_store::JobStore>,
+        ),
         live: Arc<crate::core::live::LiveServer>,
         clock: Arc<dyn Clock>,
         secure: bool,
     ) -> Dashboard {
         Dashboard {
             pools,
+            store: stores.0,
+            jobs: stores.1,
             live,
             clock,
             secure,
@@ -69,6 +90,31 @@ impl Dashboard {
             .sessions
             .find(&id, self.clock.now_ms(), live.admin_token.as_deref())?;
         Some((id, open))
+    }
+
+    /// The request's live session, or the redirect to the login form.
+    fn open(&self, headers: &HeaderMap) -> Result<Open, Box<Response>> {
+        self.session(headers)
+            .map(|(_, open)| open)
+            .ok_or_else(|| Box::new(Redirect::to(LOGIN_PATH).into_response()))
+    }
+
+    /// A POST's session and form: refused unless the session is live and the form's `csrf`
+    /// field is its token.
+    fn post(&self, headers: &HeaderMap, body: &Bytes) -> Result<(Open, Form), Box<Response>> {
+        let open = self.open(headers)?;
+        let form = Form::parse(body);
+        if !open.csrf_matches(form.text("csrf")) {
+            return Err(Box::new(html(StatusCode::FORBIDDEN, pages::forbidden())));
+        }
+        Ok((open, form))
+    }
+
+    /// The pool named `name`, or the "No such pool" page.
+    fn pool(&self, name: &str) -> Result<Arc<PoolRuntime>, Box<Response>> {
+        self.pools
+            .get(name)
+            .ok_or_else(|| Box::new(html(StatusCode::NOT_FOUND, pages::no_such_pool())))
     }
 
     fn cookie_header(&self, value: &str, max_age_s: u64) -> String {
@@ -92,12 +138,45 @@ fn cookie(headers: &HeaderMap, name: &str) -> Option<String> {
 }
 
 /// The dashboard's own routes (the history route is an admin route: `app::router` mounts it).
+/// `pages` documents them for browser tests.
 pub fn router(state: &Arc<Dashboard>) -> Router {
     Router::new()
         .route("/dashboard", get(overview))
         .route("/dashboard/login", get(login_form).post(login))
         .route("/dashboard/logout", post(logout))
+        .route("/dashboard/pools", post(settings::create))
         .route("/dashboard/pools/{pool}", get(pool_overview))
+        .route(
+            "/dashboard/pools/{pool}/concurrency",
+            get(settings::page).post(settings::save),
+        )
+        .route(
+            "/dashboard/pools/{pool}/keys",
+            get(keys::page).post(keys::create),
+        )
+        .route(
+            "/dashboard/pools/{pool}/keys/{id}/revoke",
+            post(keys::revoke),
+        )
+        .route(
+            "/dashboard/pools/{pool}/webhooks",
+            get(webhooks::page).post(webhooks::create),
+        )
+        .route(
+            "/dashboard/pools/{pool}/webhooks/{id}/active",
+            post(webhooks::set_active),
+        )
+        .route(
+            "/dashboard/pools/{pool}/webhooks/{id}/rotate",
+            post(webhooks::rotate),
+        )
+        .route("/dashboard/pools/{pool}/jobs", get(jobs::list))
+        .route("/dashboard/pools/{pool}/jobs/{job}", get(jobs::one))
+        .route(
+            "/dashboard/pools/{pool}/jobs/{job}/redeliver",
+            post(webhooks::redeliver),
+        )
+        .route("/dashboard/pools/{pool}/access-log", get(access_log::page))
         .route("/dashboard/api/pools", get(pools_json))
         .route("/dashboard/api/pools/{pool}/history", get(history_json))
         .route("/dashboard/assets/dashboard.js", get(script))
@@ -208,25 +287,30 @@ async fn rows(d: &Dashboard) -> Vec<PoolRow> {
     pools.sort_by(|a, b| a.name.cmp(&b.name));
     let mut out = Vec::with_capacity(pools.len());
     for pool in pools {
-        let s = pool.gate.snapshot().await;
-        out.push(PoolRow {
-            name: pool.name.clone(),
-            kind: match pool.spec.kind {
-                nthbouncer_config::PoolKind::Proxy => "proxy",
-                nthbouncer_config::PoolKind::Database => "database",
-            },
-            in_flight: s.in_flight,
-            effective_limit: s.effective_limit,
-            queued: s.queued,
-            learned_limit: s.learned_limit,
-            learned_rpm: s.learned_rpm,
-            last_throttle_at: s.last_throttle.as_ref().map(|t| t.at),
-            last_throttle_cause: s.last_throttle.map(|t| t.cause),
-            paused_until: s.paused_until,
-            paced_until: s.paced_until,
-        });
+        out.push(row_of(&pool).await);
     }
     out
+}
+
+/// One pool's live state.
+async fn row_of(pool: &PoolRuntime) -> PoolRow {
+    let s = pool.gate.snapshot().await;
+    PoolRow {
+        name: pool.name.clone(),
+        kind: match pool.spec.kind {
+            nthbouncer_config::PoolKind::Proxy => "proxy",
+            nthbouncer_config::PoolKind::Database => "database",
+        },
+        in_flight: s.in_flight,
+        effective_limit: s.effective_limit,
+        queued: s.queued,
+        learned_limit: s.learned_limit,
+        learned_rpm: s.learned_rpm,
+        last_throttle_at: s.last_throttle.as_ref().map(|t| t.at),
+        last_throttle_cause: s.last_throttle.map(|t| t.cause),
+        paused_until: s.paused_until,
+        paced_until: s.paced_until,
+    }
 }
 
 /// `GET /dashboard`: the pool list, or the login page for a browser with no session.
@@ -234,20 +318,25 @@ async fn overview(State(d): DashRef, headers: HeaderMap) -> Response {
     let Some((_, open)) = d.session(&headers) else {
         return Redirect::to(LOGIN_PATH).into_response();
     };
-    html(StatusCode::OK, pages::overview(&rows(&d).await, &open.csrf))
+    html(
+        StatusCode::OK,
+        pages::overview(&rows(&d).await, &open.csrf, &pages::NewPoolForm::default()),
+    )
 }
 
 /// `GET /dashboard/pools/{pool}`: the pool's Overview with its Examples.
 async fn pool_overview(
     State(d): DashRef,
     headers: HeaderMap,
-    axum::extract::Path(name): axum::extract::Path<String>,
+    crate::core::extract::Path(name): crate::core::extract::Path<String>,
 ) -> Response {
-    let Some((_, open)) = d.session(&headers) else {
-        return Redirect::to(LOGIN_PATH).into_response();
+    let open = match d.open(&headers) {
+        Ok(open) => open,
+        Err(answer) => return *answer,
     };
-    let Some(pool) = d.pools.get(&name) else {
-        return html(StatusCode::NOT_FOUND, pages::no_such_pool());
+    let pool = match d.pool(&name) {
+        Ok(pool) => pool,
+        Err(answer) => return *answer,
     };
     let live = d.live.load();
     let examples = examples::for_pool(&pool, &live);

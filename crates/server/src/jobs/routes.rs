@@ -14,16 +14,14 @@ use nthbouncer_store::{DeliveryState, JobEvent};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::core::error::{ApiError, ErrorCode};
+use crate::core::error::ApiError;
 use crate::core::pagination;
 use crate::jobs::{JobView, Jobs};
 use crate::pools::registry::PoolRuntime;
 
 type JobsRef = State<Arc<Jobs>>;
 
-pub fn job_not_found() -> ApiError {
-    ApiError::new(ErrorCode::JobNotFound, "no such job in this pool")
-}
+pub use crate::pools::actions::{job_not_found, valid_job_id};
 
 #[utoipa::path(get, path = "/pools/{pool}/jobs/{jobId}", tag = "jobs",
     responses((status = 200, body = JobView, description = "the job, whatever its status (HEAD: headers only)"),
@@ -61,11 +59,6 @@ pub async fn poll_job(
     Ok(resp)
 }
 
-pub fn valid_job_id(id: &str) -> bool {
-    id.strip_prefix("job_")
-        .is_some_and(|h| h.len() == 32 && h.bytes().all(|b| b.is_ascii_hexdigit()))
-}
-
 #[derive(Deserialize, Default)]
 pub struct JobListQuery {
     pub status: Option<String>,
@@ -79,14 +72,7 @@ pub struct JobPage {
     pub next: Option<String>,
 }
 
-const STATUSES: [&str; 6] = [
-    "accepted",
-    "queued",
-    "running",
-    "completed",
-    "failed",
-    "expired",
-];
+use nthbouncer_store::jobs::status::ALL as STATUSES;
 
 #[utoipa::path(get, path = "/admin/pools/{pool}/jobs", tag = "admin",
     params(("status" = Option<String>, Query, description = "accepted, queued, running, completed, failed or expired"),

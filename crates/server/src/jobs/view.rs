@@ -51,13 +51,7 @@ pub struct WebhookView {
 
 impl JobView {
     pub fn of(job: &StoredJob, now: u64) -> JobView {
-        let terminal = status::is_terminal(&job.status);
-        // Past its deadline and never finished: expired, whether or not the sweeper got there.
-        let status = if !terminal && now >= job.expires_at {
-            status::EXPIRED.to_string()
-        } else {
-            job.status.clone()
-        };
+        let status = status::as_seen(&job.status, job.expires_at, now).to_string();
         let result = job.result.as_ref().map(|r| {
             let mut headers: HashMap<String, String> = HashMap::new();
             for (k, v) in &r.headers {

@@ -4,6 +4,7 @@
 //! [`Pools`] is the one handle every feature gets to find a pool; only the admin API, the
 //! start-up and a configuration reload ([`reload`]) change the set, one change at a time.
 
+pub mod actions;
 pub mod counted;
 pub mod guard;
 pub mod listeners;

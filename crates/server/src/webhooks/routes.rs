@@ -7,16 +7,15 @@ use crate::core::extract::{Path, Query};
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
-use nthbouncer_store::{AttemptQuery, DeliveryAttempt, Redeliver, StoredDestination};
+use nthbouncer_store::{AttemptQuery, DeliveryAttempt, StoredDestination};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::Webhooks;
-use crate::core::error::{ApiError, ErrorCode};
+use crate::core::error::ApiError;
 use crate::core::extract::{parse_json, BodyBytes, MAX_ADMIN_BODY_BYTES};
 use crate::core::pagination;
-use crate::jobs::routes::{job_not_found, valid_job_id};
-use crate::pools::registry::PoolRuntime;
+use crate::pools::actions::DestinationChange;
 
 type WebhooksRef = State<Arc<Webhooks>>;
 
@@ -103,52 +102,12 @@ pub async fn create_destination(
     Path(name): Path<String>,
     BodyBytes(body): BodyBytes<MAX_ADMIN_BODY_BYTES>,
 ) -> Result<(StatusCode, Json<DestinationView>), ApiError> {
-    let pool = state.pools.get_or_404(&name)?;
+    state.pools.get_or_404(&name)?;
     let req: NewDestination = parse_json(&body)?;
-    crate::core::netcheck::check_webhook_url(
-        "url",
-        &req.url,
-        state.live.load().allow_private_webhooks,
-    )
-    .await?;
-    let secret = match req.secret {
-        Some(s) => {
-            nthbouncer_config::async_jobs::check_webhook_secret("secret", &s)
-                .map_err(|e| ApiError::invalid("secret", e.rule))?;
-            s
-        }
-        None => nthbouncer_config::keys::generate_webhook_secret(),
-    };
-    let deactivate_after = req.deactivate_after.unwrap_or(20);
-    if deactivate_after == 0 {
-        return Err(ApiError::invalid(
-            "deactivateAfter",
-            "deactivateAfter must be at least 1",
-        ));
-    }
-    let _guard = state.pools.lock_changes().await;
-    let count = pool.destinations.load().len();
-    let cap = state.live.load().max_destinations_per_pool as usize;
-    if count >= cap {
-        return Err(ApiError::new(ErrorCode::TooManyDestinations, format!("pool {name:?} already has {count} destinations (server.max_destinations_per_pool = {cap})"),
-        ));
-    }
-    let d = StoredDestination {
-        id: format!("wh_{:024x}", rand::random::<u128>() >> 32),
-        pool: pool.name.clone(),
-        url: req.url,
-        secret,
-        active: true,
-        deactivate_after,
-        consecutive_failures: 0,
-        deactivated_at: None,
-        managed_by: "api".into(),
-        created_at: state.jobs.now(),
-        previous_secret: None,
-        previous_secret_expires_at: None,
-    };
-    state.jobs.store.create_destination(&d).await?;
-    state.pools.refresh_destinations(&pool).await?;
+    let d = state
+        .pools
+        .create_destination(&name, req.url, req.secret, req.deactivate_after)
+        .await?;
     Ok((StatusCode::CREATED, Json(DestinationView::of(&d, true))))
 }
 
@@ -172,44 +131,14 @@ pub async fn patch_destination(
     Path((name, id)): Path<(String, String)>,
     BodyBytes(body): BodyBytes<MAX_ADMIN_BODY_BYTES>,
 ) -> Result<Json<DestinationView>, ApiError> {
-    let pool = state.pools.get_or_404(&name)?;
+    state.pools.get_or_404(&name)?;
     let patch: DestinationPatch = parse_json(&body)?;
-    let _guard = state.pools.lock_changes().await;
-    let mut d = find_destination(&pool, &id)?;
-    if d.managed_by != "api" && (patch.url.is_some() || patch.deactivate_after.is_some()) {
-        return Err(crate::pools::owned_elsewhere(&name, &d.managed_by));
-    }
-    if let Some(url) = patch.url {
-        crate::core::netcheck::check_webhook_url(
-            "url",
-            &url,
-            state.live.load().allow_private_webhooks,
-        )
-        .await?;
-        d.url = url;
-    }
-    if let Some(n) = patch.deactivate_after {
-        if n == 0 {
-            return Err(ApiError::invalid(
-                "deactivateAfter",
-                "deactivateAfter must be at least 1",
-            ));
-        }
-        d.deactivate_after = n;
-    }
-    if let Some(active) = patch.active {
-        d.active = active;
-        if active {
-            d.consecutive_failures = 0;
-            d.deactivated_at = None;
-        } else if d.deactivated_at.is_none() {
-            d.deactivated_at = Some(state.jobs.now());
-        }
-    }
-    if !state.jobs.store.update_destination(&d).await? {
-        return Err(destination_not_found());
-    }
-    state.pools.refresh_destinations(&pool).await?;
+    let change = DestinationChange {
+        active: patch.active,
+        url: patch.url,
+        deactivate_after: patch.deactivate_after,
+    };
+    let d = state.pools.change_destination(&name, &id, change).await?;
     Ok(Json(DestinationView::of(&d, false)))
 }
 
@@ -220,43 +149,9 @@ pub async fn delete_destination(
     State(state): WebhooksRef,
     Path((name, id)): Path<(String, String)>,
 ) -> Result<StatusCode, ApiError> {
-    let pool = state.pools.get_or_404(&name)?;
-    let _guard = state.pools.lock_changes().await;
-    let d = find_destination(&pool, &id)?;
-    only_api_managed(&name, &d)?;
-    state.jobs.store.delete_destination(&pool.name, &id).await?;
-    state.pools.refresh_destinations(&pool).await?;
+    state.pools.delete_destination(&name, &id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
-
-/// The destination `id` of `pool`, or `404 destination_not_found`.
-fn find_destination(pool: &PoolRuntime, id: &str) -> Result<StoredDestination, ApiError> {
-    pool.destinations
-        .load()
-        .iter()
-        .find(|d| d.id == id)
-        .cloned()
-        .ok_or_else(destination_not_found)
-}
-
-/// Refuses to change a destination the config file or the pool's settings declare.
-fn only_api_managed(pool: &str, d: &StoredDestination) -> Result<(), ApiError> {
-    if d.managed_by != "api" {
-        return Err(crate::pools::owned_elsewhere(pool, &d.managed_by));
-    }
-    Ok(())
-}
-
-fn destination_not_found() -> ApiError {
-    ApiError::new(
-        ErrorCode::DestinationNotFound,
-        "no such webhook destination in this pool",
-    )
-}
-
-/// Longest grace a rotated secret may keep signing.
-const MAX_ROTATION_GRACE_S: u64 = 604_800;
-const DEFAULT_ROTATION_GRACE_S: u64 = 86_400;
 
 #[derive(Deserialize, ToSchema, Default)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -285,37 +180,20 @@ pub async fn rotate_secret(
     Path((name, id)): Path<(String, String)>,
     BodyBytes(body): BodyBytes<MAX_ADMIN_BODY_BYTES>,
 ) -> Result<Json<RotatedSecret>, ApiError> {
-    let pool = state.pools.get_or_404(&name)?;
+    state.pools.get_or_404(&name)?;
     let req: RotateSecret = if crate::core::extract::is_blank(&body) {
         RotateSecret::default()
     } else {
         parse_json(&body)?
     };
-    let grace_s = req.grace_s.unwrap_or(DEFAULT_ROTATION_GRACE_S);
-    if grace_s > MAX_ROTATION_GRACE_S {
-        return Err(ApiError::invalid(
-            "graceS",
-            format!("graceS must be between 0 and {MAX_ROTATION_GRACE_S}"),
-        ));
-    }
-    let _guard = state.pools.lock_changes().await;
-    let d = find_destination(&pool, &id)?;
-    only_api_managed(&name, &d)?;
-    let secret = nthbouncer_config::keys::generate_webhook_secret();
-    let until = (grace_s > 0).then(|| state.jobs.now().saturating_add(grace_s * 1000));
-    if !state
-        .jobs
-        .store
-        .rotate_destination_secret(&pool.name, &id, &secret, until)
-        .await?
-    {
-        return Err(destination_not_found());
-    }
-    state.pools.refresh_destinations(&pool).await?;
+    let rotated = state
+        .pools
+        .rotate_destination_secret(&name, &id, req.grace_s)
+        .await?;
     Ok(Json(RotatedSecret {
         id,
-        secret,
-        previous_secret_expires_at: until,
+        secret: rotated.secret,
+        previous_secret_expires_at: rotated.previous_secret_expires_at,
     }))
 }
 
@@ -426,37 +304,9 @@ pub async fn redeliver(
     State(state): WebhooksRef,
     Path((name, job_id)): Path<(String, String)>,
 ) -> Result<(StatusCode, Json<Redelivery>), ApiError> {
-    let pool = state.pools.get_or_404(&name)?;
-    if !valid_job_id(&job_id) {
-        return Err(job_not_found());
-    }
-    let destinations = pool.active_destination_ids();
-    if destinations.is_empty() {
-        return Err(ApiError::new(
-            ErrorCode::NoActiveDestination,
-            "the pool has no active webhook destination to deliver to",
-        ));
-    }
-    match state
-        .jobs
-        .store
-        .redeliver_job(&pool.name, &job_id, &destinations, state.jobs.now())
-        .await?
-    {
-        Redeliver::NoSuchJob => Err(job_not_found()),
-        Redeliver::NotTerminal => Err(ApiError::new(
-            ErrorCode::JobNotTerminal,
-            "the job has not ended yet; it is delivered when it does",
-        )),
-        Redeliver::Queued(n) => {
-            state.jobs.notify_deliveries();
-            Ok((
-                StatusCode::ACCEPTED,
-                Json(Redelivery {
-                    job_id,
-                    deliveries: n,
-                }),
-            ))
-        }
-    }
+    let deliveries = state.pools.redeliver(&name, &job_id).await?;
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(Redelivery { job_id, deliveries }),
+    ))
 }

@@ -297,3 +297,800 @@ async fn a_pools_overview_has_examples_for_its_own_host() {
     let r = send(d.req(Method::GET, "/dashboard/pools/nope", Some(&cookie))).await;
     assert_eq!(r.status(), 404);
 }
+
+/// HTML text back to what it escapes.
+fn unescape(html: &str) -> String {
+    html.replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&quot;", "\"")
+        .replace("&#39;", "'")
+        .replace("&amp;", "&")
+}
+
+/// The shell lines of the Overview's example titled `title`.
+fn example(page: &str, title: &str) -> String {
+    let section = page
+        .split(&format!("<h3>{title}</h3>"))
+        .nth(1)
+        .unwrap_or_else(|| panic!("no example {title:?}: {page}"));
+    let code = section
+        .split("<pre><code>")
+        .nth(1)
+        .and_then(|c| c.split("</code></pre>").next())
+        .unwrap();
+    unescape(code)
+}
+
+/// Runs an example's shell lines with bash, `curl` sent to the gateway whatever the host name;
+/// what it printed.
+async fn run_example(shell: &str, gw: &Gateway, host: &str, env: &[(&str, &str)]) -> String {
+    let port = gw.running.addr.port();
+    let shell = shell.replace(
+        "curl -s ",
+        &format!("curl -s -o /dev/null -w '%{{http_code}}' --resolve {host}:{port}:127.0.0.1 "),
+    );
+    let mut cmd = std::process::Command::new("bash");
+    cmd.arg("-c").arg(&shell);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = tokio::task::spawn_blocking(move || cmd.output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(out.status.success(), "{shell}: {out:?}");
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[tokio::test]
+async fn the_signed_example_is_accepted_as_written() {
+    const SECRET: &str = "0123456789abcdef0123";
+    let up = Upstream::start().await;
+    let toml = pool_toml("signed", &up.url(), "")
+        + &format!("[pools.access.hmac]\nsecrets = [\"{SECRET}\"]\n");
+    let gw = gateway(&toml).await;
+    let d = Dash {
+        gw: &gw,
+        http: browser(),
+    };
+    let (cookie, _) = d.login().await;
+    let page = send(d.req(Method::GET, "/dashboard/pools/signed", Some(&cookie)))
+        .await
+        .text()
+        .await
+        .unwrap();
+    let shell = example(&page, "A signed call (access.hmac)").replace("YOUR_POOL_KEY", KEY);
+    let host = format!("signed.localhost:{}", gw.running.addr.port());
+    assert!(shell.contains(&format!("'{host}'")), "{shell}");
+    let status = run_example(&shell, &gw, "signed.localhost", &[("HMAC_SECRET", SECRET)]).await;
+    assert_eq!(status, "200", "{shell}");
+    assert_eq!(up.total(), 1);
+    let status = run_example(&shell, &gw, "signed.localhost", &[("HMAC_SECRET", "wrong")]).await;
+    assert_eq!(status, "401");
+    assert_eq!(up.total(), 1, "a wrong signature reached the origin");
+}
+
+#[tokio::test]
+async fn a_database_pools_overview_has_a_query_example() {
+    let toml = "[[pools]]\nname = \"db\"\nkind = \"database\"\n\
+                upstream = \"postgres://app:s3cret-pw@127.0.0.1:5432/app\"\n"
+        .to_string();
+    let gw = gateway(&toml).await;
+    let d = Dash {
+        gw: &gw,
+        http: browser(),
+    };
+    let (cookie, _) = d.login().await;
+    let page = send(d.req(Method::GET, "/dashboard/pools/db", Some(&cookie)))
+        .await
+        .text()
+        .await
+        .unwrap();
+    let port = gw.running.addr.port();
+    let sql = example(&page, "A SQL query");
+    assert!(
+        sql.contains(&format!("http://db.localhost:{port}/sql")) && sql.contains("\"query\""),
+        "{sql}"
+    );
+    let signed = example(&page, "A signed call (access.hmac)");
+    assert!(signed.contains("/sql"), "{signed}");
+    assert!(
+        !page.contains("s3cret-pw"),
+        "the database password is shown"
+    );
+}
+
+/// The session's CSRF token, from any signed-in page.
+fn csrf_of(page: &str) -> String {
+    page.split("name=\"csrf\" value=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .unwrap()
+        .to_string()
+}
+
+/// A form body of `pairs`, encoded.
+fn form(pairs: &[(&str, &str)]) -> String {
+    serde_urlencoded::to_string(pairs).unwrap()
+}
+
+impl Dash<'_> {
+    /// A signed-in page's status and text.
+    async fn page(&self, path: &str, cookie: &str) -> (u16, String) {
+        let r = send(self.req(Method::GET, path, Some(cookie))).await;
+        (r.status().as_u16(), r.text().await.unwrap())
+    }
+
+    /// A signed-in POST of `pairs` (the CSRF token added): the status, `Location` and text.
+    async fn submit(
+        &self,
+        path: &str,
+        cookie: &str,
+        csrf: &str,
+        pairs: &[(&str, &str)],
+    ) -> (u16, String, String) {
+        let mut all = vec![("csrf", csrf)];
+        all.extend_from_slice(pairs);
+        let r = self.post_form(path, Some(cookie), &form(&all)).await;
+        let location = r
+            .headers()
+            .get(h::LOCATION)
+            .map(|l| l.to_str().unwrap().to_string())
+            .unwrap_or_default();
+        (r.status().as_u16(), location, r.text().await.unwrap())
+    }
+
+    /// Logs in and reads the session's CSRF token.
+    async fn sign_in(&self) -> (String, String) {
+        let (cookie, _) = self.login().await;
+        let (_, page) = self.page("/dashboard", &cookie).await;
+        let csrf = csrf_of(&page);
+        (cookie, csrf)
+    }
+}
+
+/// The Concurrency form as it comes, with `limit` changed.
+fn concurrency_fields(limit: &str) -> Vec<(&str, &str)> {
+    vec![
+        ("limit", limit),
+        ("min_limit", "1"),
+        ("queue_size", "1000"),
+        ("queue_timeout_ms", "30000"),
+        ("rpm", "0"),
+        ("request_timeout_ms", "120000"),
+        ("lease_term_ms", "30000"),
+        ("renew_interval_ms", "10000"),
+        ("max_pause_ms", "300000"),
+        ("adaptive", "true"),
+        ("fair_share", "true"),
+        ("proxy_wait", "open"),
+    ]
+}
+
+#[tokio::test]
+async fn a_pool_is_created_and_its_limit_changed_live_from_the_dashboard() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("owned", &up.url(), "")).await;
+    let d = Dash {
+        gw: &gw,
+        http: browser(),
+    };
+    let (cookie, csrf) = d.sign_in().await;
+    let (_, list) = d.page("/dashboard", &cookie).await;
+    for markup in [
+        "<h1 id=\"pools-title\">Pools</h1>",
+        "data-testid=\"create-pool\"",
+        "<label for=\"f-name\">",
+        "<label for=\"f-upstream\">",
+        "data-testid=\"logout\"",
+    ] {
+        assert!(list.contains(markup), "{markup} missing: {list}");
+    }
+
+    // Without the CSRF token nothing is created.
+    let r = d
+        .post_form(
+            "/dashboard/pools",
+            Some(&cookie),
+            &form(&[("name", "fresh")]),
+        )
+        .await;
+    assert_eq!(r.status(), 403);
+
+    // Refused input: the message next to its field, the values kept.
+    let upstream = up.url();
+    let (status, _, page) = d
+        .submit(
+            "/dashboard/pools",
+            &cookie,
+            &csrf,
+            &[
+                ("name", "Bad Name!"),
+                ("kind", "proxy"),
+                ("upstream", &upstream),
+                ("limit", "2"),
+            ],
+        )
+        .await;
+    assert_eq!(status, 400);
+    assert!(page.contains("data-testid=\"error-name\""), "{page}");
+    assert!(page.contains("value=\"Bad Name!\""), "{page}");
+
+    let (status, location, _) = d
+        .submit(
+            "/dashboard/pools",
+            &cookie,
+            &csrf,
+            &[
+                ("name", "fresh"),
+                ("kind", "proxy"),
+                ("upstream", &upstream),
+                ("limit", "2"),
+            ],
+        )
+        .await;
+    assert_eq!((status, location.as_str()), (303, "/dashboard/pools/fresh"));
+    let pool = gw.admin_json("/admin/pools/fresh").await;
+    assert_eq!(pool["managedBy"], "api");
+    assert_eq!(pool["concurrency"]["limit"], 2);
+    let (status, _, page) = d
+        .submit(
+            "/dashboard/pools",
+            &cookie,
+            &csrf,
+            &[
+                ("name", "fresh"),
+                ("kind", "proxy"),
+                ("upstream", &upstream),
+                ("limit", "2"),
+            ],
+        )
+        .await;
+    assert_eq!(status, 409);
+    assert!(page.contains("data-testid=\"form-error\""), "{page}");
+
+    // The Concurrency page: the settings and the live state.
+    let (status, page) = d.page("/dashboard/pools/fresh/concurrency", &cookie).await;
+    assert_eq!(status, 200);
+    assert!(page.contains("<h1>fresh · Concurrency</h1>"), "{page}");
+    assert!(page.contains("data-testid=\"field-limit\" ") && page.contains("value=\"2\""));
+    assert!(page.contains("data-testid=\"limit\">2<"), "{page}");
+
+    // Refused as the admin API refuses it, with the API's message next to the field.
+    let mut spec = gw.admin_json("/admin/pools/fresh").await;
+    spec["concurrency"]["limit"] = 0.into();
+    let (status, api) = gw.put("/admin/pools/fresh", spec).await;
+    assert_eq!(status, 400);
+    let (status, _, page) = d
+        .submit(
+            "/dashboard/pools/fresh/concurrency",
+            &cookie,
+            &csrf,
+            &concurrency_fields("0"),
+        )
+        .await;
+    assert_eq!(status, 400);
+    assert!(page.contains("id=\"f-limit-error\""), "{page}");
+    let message = api["message"].as_str().unwrap();
+    assert!(
+        unescape(&page).contains(message),
+        "{message} missing: {page}"
+    );
+    let (status, _, page) = d
+        .submit(
+            "/dashboard/pools/fresh/concurrency",
+            &cookie,
+            &csrf,
+            &concurrency_fields("lots"),
+        )
+        .await;
+    assert_eq!(status, 400);
+    assert!(page.contains("id=\"f-limit-error\"") && page.contains("value=\"lots\""));
+    assert_eq!(
+        gw.admin_json("/admin/pools/fresh").await["concurrency"]["limit"],
+        2
+    );
+
+    // Saved: applied at once.
+    let (status, location, _) = d
+        .submit(
+            "/dashboard/pools/fresh/concurrency",
+            &cookie,
+            &csrf,
+            &concurrency_fields("5"),
+        )
+        .await;
+    assert_eq!(
+        (status, location.as_str()),
+        (303, "/dashboard/pools/fresh/concurrency?saved=1")
+    );
+    assert_eq!(
+        gw.admin_json("/admin/pools/fresh/state").await["effectiveLimit"],
+        5
+    );
+    let (_, live) = call(d.req(Method::GET, "/dashboard/api/pools", Some(&cookie))).await;
+    let fresh = live["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "fresh");
+    assert_eq!(fresh.unwrap()["effectiveLimit"], 5);
+    let (_, page) = d.page(&location, &cookie).await;
+    assert!(page.contains("role=\"status\""), "{page}");
+
+    // A pool of the config file: read-only here, refused as by the API.
+    let (_, page) = d.page("/dashboard/pools/owned/concurrency", &cookie).await;
+    assert!(page.contains("data-testid=\"read-only\"") && !page.contains("Save settings"));
+    let (status, _, page) = d
+        .submit(
+            "/dashboard/pools/owned/concurrency",
+            &cookie,
+            &csrf,
+            &concurrency_fields("3"),
+        )
+        .await;
+    assert_eq!(status, 409);
+    assert!(page.contains("data-testid=\"form-error\""), "{page}");
+    assert_eq!(
+        gw.admin_json("/admin/pools/owned/state").await["effectiveLimit"],
+        10
+    );
+}
+
+#[tokio::test]
+async fn a_key_is_shown_once_and_revoked_from_the_dashboard() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), "")).await;
+    let d = Dash {
+        gw: &gw,
+        http: browser(),
+    };
+    let (cookie, csrf) = d.sign_in().await;
+    let (status, page) = d.page("/dashboard/pools/p/keys", &cookie).await;
+    assert_eq!(status, 200);
+    assert_eq!(page.matches("data-testid=\"key-row\"").count(), 2, "{page}");
+    assert!(
+        !page.contains("data-testid=\"revoke-key\""),
+        "config keys: {page}"
+    );
+    assert!(!page.contains(KEY), "a key is shown");
+
+    let r = d
+        .post_form("/dashboard/pools/p/keys", Some(&cookie), "label=ci")
+        .await;
+    assert_eq!(r.status(), 403);
+    let (status, _, page) = d
+        .submit(
+            "/dashboard/pools/p/keys",
+            &cookie,
+            &csrf,
+            &[("label", "ci")],
+        )
+        .await;
+    assert_eq!(status, 201);
+    let key = page
+        .split("data-testid=\"new-key\">")
+        .nth(1)
+        .and_then(|rest| rest.split('<').next())
+        .unwrap()
+        .to_string();
+    assert!(key.starts_with("nb_live_"), "{key}");
+    let with_key = |key: &str| {
+        gw.pool("p", Method::GET, "/echo")
+            .header("x-nthpool-key", key.to_string())
+    };
+    assert_eq!(send(with_key(&key)).await.status(), 200);
+
+    // Never shown again.
+    let (_, page) = d.page("/dashboard/pools/p/keys", &cookie).await;
+    assert!(!page.contains(&key), "the key is shown twice");
+    assert_eq!(page.matches("data-testid=\"key-row\"").count(), 3);
+    let keys = gw.admin_json("/admin/pools/p/keys").await;
+    let id = keys["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|k| k["label"] == "ci")
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(page.contains(&format!("/dashboard/pools/p/keys/{id}/revoke")));
+
+    // Refused as the API refuses it.
+    let long = "x".repeat(201);
+    let (status, api) = gw
+        .post("/admin/pools/p/keys", serde_json::json!({ "label": long }))
+        .await;
+    assert_eq!(status, 400);
+    let (status, _, page) = d
+        .submit(
+            "/dashboard/pools/p/keys",
+            &cookie,
+            &csrf,
+            &[("label", &long)],
+        )
+        .await;
+    assert_eq!(status, 400);
+    assert!(page.contains("id=\"f-label-error\""), "{page}");
+    assert!(page.contains(api["message"].as_str().unwrap()));
+
+    let revoke = format!("/dashboard/pools/p/keys/{id}/revoke");
+    let r = d.post_form(&revoke, Some(&cookie), "").await;
+    assert_eq!(r.status(), 403);
+    let (status, location, _) = d.submit(&revoke, &cookie, &csrf, &[]).await;
+    assert_eq!(
+        (status, location.as_str()),
+        (303, &*format!("/dashboard/pools/p/keys?revoked={id}"))
+    );
+    expect_error(send(with_key(&key)).await, 401, "unauthorized").await;
+    let (_, page) = d.page(&location, &cookie).await;
+    assert!(
+        page.contains("role=\"status\"") && page.contains(">revoked<"),
+        "{page}"
+    );
+
+    // A config key cannot be revoked here either.
+    let config_id = keys["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|k| k["managedBy"] == "config")
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (status, _, page) = d
+        .submit(
+            &format!("/dashboard/pools/p/keys/{config_id}/revoke"),
+            &cookie,
+            &csrf,
+            &[],
+        )
+        .await;
+    assert_eq!(status, 409);
+    assert!(page.contains("role=\"alert\""), "{page}");
+    assert_eq!(send(gw.get("p", "/echo")).await.status(), 200);
+}
+
+/// The `data-destination-id` of the first destination row of a Webhooks page.
+fn first_destination(page: &str) -> String {
+    page.split("data-testid=\"destination-row\" data-destination-id=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .unwrap_or_else(|| panic!("no destination: {page}"))
+        .to_string()
+}
+
+#[tokio::test]
+async fn webhooks_and_jobs_pages_show_deliveries_results_and_act_on_them() {
+    let up = Upstream::start().await;
+    let hook = nthbouncer_testkit::access::Recorder::start().await;
+    let toml = format!(
+        "[server]\nallow_private_webhooks = true\n{}[pools.async]\nenabled = true\n{}",
+        pool_toml("p", &up.url(), ""),
+        webhook_toml(&format!("{}/hook", hook.url())),
+    );
+    let gw = gateway(&toml).await;
+    let d = Dash {
+        gw: &gw,
+        http: browser(),
+    };
+    let (cookie, csrf) = d.sign_in().await;
+
+    let r = gw
+        .pool("p", Method::POST, "/echo")
+        .header("x-nthpool-key", KEY)
+        .header("x-nthpool-async", "1")
+        .body("{\"prompt\":\"hi\"}");
+    let (status, accepted) = call(r).await;
+    assert_eq!(status, 202, "{accepted}");
+    let job = accepted["jobId"].as_str().unwrap().to_string();
+    eventually("the job's delivery attempt", async || {
+        let page = gw.admin_json("/admin/pools/p/deliveries").await;
+        (!page["items"].as_array()?.is_empty()).then_some(())
+    })
+    .await;
+
+    // Jobs: filtered by status, one job's result.
+    let (status, page) = d.page("/dashboard/pools/p/jobs", &cookie).await;
+    assert_eq!(status, 200);
+    assert!(page.contains(&format!("data-job-id=\"{job}\"")), "{page}");
+    let (_, page) = d
+        .page("/dashboard/pools/p/jobs?status=completed", &cookie)
+        .await;
+    assert!(page.contains(&format!("data-job-id=\"{job}\"")), "{page}");
+    let (_, page) = d
+        .page("/dashboard/pools/p/jobs?status=failed", &cookie)
+        .await;
+    assert!(!page.contains("data-testid=\"job-row\""), "{page}");
+    let (status, page) = d
+        .page("/dashboard/pools/p/jobs?status=bogus", &cookie)
+        .await;
+    assert_eq!(status, 400);
+    assert!(page.contains("data-testid=\"error-status\""), "{page}");
+    let (status, page) = d
+        .page(&format!("/dashboard/pools/p/jobs/{job}"), &cookie)
+        .await;
+    assert_eq!(status, 200);
+    assert!(
+        page.contains("data-testid=\"job-status\">completed<"),
+        "{page}"
+    );
+    assert!(
+        page.contains("data-testid=\"job-result-status\">200<"),
+        "{page}"
+    );
+    // The upstream echoes the job's body inside its JSON answer.
+    assert!(unescape(&page).contains(r#"{\"prompt\":\"hi\"}"#), "{page}");
+    assert!(page.contains("data-testid=\"job-event\""));
+    let (status, _) = d
+        .page(
+            "/dashboard/pools/p/jobs/job_00000000000000000000000000000000",
+            &cookie,
+        )
+        .await;
+    assert_eq!(status, 404);
+
+    // Webhooks: the destination (secret masked) and the attempt with its status and latency.
+    let (status, page) = d.page("/dashboard/pools/p/webhooks", &cookie).await;
+    assert_eq!(status, 200);
+    assert!(!page.contains(WEBHOOK_SECRET), "the secret is shown");
+    assert!(
+        page.contains("data-testid=\"destination-state\">active<"),
+        "{page}"
+    );
+    assert!(
+        page.contains("data-testid=\"attempt-status\">200<"),
+        "{page}"
+    );
+    assert!(page.contains("data-testid=\"attempt-latency\">"));
+    let id = first_destination(&page);
+
+    // Deactivate and re-enable (a config destination: its state stays actionable).
+    let toggle = format!("/dashboard/pools/p/webhooks/{id}/active");
+    let r = d.post_form(&toggle, Some(&cookie), "active=false").await;
+    assert_eq!(r.status(), 403);
+    let (status, location, _) = d
+        .submit(&toggle, &cookie, &csrf, &[("active", "false")])
+        .await;
+    assert_eq!(
+        (status, location.as_str()),
+        (303, "/dashboard/pools/p/webhooks?done=disabled")
+    );
+    let listed = gw.admin_json("/admin/pools/p/webhooks").await;
+    assert_eq!(listed["items"][0]["active"], false);
+    let (_, page) = d.page(&location, &cookie).await;
+    assert!(
+        page.contains("data-testid=\"destination-state\">inactive<")
+            && page.contains(">Re-enable<")
+    );
+    let (status, _, page) = d
+        .submit(
+            &format!("/dashboard/pools/p/jobs/{job}/redeliver"),
+            &cookie,
+            &csrf,
+            &[],
+        )
+        .await;
+    assert_eq!(status, 409, "no active destination");
+    assert!(page.contains("role=\"alert\""));
+    let (status, _, _) = d
+        .submit(&toggle, &cookie, &csrf, &[("active", "true")])
+        .await;
+    assert_eq!(status, 303);
+    assert_eq!(
+        gw.admin_json("/admin/pools/p/webhooks").await["items"][0]["active"],
+        true
+    );
+
+    // Redeliver: a second delivery reaches the receiver.
+    let (status, location, _) = d
+        .submit(
+            &format!("/dashboard/pools/p/jobs/{job}/redeliver"),
+            &cookie,
+            &csrf,
+            &[("back", "webhooks")],
+        )
+        .await;
+    assert_eq!(
+        (status, location.as_str()),
+        (303, "/dashboard/pools/p/webhooks?done=redelivered")
+    );
+    eventually("the redelivery", async || {
+        (hook.completed() >= 2).then_some(())
+    })
+    .await;
+
+    // A config destination's secret is the file's: no rotate button; rotating is refused.
+    let rotate = format!("/dashboard/pools/p/webhooks/{id}/rotate");
+    let (status, _, _) = d.submit(&rotate, &cookie, &csrf, &[]).await;
+    assert_eq!(status, 409);
+
+    // Add one: refused as the API refuses it, then its secret shown once; rotate it.
+    let (status, _, page) = d
+        .submit(
+            "/dashboard/pools/p/webhooks",
+            &cookie,
+            &csrf,
+            &[("url", "ftp://example.com/x")],
+        )
+        .await;
+    assert_eq!(status, 400);
+    assert!(page.contains("id=\"f-url-error\""), "{page}");
+    let url = format!("{}/two", hook.url());
+    let (status, _, page) = d
+        .submit(
+            "/dashboard/pools/p/webhooks",
+            &cookie,
+            &csrf,
+            &[("url", &url), ("deactivate_after", "3")],
+        )
+        .await;
+    assert_eq!(status, 201, "{page}");
+    let secret = page
+        .split("data-testid=\"new-secret\">")
+        .nth(1)
+        .and_then(|rest| rest.split('<').next())
+        .unwrap()
+        .to_string();
+    assert!(secret.starts_with("whsec_"), "{secret}");
+    let (_, page) = d.page("/dashboard/pools/p/webhooks", &cookie).await;
+    assert!(!page.contains(&secret), "the secret is shown twice");
+    let added = gw.admin_json("/admin/pools/p/webhooks").await["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["managedBy"] == "api")
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(page.matches("data-testid=\"rotate-secret\"").count(), 1);
+    let (status, _, page) = d
+        .submit(
+            &format!("/dashboard/pools/p/webhooks/{added}/rotate"),
+            &cookie,
+            &csrf,
+            &[],
+        )
+        .await;
+    assert_eq!(status, 200);
+    let rotated = page
+        .split("data-testid=\"new-secret\">")
+        .nth(1)
+        .and_then(|rest| rest.split('<').next())
+        .unwrap()
+        .to_string();
+    assert!(rotated.starts_with("whsec_") && rotated != secret);
+    let (_, page) = d.page("/dashboard/pools/p/webhooks", &cookie).await;
+    assert!(!page.contains(&rotated));
+}
+
+#[tokio::test]
+async fn the_access_log_page_filters_and_pages() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), "")).await;
+    let d = Dash {
+        gw: &gw,
+        http: browser(),
+    };
+    let (cookie, _) = d.sign_in().await;
+    for _ in 0..50 {
+        assert_eq!(send(gw.get("p", "/echo")).await.status(), 200);
+    }
+    let anon = gw.pool("p", Method::GET, "/echo");
+    assert_eq!(send(anon).await.status(), 401);
+    gw.flush_access_log().await;
+
+    let (status, page) = d.page("/dashboard/pools/p/access-log", &cookie).await;
+    assert_eq!(status, 200);
+    assert!(page.contains("<label for=\"f-outcome\">"), "{page}");
+    assert_eq!(page.matches("data-testid=\"log-row\"").count(), 50);
+    let next = page
+        .split("href=\"")
+        .find(|s| s.contains("data-testid=\"next-page\""))
+        .and_then(|s| s.split('"').next())
+        .unwrap_or_else(|| panic!("no next page: {page}"))
+        .replace("&amp;", "&");
+    let (_, older) = d.page(&next, &cookie).await;
+    assert_eq!(
+        older.matches("data-testid=\"log-row\"").count(),
+        1,
+        "{older}"
+    );
+
+    let (_, page) = d
+        .page("/dashboard/pools/p/access-log?outcome=admitted", &cookie)
+        .await;
+    assert_eq!(
+        page.matches("data-testid=\"log-outcome\">admitted<")
+            .count(),
+        50
+    );
+    let (_, page) = d
+        .page("/dashboard/pools/p/access-log?outcome=401", &cookie)
+        .await;
+    assert_eq!(page.matches("data-testid=\"log-row\"").count(), 1, "{page}");
+    let (status, page) = d
+        .page("/dashboard/pools/p/access-log?since=yesterday", &cookie)
+        .await;
+    assert_eq!(status, 400);
+    assert!(page.contains("id=\"f-since-error\"") && page.contains("value=\"yesterday\""));
+    let (status, page) = d
+        .page("/dashboard/pools/p/access-log?cursor=nope", &cookie)
+        .await;
+    assert_eq!(status, 400);
+    assert!(page.contains("data-testid=\"form-error\""), "{page}");
+}
+
+/// The live row of pool `name` as the dashboard's script reads it.
+async fn live_row(d: &Dash<'_>, cookie: &str, name: &str) -> Value {
+    let (status, live) = call(d.req(Method::GET, "/dashboard/api/pools", Some(cookie))).await;
+    assert_eq!(status, 200);
+    live["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == name)
+        .cloned()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_live_state_follows_a_limit_changed_on_the_concurrency_page() {
+    let gw = gateway("").await;
+    let (status, _) = gw
+        .post(
+            "/admin/pools",
+            serde_json::json!({"name": "x", "upstream": NO_UPSTREAM, "keys": [KEY],
+                               "concurrency": {"limit": 1}}),
+        )
+        .await;
+    assert_eq!(status, 201);
+    let d = Dash {
+        gw: &gw,
+        http: browser(),
+    };
+    let (cookie, csrf) = d.sign_in().await;
+    let wait = Some(std::time::Duration::from_secs(30));
+    let held = gw.lock_client("x").acquire(wait).await.unwrap();
+    let lock = gw.lock_client("x");
+    let waiter = tokio::spawn(async move { lock.acquire(wait).await });
+    eventually("the waiter queued", async || {
+        (live_row(&d, &cookie, "x").await["queued"] == 1).then_some(())
+    })
+    .await;
+    let row = live_row(&d, &cookie, "x").await;
+    assert_eq!(
+        (row["inFlight"].clone(), row["effectiveLimit"].clone()),
+        (1.into(), 1.into())
+    );
+
+    // Raised on the page: the waiter is admitted at once, and the row says so.
+    let (status, _, _) = d
+        .submit(
+            "/dashboard/pools/x/concurrency",
+            &cookie,
+            &csrf,
+            &concurrency_fields("2"),
+        )
+        .await;
+    assert_eq!(status, 303);
+    let second = waiter.await.unwrap().unwrap();
+    let row = live_row(&d, &cookie, "x").await;
+    assert_eq!(
+        (
+            row["inFlight"].clone(),
+            row["effectiveLimit"].clone(),
+            row["queued"].clone()
+        ),
+        (2.into(), 2.into(), 0.into())
+    );
+    let (_, page) = d.page("/dashboard/pools/x/concurrency", &cookie).await;
+    assert!(
+        page.contains("data-testid=\"in-flight\">2<") && page.contains("data-testid=\"limit\">2<")
+    );
+    held.release(None).await.unwrap();
+    second.release(None).await.unwrap();
+}

@@ -28,7 +28,8 @@
       var row = document.querySelector('tr[data-pool="' + p.name + '"]');
       if (!row) { return; }
       var cell = function (f) { return row.querySelector('[data-field="' + f + '"]'); };
-      cell("load").textContent = p.inFlight + " / " + p.effectiveLimit;
+      cell("inFlight").textContent = String(p.inFlight);
+      cell("effectiveLimit").textContent = String(p.effectiveLimit);
       cell("queued").textContent = text(p.queued);
       cell("learnedLimit").textContent = text(p.learnedLimit);
       cell("learnedRpm").textContent = text(p.learnedRpm);
