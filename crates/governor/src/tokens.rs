@@ -8,7 +8,8 @@
 //!   until it is full again). The origin refills continuously (a token bucket), so what remains
 //!   grows linearly from the announced `remaining` to `limit` at the reset. Charges admitted
 //!   after the request whose answer carried the announcement are not in it yet, and are taken
-//!   off it (in flight or done: the origin counted neither).
+//!   off it (in flight or done: the origin counted neither); so are those admitted before it
+//!   and still in flight then (they may have reached the origin after it).
 //!
 //! Every admission charges its estimate; when the answer reports its real usage the charge is
 //! corrected by the difference ([`TokenBudget::finish`]), which moves what remains either way.
@@ -105,6 +106,9 @@ pub struct TokenSnapshot {
     pub remaining: Option<u64>,
     pub source: Option<BudgetSource>,
     pub waiting: u32,
+    /// The budget is held for a waiter that has waited its `hold_ms`: nobody else is admitted
+    /// until it is.
+    pub held: bool,
     /// Tokens charged in total (estimates, corrected by reconciliation).
     pub admitted_tokens: u64,
 }
@@ -128,6 +132,10 @@ struct Announced {
     full_at: Option<u64>,
     /// Charges with a larger sequence number are not in the announcement.
     basis: u64,
+    /// Charges admitted before the answered request and still in flight when the
+    /// announcement came: they may have reached the origin after it, so they are taken off
+    /// it too (at their estimate then).
+    in_flight_then: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -335,14 +343,15 @@ impl TokenBudget {
         if !self.settings.learn || (window.remaining.is_none() && window.limit.is_none()) {
             return;
         }
-        let basis = match id.and_then(|id| self.ledger.iter().rev().find(|c| c.id == id)) {
-            Some(c) => c.seq,
-            None => self
-                .ledger
-                .iter()
-                .find(|c| !c.finished)
-                .map_or(self.seq, |c| c.seq.saturating_sub(1)),
-        };
+        let basis = id
+            .and_then(|id| self.ledger.iter().rev().find(|c| c.id == id))
+            .map_or(self.seq, |c| c.seq);
+        let in_flight_then = self
+            .ledger
+            .iter()
+            .filter(|c| c.seq <= basis && !c.finished && Some(c.id) != id)
+            .map(|c| c.cost)
+            .fold(0, u64::saturating_add);
         if self.announced.is_some_and(|a| a.basis > basis) {
             return;
         }
@@ -352,6 +361,7 @@ impl TokenBudget {
             at: now,
             full_at: window.reset_ms.map(|r| now.saturating_add(r)),
             basis,
+            in_flight_then,
         });
         self.prune(now);
     }
@@ -388,6 +398,7 @@ impl TokenBudget {
             remaining: self.remaining(now),
             source: self.source(now),
             waiting: u32::try_from(self.waiters.len()).unwrap_or(u32::MAX),
+            held: self.holder(now).is_some(),
             admitted_tokens: self.admitted_tokens,
         }
     }
@@ -509,7 +520,8 @@ impl TokenBudget {
     fn announced_remaining(&self, now: u64) -> Option<u64> {
         let a = self.announced?;
         let level = self.announced_level(now)?;
-        Some(level.saturating_sub(self.spent_after(a.basis)))
+        let unknown = self.spent_after(a.basis).saturating_add(a.in_flight_then);
+        Some(level.saturating_sub(unknown))
     }
 
     /// The earliest time `cost` fits, if the budget alone will ever let it (a charge leaves the
@@ -548,7 +560,9 @@ impl TokenBudget {
     }
 
     fn announced_fits_at(&self, now: u64, a: Announced, cost: u64) -> Option<u64> {
-        let need = cost.saturating_add(self.spent_after(a.basis));
+        let need = cost
+            .saturating_add(self.spent_after(a.basis))
+            .saturating_add(a.in_flight_then);
         let full_at = a
             .full_at
             .unwrap_or(a.at.saturating_add(self.settings.window_ms));
@@ -728,7 +742,9 @@ mod tests {
         };
         b.observe(2_012, Some(3), w(50));
         b.observe(2_012, Some(1), w(1_000));
-        assert_eq!(b.remaining(2_012), Some(50));
+        // (Requests 1 and 2, admitted before 3 and still in flight, may have reached the
+        // origin after it: they are taken off too.)
+        assert_eq!(b.remaining(2_012), Some(50 - 10 - 30));
     }
 
     #[test]
