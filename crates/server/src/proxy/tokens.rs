@@ -11,7 +11,7 @@ use std::task::{Context, Poll};
 
 use axum::body::Body;
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Response};
+use http::{HeaderMap, Response};
 use http_body::Frame;
 use hyper::body::Incoming;
 
@@ -129,9 +129,7 @@ fn refusal_error(estimate: &Estimate, refusal: TokenRefusal) -> ApiError {
 
 /// Sets `x-nthpool-tpm-remaining` when the pool has a token budget in force.
 pub(super) fn mark(headers: &mut HeaderMap, gate: &TokenGate) {
-    if let Some(remaining) = gate.remaining() {
-        headers.insert(tokens::TPM_REMAINING_HEADER, HeaderValue::from(remaining));
-    }
+    tokens::mark(headers, gate);
 }
 
 /// After the answer's head: the origin's token announcement teaches the budget, and the body

@@ -47,6 +47,13 @@ pub fn defaults(tokens: Option<&TokensSpec>) -> Defaults {
     }
 }
 
+/// Sets `x-nthpool-tpm-remaining` when the pool has a token budget in force.
+pub fn mark(headers: &mut http::HeaderMap, gate: &TokenGate) {
+    if let Some(remaining) = gate.remaining() {
+        headers.insert(TPM_REMAINING_HEADER, http::HeaderValue::from(remaining));
+    }
+}
+
 /// The token window an upstream outcome announced, if any.
 pub fn window_of(outcome: &Outcome) -> Option<TokenWindow> {
     let rate = outcome.rate?;

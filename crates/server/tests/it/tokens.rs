@@ -196,3 +196,37 @@ async fn a_large_waiter_is_served_within_its_bound_while_small_ones_pass() {
     assert_eq!(arrivals[..3], ["a", "small", "large"]);
     assert_eq!(arrivals.len(), 6, "{arrivals:?}");
 }
+
+/// A lock acquire carries its estimate and a release its usage: the pool's token budget counts
+/// lock holders' calls like proxied ones.
+#[tokio::test]
+async fn lock_acquire_charges_tokens_and_release_reports_usage() {
+    let gw = gateway(&lock_pool_toml("p", "tpm = 1000")).await;
+    let acquire = |body: Value| {
+        gw.api(Method::POST, "/pools/p/lock/acquire")
+            .header("x-nthpool-key", KEY)
+            .json(&body)
+    };
+    let too_big = send(acquire(json!({"tokens": 1500}))).await;
+    expect_error(too_big, 400, "exceeds_token_budget").await;
+    let r = send(acquire(json!({"tokens": 600}))).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-nthpool-tpm-remaining"], "400");
+    let slot = r.json::<Value>().await.unwrap()["slotId"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // No room for 500 more now, and this one may not wait.
+    let full = send(acquire(json!({"tokens": 500}))).await;
+    expect_error(full, 429, "too_many_requests").await;
+    let released = send(
+        gw.api(Method::POST, &format!("/pools/p/lock/{slot}/release"))
+            .header("x-nthpool-key", KEY)
+            .json(&json!({"status": 200, "usage": {"promptTokens": 50, "completionTokens": 50}})),
+    )
+    .await;
+    assert_eq!(released.status(), 200);
+    let s = gw.state("p").await;
+    assert_eq!(tokens_of(&s)["remaining"], 900);
+    assert_eq!(send(acquire(json!({"tokens": 500}))).await.status(), 200);
+}
