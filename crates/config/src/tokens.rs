@@ -61,3 +61,36 @@ impl TokensSpec {
         Ok(())
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use crate::Config;
+
+    const BASE: &str = "[[pools]]\nname = \"x\"\nupstream = \"http://a\"\n";
+
+    #[test]
+    fn tpm_and_the_tokens_table() {
+        let c = Config::from_toml_str(BASE).unwrap();
+        assert_eq!(c.pools[0].concurrency.tpm, 0);
+        assert!(c.pools[0].tokens.is_none());
+        let c = Config::from_toml_str(&format!(
+            "{BASE}[pools.concurrency]\ntpm = 30000\n[pools.tokens]\nhold_ms = 100\n"
+        ))
+        .unwrap();
+        assert_eq!(c.pools[0].concurrency.tpm, 30_000);
+        let t = c.pools[0].tokens.clone().unwrap();
+        assert_eq!(
+            (t.hold_ms, t.max_body_bytes, t.window_ms),
+            (100, 1_048_576, 60_000)
+        );
+        for (bad, key) in [
+            ("window_ms = 0", "pools[0].tokens.window_ms"),
+            ("max_body_bytes = 0", "pools[0].tokens.max_body_bytes"),
+            ("hold_ms = 3600001", "pools[0].tokens.hold_ms"),
+        ] {
+            let e = Config::from_toml_str(&format!("{BASE}[pools.tokens]\n{bad}\n")).unwrap_err();
+            assert_eq!(e.key, key, "{bad}");
+        }
+    }
+}
