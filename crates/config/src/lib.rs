@@ -15,6 +15,7 @@ pub mod coordination;
 pub mod database;
 pub mod keys;
 pub mod tls;
+pub mod tokens;
 
 pub use access::{AccessSpec, CloudflareAccessSpec, HmacSpec, JwtSpec};
 pub use async_jobs::{AsyncSpec, WebhookSpec};
@@ -22,6 +23,7 @@ pub use cache::CacheSpec;
 pub use coordination::{Coordination, CoordinationFail, RedisCoordination};
 pub use database::DatabaseSpec;
 pub use tls::{MtlsSpec, ServerTlsSpec, SniCertSpec, UpstreamTlsSpec};
+pub use tokens::TokensSpec;
 
 use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
@@ -199,6 +201,10 @@ pub struct PoolSpec {
     /// The shared response cache (SPEC §4); absent, the pool has none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache: Option<CacheSpec>,
+    /// `[pools.tokens]`: how a pool with a token budget estimates a request's cost (defaults
+    /// when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<TokensSpec>,
     /// `[pools.upstream_tls]`: a private CA, a client certificate and an SNI override towards
     /// the origin.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -259,6 +265,9 @@ pub struct ConcurrencySpec {
     /// Longest pause any one outcome report or upstream answer may impose (`Retry-After`,
     /// reset hints, a learned pace), whatever it asks for.
     pub max_pause_ms: u64,
+    /// Tokens admitted per rolling minute (`tokens.window_ms`); 0 = no configured token budget
+    /// (one announced by the origin is still learned when `adaptive`).
+    pub tpm: u64,
 }
 
 impl Default for ConcurrencySpec {
@@ -276,6 +285,7 @@ impl Default for ConcurrencySpec {
             min_limit: 1,
             fair_share: true,
             max_pause_ms: 300_000,
+            tpm: 0,
         }
     }
 }
@@ -634,6 +644,9 @@ impl PoolSpec {
         self.access.validate(&format!("{at}.access"))?;
         if let Some(cache) = &self.cache {
             cache.validate(&format!("{at}.cache"))?;
+        }
+        if let Some(tokens) = &self.tokens {
+            tokens.validate(&format!("{at}.tokens"))?;
         }
         if let Some(t) = &self.upstream_tls {
             t.validate(&format!("{at}.upstream_tls"))?;
@@ -1125,6 +1138,7 @@ mod tests {
             database: None,
             cache: None,
             upstream_tls: None,
+            tokens: None,
         };
         let m = spec.masked();
         let shown = serde_json::to_string(&m).unwrap();

@@ -25,7 +25,9 @@
 //!
 //! Module map: `queue` (who is served next), `leases` (holders and expiry order), `rpm` (the
 //! rolling window), `pace` (even spacing under a learned rate), `adaptive` (what upstream
-//! answers teach). This file composes them.
+//! answers teach), `tokens` (the token budget, beside the governor: a request's estimated cost
+//! in tokens against a configured or announced tokens-per-minute budget). This file composes
+//! them.
 
 #![forbid(unsafe_code)]
 
@@ -34,12 +36,18 @@ mod leases;
 mod pace;
 mod queue;
 mod rpm;
+mod tokens;
 
 use adaptive::{Adaptive, Bounds, Context};
 use leases::{Held, Leases};
 use pace::Pacer;
 use queue::WaitQueue;
 use rpm::RpmWindow;
+
+pub use tokens::{
+    BudgetSource, TokenAdmit, TokenBudget, TokenSettings, TokenSnapshot, TokenWindow,
+    DEFAULT_TOKEN_HOLD_MS, DEFAULT_TOKEN_WINDOW_MS,
+};
 
 /// A waiter's class: a freed slot goes to the oldest waiter of the highest class present.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

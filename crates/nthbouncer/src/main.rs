@@ -58,6 +58,13 @@ enum Command {
         /// Extra random latency, uniform in 0..=N ms.
         #[arg(long, default_value_t = 0)]
         jitter_ms: u64,
+        /// Hidden tokens-per-minute limit on chat completions (0 = none), announced with
+        /// `x-ratelimit-*-tokens`.
+        #[arg(long, default_value_t = 0)]
+        tpm: u64,
+        /// The period the token limit refills over.
+        #[arg(long, default_value_t = 60_000)]
+        token_window_ms: u64,
     },
     /// Print a new pool key and its sha256 hash (or a webhook secret).
     Keygen {
@@ -108,7 +115,16 @@ fn main() -> ExitCode {
             rpm,
             latency_ms,
             jitter_ms,
-        } => run(sandbox(listen, limit, rpm, latency_ms, jitter_ms)),
+            tpm,
+            token_window_ms,
+        } => run(sandbox(
+            listen,
+            limit,
+            rpm,
+            latency_ms,
+            jitter_ms,
+            (tpm, token_window_ms),
+        )),
         Command::Lock(args) => lock::main(args),
     }
 }
@@ -425,6 +441,7 @@ async fn sandbox(
     rpm: u32,
     latency_ms: u64,
     jitter_ms: u64,
+    (tpm, token_window_ms): (u64, u64),
 ) -> Result<(), String> {
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
@@ -435,10 +452,12 @@ async fn sandbox(
         rpm,
         latency_ms,
         latency_jitter_ms: jitter_ms,
+        tpm,
+        token_window_ms,
         ..Default::default()
     };
     let sandbox: Arc<nthbouncer_sandbox::Sandbox> = nthbouncer_sandbox::Sandbox::new(cfg);
-    say!("sandbox origin on http://{addr} (limit {limit}, rpm {rpm}, latency {latency_ms}+0..{jitter_ms} ms)");
+    say!("sandbox origin on http://{addr} (limit {limit}, rpm {rpm}, tpm {tpm}, latency {latency_ms}+0..{jitter_ms} ms)");
     say!("  endpoints: POST /v1/chat/completions, /echo, GET /stream?chunks=N&interval_ms=M, /status/CODE, /healthz");
     nthbouncer_sandbox::serve(listener, sandbox, shutdown_signal())
         .await

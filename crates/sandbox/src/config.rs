@@ -20,6 +20,11 @@ pub struct SandboxConfig {
     /// Send OpenAI-style `x-ratelimit-*-requests` headers (only meaningful
     /// when `rpm` is set, since that is the only limit such headers describe).
     pub announce: bool,
+    /// Hidden tokens-per-minute limit on chat completions (prompt words plus `max_tokens`,
+    /// charged on arrival), announced with `x-ratelimit-*-tokens`. `0` disables it.
+    pub tpm: u64,
+    /// The period over which the token limit refills (a minute by default).
+    pub token_window_ms: u64,
 }
 
 impl Default for SandboxConfig {
@@ -30,6 +35,8 @@ impl Default for SandboxConfig {
             latency_ms: 50,
             latency_jitter_ms: 0,
             announce: true,
+            tpm: 0,
+            token_window_ms: 60_000,
         }
     }
 }

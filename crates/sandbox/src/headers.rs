@@ -7,11 +7,16 @@ use std::time::Duration;
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::state::RateView;
+use crate::tokens::TokenView;
 
 pub(crate) const LIMIT_REQUESTS: HeaderName = HeaderName::from_static("x-ratelimit-limit-requests");
 pub(crate) const REMAINING_REQUESTS: HeaderName =
     HeaderName::from_static("x-ratelimit-remaining-requests");
 pub(crate) const RESET_REQUESTS: HeaderName = HeaderName::from_static("x-ratelimit-reset-requests");
+pub(crate) const LIMIT_TOKENS: HeaderName = HeaderName::from_static("x-ratelimit-limit-tokens");
+pub(crate) const REMAINING_TOKENS: HeaderName =
+    HeaderName::from_static("x-ratelimit-remaining-tokens");
+pub(crate) const RESET_TOKENS: HeaderName = HeaderName::from_static("x-ratelimit-reset-tokens");
 pub(crate) const RETRY_AFTER_MS: HeaderName = HeaderName::from_static("retry-after-ms");
 
 /// Writes the `x-ratelimit-*-requests` trio.
@@ -20,6 +25,15 @@ pub(crate) fn apply_rate(headers: &mut HeaderMap, rate: &RateView) {
     headers.insert(REMAINING_REQUESTS, HeaderValue::from(rate.remaining));
     if let Ok(reset) = HeaderValue::from_str(&go_duration(rate.reset)) {
         headers.insert(RESET_REQUESTS, reset);
+    }
+}
+
+/// Writes the `x-ratelimit-*-tokens` trio.
+pub(crate) fn apply_token_rate(headers: &mut HeaderMap, rate: &TokenView) {
+    headers.insert(LIMIT_TOKENS, HeaderValue::from(rate.limit));
+    headers.insert(REMAINING_TOKENS, HeaderValue::from(rate.remaining));
+    if let Ok(reset) = HeaderValue::from_str(&go_duration(rate.reset)) {
+        headers.insert(RESET_TOKENS, reset);
     }
 }
 

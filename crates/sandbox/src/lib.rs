@@ -23,6 +23,10 @@
 //! - `GET /healthz`: `200 ok`; never limited, delayed or counted. Unknown
 //!   paths get a JSON 404 and are not counted either.
 //!
+//! With `tpm` set, chat completions also meet a hidden tokens-per-minute limit (see
+//! `tokens`: prompt words plus `max_tokens`, charged on arrival, over `token_window_ms`),
+//! announced with OpenAI's `x-ratelimit-*-tokens` headers.
+//!
 //! Refusals are `429` with `{"error":{"type":"rate_limit_error",...}}`,
 //! `Retry-After` (whole seconds, at least 1) and `retry-after-ms`. Refused
 //! requests answer immediately and never count as in flight; admitted ones
@@ -35,6 +39,7 @@ mod headers;
 mod routes;
 mod sse;
 mod state;
+mod tokens;
 
 #[cfg(test)]
 mod tests;

@@ -21,9 +21,12 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use crate::error::{error_response, INVALID_REQUEST, NOT_FOUND, RATE_LIMIT};
-use crate::headers::{apply_rate, apply_retry_after, go_duration, RETRY_AFTER_MS};
+use crate::headers::{
+    apply_rate, apply_retry_after, apply_token_rate, go_duration, RETRY_AFTER_MS,
+};
 use crate::sse::{sse_response, GuardSlot};
 use crate::state::{Refusal, RefusalKind, Sandbox};
+use crate::tokens::TokenView;
 
 /// `/stream` defaults and bounds; the bounds keep one request from tying up
 /// the sandbox indefinitely.
@@ -176,6 +179,10 @@ async fn chat_completions(
         .and_then(Value::as_str)
         .unwrap_or("sandbox-model")
         .to_owned();
+    let charged = match charge_tokens(&sandbox, &request) {
+        Ok(charged) => charged,
+        Err(refused) => return refused,
+    };
     let prompt = last_message_text(&request);
     let reply = format!("Sandbox reply to: {}", snippet(&prompt, ECHO_SNIPPET_CHARS));
     let id = format!("chatcmpl-sandbox-{}", sandbox.next_id());
@@ -189,9 +196,13 @@ async fn chat_completions(
         return sse_response(events, Duration::ZERO, guard);
     }
 
-    let prompt_tokens = rough_tokens(&prompt);
     let completion_tokens = rough_tokens(&reply);
-    Json(json!({
+    let prompt_tokens = match &charged {
+        // Under a token limit, usage is what the limit counted.
+        Some((prompt_words, _, _)) => *prompt_words,
+        None => rough_tokens(&prompt),
+    };
+    let mut resp = Json(json!({
         "id": id,
         "object": "chat.completion",
         "created": created,
@@ -207,7 +218,43 @@ async fn chat_completions(
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }))
-    .into_response()
+    .into_response();
+    if let (Some((_, cap, view)), Some(bucket)) = (charged, &sandbox.tokens) {
+        bucket.give_back(cap.saturating_sub(completion_tokens));
+        apply_token_rate(resp.headers_mut(), &view);
+    }
+    resp
+}
+
+/// Charges a chat completion against the hidden token limit, if one is set: `Ok(None)`
+/// without one, `Ok(Some((prompt words, max_tokens, headers)))` when charged, else the 429.
+#[allow(clippy::result_large_err)]
+fn charge_tokens(
+    sandbox: &Sandbox,
+    request: &Value,
+) -> Result<Option<(u64, u64, TokenView)>, Response> {
+    let Some(bucket) = &sandbox.tokens else {
+        return Ok(None);
+    };
+    let words = crate::tokens::prompt_words(request);
+    let cap = crate::tokens::max_tokens(request);
+    match bucket.charge(words.saturating_add(cap)) {
+        Ok(view) => Ok(Some((words, cap, view))),
+        Err((wait, view)) => {
+            let message = format!(
+                "Rate limit reached for tokens per minute: Limit {}, Remaining {}, Requested {}. \
+                 Please try again in {}.",
+                view.limit,
+                view.remaining,
+                words.saturating_add(cap),
+                go_duration(wait)
+            );
+            let mut resp = error_response(StatusCode::TOO_MANY_REQUESTS, RATE_LIMIT, message);
+            apply_retry_after(resp.headers_mut(), wait);
+            apply_token_rate(resp.headers_mut(), &view);
+            Err(resp)
+        }
+    }
 }
 
 /// The text of the last message, whether `content` is a string or an array

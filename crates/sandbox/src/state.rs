@@ -55,6 +55,8 @@ pub struct Sandbox {
     /// Admission times of accepted requests still inside the RPM window,
     /// oldest first. Also serialises admission (see module docs).
     window: Mutex<VecDeque<Instant>>,
+    /// The hidden token limit, when `tpm` is set.
+    pub(crate) tokens: Option<crate::tokens::TokenBucket>,
 }
 
 /// What `x-ratelimit-*-requests` headers should say for one answer.
@@ -110,6 +112,9 @@ impl Sandbox {
     /// Like [`Sandbox::new`] but with a custom RPM window length, so tests can
     /// watch the window free up without waiting a real minute.
     pub(crate) fn with_window(cfg: SandboxConfig, window_len: Duration) -> Arc<Self> {
+        let tokens = (cfg.tpm > 0).then(|| {
+            crate::tokens::TokenBucket::new(cfg.tpm, Duration::from_millis(cfg.token_window_ms))
+        });
         Arc::new(Self {
             cfg,
             window_len,
@@ -120,6 +125,7 @@ impl Sandbox {
             max_in_flight: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
             window: Mutex::new(VecDeque::new()),
+            tokens,
         })
     }
 
@@ -267,6 +273,8 @@ mod tests {
             latency_ms: 0,
             latency_jitter_ms: 0,
             announce: true,
+            tpm: 0,
+            token_window_ms: 60_000,
         }
     }
 
@@ -310,6 +318,8 @@ mod tests {
         assert!(sb.admit().unwrap().rate.is_none());
         let quiet = Sandbox::new(SandboxConfig {
             announce: false,
+            tpm: 0,
+            token_window_ms: 60_000,
             ..cfg(0, 5)
         });
         assert!(quiet.admit().unwrap().rate.is_none());

@@ -53,6 +53,8 @@ fn cfg(limit: u32, rpm: u32, latency_ms: u64) -> SandboxConfig {
         latency_ms,
         latency_jitter_ms: 0,
         announce: true,
+        tpm: 0,
+        token_window_ms: 60_000,
     }
 }
 
@@ -220,6 +222,8 @@ async fn rate_headers_only_when_announced_with_an_rpm() {
 
     let quiet = start(Sandbox::new(SandboxConfig {
         announce: false,
+        tpm: 0,
+        token_window_ms: 60_000,
         ..cfg(8, 1, 0)
     }))
     .await;

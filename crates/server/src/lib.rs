@@ -34,6 +34,7 @@ pub mod lock;
 pub mod pools;
 pub mod proxy;
 pub mod tls;
+pub mod tokens;
 pub mod upstream;
 pub mod webhooks;
 

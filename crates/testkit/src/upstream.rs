@@ -7,7 +7,7 @@
 //! answers the request as JSON; `/body` counts request body chunks as they arrive;
 //! `/status/N?retry_after=S` answers status N; `/respond…` answers the status and headers its
 //! request names (`x-respond-status`, `x-respond-h-NAME`) and a body naming the request's
-//! number; anything else answers `ok`.
+//! number (or `x-respond-body`, when sent); anything else answers `ok`.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -231,8 +231,15 @@ async fn handle(state: Arc<UpstreamState>, req: Request<Incoming>) -> Response<B
                 .and_then(|v| v.to_str().ok()?.parse().ok())
                 .and_then(|c| StatusCode::from_u16(c).ok())
                 .unwrap_or(StatusCode::OK);
+            let asked = req
+                .headers()
+                .get("x-respond-body")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
             let body = if status == StatusCode::NO_CONTENT {
                 String::new()
+            } else if let Some(asked) = asked {
+                asked
             } else {
                 format!("answer {number} for {}", req.uri())
             };

@@ -4,3 +4,4 @@
 
 mod convergence;
 mod properties;
+mod tokens;

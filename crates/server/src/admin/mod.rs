@@ -361,6 +361,39 @@ pub struct PoolState {
     /// The shared response cache on this node; absent for a pool without one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache: Option<CacheState>,
+    /// The token budget (SPEC §12); absent while none is in force.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<TokenState>,
+}
+
+/// A pool's token budget on this node.
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TokenState {
+    /// The whole budget per window (the smaller of `concurrency.tpm` and the origin's).
+    pub budget: Option<u64>,
+    pub remaining: Option<u64>,
+    /// `configured`, `announced` or `configured+announced`.
+    pub source: String,
+    /// Requests waiting for room in the budget.
+    pub waiting: u32,
+    /// The budget is held for a request that has waited `tokens.hold_ms`.
+    pub held: bool,
+    /// Tokens charged since the pool started (estimates corrected by reported usage).
+    pub admitted_tokens: u64,
+}
+
+impl TokenState {
+    fn of(s: nthbouncer_governor::TokenSnapshot) -> Option<TokenState> {
+        Some(TokenState {
+            budget: s.budget,
+            remaining: s.remaining,
+            source: s.source?.as_str().to_string(),
+            waiting: s.waiting,
+            held: s.held,
+            admitted_tokens: s.admitted_tokens,
+        })
+    }
 }
 
 /// A pool's response cache on this node (counts since its settings last changed).
@@ -425,6 +458,7 @@ pub async fn pool_state(
         admitted_total: s.admitted_total,
         refused_total: s.refused_total,
         cache: state.cache.stats(&pool).map(CacheState::of),
+        tokens: TokenState::of(pool.tokens.snapshot()),
     }))
 }
 

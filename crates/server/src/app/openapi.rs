@@ -107,6 +107,7 @@ use crate::webhooks::routes as webhooks_api;
         admin::KeyList,
         admin::Revoked,
         admin::PoolState,
+        admin::TokenState,
         crate::dashboard::history::PoolHistory,
         crate::dashboard::history::HistorySecond,
         admin::AccessLogPage,

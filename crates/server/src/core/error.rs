@@ -60,13 +60,16 @@ pub enum ErrorCode {
     /// A request whose `Host` is not the TLS name (SNI) its connection was opened for, on a
     /// pool with `access.mtls` (`421`): the client opens a new connection for that host.
     Misdirected,
+    /// A request's estimated tokens exceed the pool's whole token budget (`400`): it could
+    /// never be admitted, and a `429` would only be retried.
+    ExceedsTokenBudget,
     Internal,
 }
 
 impl ErrorCode {
     /// Every code, in declaration order (the OpenAPI document narrows error bodies by status
     /// with it; a test holds it to the enum).
-    pub const ALL: [ErrorCode; 28] = [
+    pub const ALL: [ErrorCode; 29] = [
         ErrorCode::NotFound,
         ErrorCode::PoolNotFound,
         ErrorCode::Unauthorized,
@@ -94,6 +97,7 @@ impl ErrorCode {
         ErrorCode::SqlError,
         ErrorCode::ResponseTooLarge,
         ErrorCode::Misdirected,
+        ErrorCode::ExceedsTokenBudget,
         ErrorCode::Internal,
     ];
 
@@ -127,6 +131,7 @@ impl ErrorCode {
             ErrorCode::SqlError => "sql_error",
             ErrorCode::ResponseTooLarge => "response_too_large",
             ErrorCode::Misdirected => "misdirected",
+            ErrorCode::ExceedsTokenBudget => "exceeds_token_budget",
             ErrorCode::Internal => "internal",
         }
     }
@@ -140,9 +145,10 @@ impl ErrorCode {
             | ErrorCode::JobNotFound
             | ErrorCode::DestinationNotFound => StatusCode::NOT_FOUND,
             ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
-            ErrorCode::Invalid | ErrorCode::AsyncDisabled | ErrorCode::SqlError => {
-                StatusCode::BAD_REQUEST
-            }
+            ErrorCode::Invalid
+            | ErrorCode::AsyncDisabled
+            | ErrorCode::SqlError
+            | ErrorCode::ExceedsTokenBudget => StatusCode::BAD_REQUEST,
             ErrorCode::ResponseTooLarge => StatusCode::INSUFFICIENT_STORAGE,
             ErrorCode::Misdirected => StatusCode::MISDIRECTED_REQUEST,
             ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,

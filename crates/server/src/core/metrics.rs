@@ -40,6 +40,8 @@ pub struct PoolMetrics {
     pub refused_504: Counter,
     pub unauthorized: Counter,
     pub upstream_errors: Counter,
+    /// Tokens admitted by the pool's token budget (estimates at admission).
+    pub admitted_tokens: Counter,
     pub queue_wait: Histogram,
     pub upstream_latency: Histogram,
 }
@@ -56,6 +58,7 @@ impl PoolMetrics {
             refused_504: metrics::counter!("nthbouncer_refused_total", "pool" => p.clone(), "reason" => "queue_timeout"),
             unauthorized: metrics::counter!("nthbouncer_refused_total", "pool" => p.clone(), "reason" => "unauthorized"),
             upstream_errors: metrics::counter!("nthbouncer_upstream_errors_total", "pool" => p.clone()),
+            admitted_tokens: metrics::counter!("nthbouncer_admitted_tokens_total", "pool" => p.clone()),
             queue_wait: metrics::histogram!("nthbouncer_queue_wait_seconds", "pool" => p.clone()),
             upstream_latency: metrics::histogram!("nthbouncer_upstream_latency_seconds", "pool" => p),
         }

@@ -34,6 +34,7 @@ use crate::core::error::{ApiError, ErrorCode};
 use crate::core::extract::{is_blank, parse_json, BodyBytes};
 use crate::core::request_id::RequestId;
 use crate::pools::guard::PoolCaller;
+use crate::pools::registry::PoolRuntime;
 
 /// What the lock API needs: the access log (acquire attempts), the clock, the lease book.
 pub struct LockApi {
@@ -61,6 +62,9 @@ pub struct AcquireBody {
     pub wait_ms: Option<u64>,
     /// `high`, `normal` (default) or `low`; beats `X-Nthpool-Priority`.
     pub priority: Option<String>,
+    /// The call's estimated tokens (prompt plus output cap), for a pool with a token budget;
+    /// absent, `tokens.default_cost`.
+    pub tokens: Option<u64>,
 }
 
 /// The lock grant.
@@ -119,6 +123,79 @@ pub struct ReleaseBody {
     /// the same body always gives the same outcome.
     #[schema(value_type = Object)]
     pub headers: Option<BTreeMap<String, HeaderValues>>,
+    /// The tokens the call used, which corrects its charge against the pool's token budget.
+    pub usage: Option<UsageBody>,
+}
+
+/// Tokens a call used: `totalTokens`, or prompt plus completion.
+#[derive(Deserialize, Default, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct UsageBody {
+    pub prompt_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
+    pub total_tokens: Option<u64>,
+}
+
+impl UsageBody {
+    fn total(&self) -> Option<u64> {
+        self.total_tokens.or_else(|| {
+            (self.prompt_tokens.is_some() || self.completion_tokens.is_some()).then(|| {
+                self.prompt_tokens
+                    .unwrap_or(0)
+                    .saturating_add(self.completion_tokens.unwrap_or(0))
+            })
+        })
+    }
+}
+
+/// The estimate an acquire body carries (already validated by [`acquire_params`]).
+fn tokens_asked(bytes: &Bytes) -> Option<u64> {
+    if is_blank(bytes) {
+        return None;
+    }
+    parse_json::<AcquireBody>(bytes).ok()?.tokens
+}
+
+/// A granted lock's charge against the pool's token budget, if one is in force (the slot id is
+/// the charge's id): refused, the slot is given back and the refusal is the answer.
+async fn admit_tokens(
+    pool: &PoolRuntime,
+    grant: &nthbouncer_coord::Grant,
+    asked: Option<u64>,
+    wait_ms: u64,
+    priority: Priority,
+) -> Result<(), ApiError> {
+    if !pool.tokens.active() {
+        return Ok(());
+    }
+    let cost = asked.unwrap_or_else(|| crate::tokens::defaults(pool.spec.tokens.as_ref()).cost);
+    let refusal = match pool
+        .tokens
+        .acquire(grant.slot_id.0, cost, priority, wait_ms)
+        .await
+    {
+        Ok(_) => return Ok(()),
+        Err(r) => r,
+    };
+    pool.gate.release(grant.slot_id, None).await;
+    Err(match refusal {
+        crate::tokens::TokenRefusal::Exceeds { estimate, budget } => ApiError::new(
+            ErrorCode::ExceedsTokenBudget,
+            format!("the lock's {estimate} tokens exceed the pool's whole token budget of {budget} tokens"),
+        ),
+        crate::tokens::TokenRefusal::NoRoom { retry_after_ms } => {
+            let mut e = ApiError::new(
+                ErrorCode::TooManyRequests,
+                "the pool's token budget has no room for this call now",
+            );
+            e.retry_after_s = retry_after_ms.map(|ms| ms.div_ceil(1000).max(1));
+            e
+        }
+        crate::tokens::TokenRefusal::Timeout => ApiError::new(
+            ErrorCode::QueueTimeout,
+            "the wait budget ran out before the pool's token budget had room",
+        ),
+    })
 }
 
 #[derive(Serialize, ToSchema)]
@@ -192,6 +269,12 @@ pub async fn acquire(
     };
     match pool.gate.acquire(request).await {
         Ok(grant) => {
+            let asked = tokens_asked(&bytes);
+            if let Err(e) = admit_tokens(&pool, &grant, asked, wait_ms, priority).await {
+                let mut resp = log.refuse(Some(&caller.key_id), e);
+                crate::tokens::mark(resp.headers_mut(), &pool.tokens);
+                return resp;
+            }
             // On record before its holder hears of it, so a restart holds its slot back.
             let lease = LeaseRecord {
                 slot_id: grant.slot_id.to_string(),
@@ -228,6 +311,7 @@ pub async fn acquire(
             })
             .into_response();
             admission::write_gate_headers(resp.headers_mut(), &grant.headers);
+            crate::tokens::mark(resp.headers_mut(), &pool.tokens);
             resp
         }
         Err(refusal) => admission::refuse(&pool.metrics, log, &caller.key_id, &refusal),
@@ -353,12 +437,27 @@ pub async fn release(
 ) -> Result<Json<Released>, ApiError> {
     let slot = slot_param(path);
     let outcome = release_outcome(&bytes, state.now())?;
-    let released = match SlotId::parse(&slot) {
+    let window = outcome.as_ref().and_then(crate::tokens::window_of);
+    let parsed = SlotId::parse(&slot);
+    let released = match parsed {
         Some(slot) => pool.gate.release(slot, outcome).await,
         None => false,
     };
-    if released {
+    if let (true, Some(id)) = (released, parsed) {
         state.leases.released(slot);
+        // The call's charge (if the pool has a token budget): corrected by its usage, and what
+        // the origin announced teaches the budget.
+        let usage = if is_blank(&bytes) {
+            None
+        } else {
+            parse_json::<ReleaseBody>(&bytes)
+                .ok()
+                .and_then(|r| r.usage.and_then(|u| u.total()))
+        };
+        pool.tokens.finish(id.0, usage);
+        if let Some(window) = window {
+            pool.tokens.observe(Some(id.0), window);
+        }
     }
     Ok(Json(Released { released }))
 }

@@ -17,6 +17,7 @@ use crate::core::error::{ApiError, ErrorCode};
 use crate::core::history::History;
 use crate::core::netcheck::check_webhook_url;
 use crate::core::ManagedBy;
+use crate::tokens::TokenGate;
 
 /// Why the pools could not be loaded at start.
 #[derive(Debug, thiserror::Error)]
@@ -60,9 +61,10 @@ impl Pools {
         timeouts: crate::upstream::ClientTimeouts,
     ) -> Result<Arc<PoolRuntime>, ConfigError> {
         let settings = PoolRuntime::gate_settings(&spec.concurrency);
-        let (gate, history, keys, destinations) = match previous {
+        let (gate, tokens, history, keys, destinations) = match previous {
             Some(p) => (
                 p.gate.clone(),
+                p.tokens.clone(),
                 p.history.clone(),
                 p.access.keys().clone(),
                 p.destinations.clone(),
@@ -74,8 +76,11 @@ impl Pools {
                     history.clone(),
                     self.clock.clone(),
                 );
+                let tokens =
+                    TokenGate::open(PoolRuntime::token_settings(&spec), self.clock.clone());
                 (
                     gate,
+                    tokens,
                     history,
                     Arc::new(ArcSwap::from_pointee(KeyIndex::default())),
                     Arc::new(ArcSwap::from_pointee(Vec::new())),
@@ -87,6 +92,7 @@ impl Pools {
             .and_then(|p| p.upstream.database().cloned());
         let shared = Shared {
             gate,
+            tokens,
             history,
             keys,
             destinations,
@@ -491,6 +497,8 @@ impl Pools {
         pool.gate
             .reconfigure(PoolRuntime::gate_settings(&pool.concurrency))
             .await;
+        pool.tokens
+            .reconfigure(PoolRuntime::token_settings(&pool.spec));
         match bound {
             Some(bound) => self.listeners.serve(name, bound),
             None if pool.spec.listen.is_none() => self.listeners.close(name),

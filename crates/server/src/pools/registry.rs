@@ -19,6 +19,7 @@ use crate::access::AccessPolicy;
 use crate::core::history::History;
 use crate::core::metrics::PoolMetrics;
 use crate::core::ManagedBy;
+use crate::tokens::TokenGate;
 use crate::upstream::{build_tls_client, ClientTimeouts, SharedClient, Target, UpstreamClient};
 
 /// Who owns a pool and since when.
@@ -76,6 +77,8 @@ pub struct PoolRuntime {
     pub history: Arc<History>,
     /// The pool's own upstream client (`[pools.upstream_tls]`); otherwise the shared one.
     pub client: Option<Arc<UpstreamClient>>,
+    /// The pool's token budget (SPEC §12), shared by every version like the gate.
+    pub tokens: Arc<TokenGate>,
 }
 
 impl PoolRuntime {
@@ -99,6 +102,7 @@ impl PoolRuntime {
     ) -> Result<PoolRuntime, ConfigError> {
         let Shared {
             gate,
+            tokens,
             history,
             keys,
             destinations,
@@ -150,6 +154,7 @@ impl PoolRuntime {
             access,
             destinations,
             client,
+            tokens,
         })
     }
 
@@ -188,6 +193,11 @@ impl PoolRuntime {
         }
     }
 
+    /// The token budget's view of the settings.
+    pub fn token_settings(spec: &PoolSpec) -> nthbouncer_governor::TokenSettings {
+        crate::tokens::settings(&spec.concurrency, spec.tokens.as_ref())
+    }
+
     /// Host names this pool answers to besides `{name}.{pool_domain}`.
     pub fn domains(&self) -> impl Iterator<Item = String> + '_ {
         self.spec
@@ -200,6 +210,7 @@ impl PoolRuntime {
 /// What every settings version of a pool shares: its gate, its key index, its destinations.
 pub struct Shared {
     pub gate: Arc<dyn PoolGate>,
+    pub tokens: Arc<TokenGate>,
     pub history: Arc<History>,
     pub keys: Arc<ArcSwap<KeyIndex>>,
     pub destinations: Arc<ArcSwap<Vec<StoredDestination>>>,

@@ -137,18 +137,7 @@ impl Pools {
                 tracing::error!(pool = %n.pool.name, error = %e.message, "reload: cannot read the pool's destinations");
             }
             if let Some(previous) = &n.previous {
-                if previous.concurrency != n.pool.concurrency {
-                    n.pool
-                        .gate
-                        .reconfigure(PoolRuntime::gate_settings(&n.pool.concurrency))
-                        .await;
-                }
-                if !same_database(&previous.spec, &n.pool.spec) {
-                    if let Some(db) = previous.upstream.database() {
-                        // Idle sessions close now, busy ones as their requests end.
-                        db.close();
-                    }
-                }
+                settle(previous, &n.pool).await;
             }
             if let Some(bound) = n.bound {
                 listeners.push((n.pool.name.clone(), bound));
@@ -328,5 +317,23 @@ fn check_api_host(registry: &Registry, api_host: &str) -> Result<(), ConfigError
             ),
         )),
         _ => Ok(()),
+    }
+}
+
+/// A kept pool's gates take its new settings, and its old database sessions close if the
+/// database changed.
+async fn settle(previous: &PoolRuntime, pool: &PoolRuntime) {
+    pool.tokens
+        .reconfigure(PoolRuntime::token_settings(&pool.spec));
+    if previous.concurrency != pool.concurrency {
+        pool.gate
+            .reconfigure(PoolRuntime::gate_settings(&pool.concurrency))
+            .await;
+    }
+    if !same_database(&previous.spec, &pool.spec) {
+        if let Some(db) = previous.upstream.database() {
+            // Idle sessions close now, busy ones as their requests end.
+            db.close();
+        }
     }
 }

@@ -12,6 +12,7 @@
 //! proxy only hands the cache a miss's answer (`Call::cache`) and marks answers.
 
 mod promote;
+mod tokens;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -77,6 +78,9 @@ struct Call<'a> {
 enum CallBody {
     Streamed(Incoming),
     Whole(Bytes),
+    /// Read in part for a token estimate (past `tokens.max_body_bytes`): that part, then the
+    /// rest still streaming.
+    Partial(Bytes, Incoming),
 }
 
 /// Serves one request on a proxy pool's host.
@@ -172,6 +176,7 @@ async fn cache_lookup(call: &Call<'_>, body: &CallBody, plan: &Plan) -> cache::L
     let has_body = match body {
         CallBody::Streamed(b) => !http_body::Body::is_end_stream(b),
         CallBody::Whole(b) => !b.is_empty(),
+        CallBody::Partial(..) => true,
     };
     let head = cache::RequestHead {
         method: &call.parts.method,
@@ -278,9 +283,28 @@ fn plan(call: &Call<'_>) -> Result<Plan, ApiError> {
     )
 }
 
-/// Admission (SPEC §3, §6): a job when asked for or promoted from a wait, else the gate.
+/// Admission (SPEC §3, §6, §12): a job when asked for or promoted from a wait, else the token
+/// budget (when the pool has one) and then the gate.
 async fn admit(call: Call<'_>, body: CallBody, plan: Plan) -> Response<Body> {
-    let grant = match crate::jobs::admit_or_promote(call.pool, call.caller.fairness, &plan).await {
+    let (body, charge) = if plan.asked_async {
+        (body, None)
+    } else {
+        match Box::pin(tokens::admit(&call, body, &plan)).await {
+            Ok(admitted) => admitted,
+            Err((_, e)) => {
+                let gate = call.pool.tokens.clone();
+                let mut resp = call.log.refuse(Some(&call.caller.key_id), e);
+                tokens::mark(resp.headers_mut(), &gate);
+                return resp;
+            }
+        }
+    };
+    let admitted = crate::jobs::admit_or_promote(call.pool, call.caller.fairness, &plan).await;
+    if let (Some(c), false) = (&charge, matches!(admitted, crate::jobs::Admission::Slot(_))) {
+        // Not sent now: the charge is taken back (a job is charged when it runs).
+        c.gate.refund(c.id);
+    }
+    let grant = match admitted {
         crate::jobs::Admission::Slot(grant) => grant,
         crate::jobs::Admission::Job(reason) => {
             return Box::pin(promote::accept_job(call, body, plan.priority, reason)).await;
@@ -297,11 +321,16 @@ async fn admit(call: Call<'_>, body: CallBody, plan: Plan) -> Response<Body> {
         .record(grant.headers.queued_ms as f64 / 1000.0);
     // Forwarding runs in its own boxed future: a waiter parked in the queue then holds only
     // what admission needs, not the forwarding machinery as well (see `bench/run scale`).
-    Box::pin(forward(call, body, grant)).await
+    Box::pin(forward(call, body, grant, charge)).await
 }
 
 /// Sends an admitted request upstream and streams the answer back, holding the slot.
-async fn forward(mut call: Call<'_>, body: CallBody, grant: Grant) -> Response<Body> {
+async fn forward(
+    mut call: Call<'_>,
+    body: CallBody,
+    grant: Grant,
+    charge: Option<tokens::Charge>,
+) -> Response<Body> {
     let pool = call.pool;
     let guard = SlotGuard::new(pool.gate.clone(), grant.slot_id);
     let deadline = crate::core::time::deadline_in(pool.concurrency.request_timeout_ms);
@@ -309,6 +338,9 @@ async fn forward(mut call: Call<'_>, body: CallBody, grant: Grant) -> Response<B
     let body = match body {
         CallBody::Streamed(body) => Body::new(Limited::new(body, max_body as usize)),
         CallBody::Whole(bytes) => Body::from(bytes),
+        CallBody::Partial(read, rest) => {
+            Body::new(Limited::new(tokens::rejoin(read, rest), max_body as usize))
+        }
     };
     let headers = std::mem::take(&mut call.parts.headers);
     let request = match upstream_request(&call, headers, body) {
@@ -329,7 +361,17 @@ async fn forward(mut call: Call<'_>, body: CallBody, grant: Grant) -> Response<B
     let latency_ms = started.elapsed().as_millis() as u64;
     let (resp, mut guard) = match sent {
         Ok(r) => r,
-        Err(e) => return upstream_failure(call, e, &grant, latency_ms),
+        Err(e) => {
+            if let Some(c) = &charge {
+                // Never sent: not spent. Sent and unanswered: the estimate stands.
+                if e.retry_safe() {
+                    c.gate.refund(c.id);
+                } else {
+                    c.gate.finish(c.id, None);
+                }
+            }
+            return upstream_failure(call, e, &grant, latency_ms);
+        }
     };
     pool.metrics
         .upstream_latency
@@ -358,12 +400,26 @@ async fn forward(mut call: Call<'_>, body: CallBody, grant: Grant) -> Response<B
         queued_ms,
         upstream,
     );
+    // A pool without a budget yet learns one from the first answer that announces it.
+    let tokens_on = charge.is_some()
+        || pool.tokens.active()
+        || guard
+            .outcome
+            .as_ref()
+            .and_then(crate::tokens::window_of)
+            .is_some();
+    let outcome = tokens_on.then(|| guard.outcome.clone()).flatten();
     let body = Body::new(SlotBody::new(rbody, guard, deadline, closed));
     let body = match call.cache.take() {
         None => body,
         Some(fill) => fill.answer(status, &rparts.headers, body),
     };
-    Response::from_parts(rparts, body)
+    let resp = Response::from_parts(rparts, body);
+    if !tokens_on {
+        return resp;
+    }
+    let max = pool.spec.tokens.clone().unwrap_or_default().max_body_bytes;
+    tokens::answered(charge, outcome.as_ref(), &pool.tokens, resp, max)
 }
 
 /// The request for the origin: the caller's side, then the origin's (the upstream layer).

@@ -39,6 +39,13 @@ pub(super) async fn accept_job(
         CallBody::Streamed(body) => jobs::read_body(call.pool, body).await,
         // A signed body, read whole and verified already.
         CallBody::Whole(bytes) => jobs::bounded_body(call.pool, bytes),
+        // Read in part for a token estimate: past the token bound, and so past the job's
+        // body bound too unless that one is larger.
+        CallBody::Partial(read, rest) => jobs::read_body(call.pool, rest).await.and_then(|more| {
+            let mut whole = read.to_vec();
+            whole.extend_from_slice(&more);
+            jobs::bounded_body(call.pool, bytes::Bytes::from(whole))
+        }),
     };
     let body = match body {
         Ok(b) => b,

@@ -22,4 +22,5 @@ mod pool_listener;
 mod proxy;
 mod request_id;
 mod tls;
+mod tokens;
 mod webhooks;

@@ -1,0 +1,177 @@
+//! Token budgets (SPEC §12): a pool's tokens-per-minute budget as the serving path sees it.
+//! A shared layer beside `pools` and `upstream`: it imports only `core`.
+//!
+//! - `estimate`: a request's cost in tokens from its JSON body, and the usage an answer reports;
+//! - `gate`: the pool's [`TokenGate`] (the governor's pure `TokenBudget`, locked, with waiters
+//!   and a wake-up task), shared by every settings version of the pool;
+//! - here: reading a body far enough to estimate it ([`read_body`]), and the response body
+//!   wrapper that reconciles the charge with the usage the answer reports ([`UsageTap`]).
+
+pub mod estimate;
+pub mod gate;
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use nthbouncer_config::{ConcurrencySpec, TokensSpec};
+use nthbouncer_coord::Outcome;
+use nthbouncer_governor::{TokenSettings, TokenWindow};
+
+pub use estimate::{Defaults, Estimate, Method};
+pub use gate::{TokenGate, TokenRefusal};
+
+/// The header every answer of a pool with a token budget carries.
+pub const TPM_REMAINING_HEADER: &str = "x-nthpool-tpm-remaining";
+
+/// The budget's settings from a pool's `concurrency` and `[pools.tokens]`.
+pub fn settings(concurrency: &ConcurrencySpec, tokens: Option<&TokensSpec>) -> TokenSettings {
+    let t = tokens.cloned().unwrap_or_default();
+    TokenSettings {
+        tpm: concurrency.tpm,
+        window_ms: t.window_ms.max(1),
+        hold_ms: t.hold_ms,
+        learn: concurrency.adaptive,
+    }
+}
+
+/// The estimate's fallbacks from `[pools.tokens]`.
+pub fn defaults(tokens: Option<&TokensSpec>) -> Defaults {
+    let t = tokens.cloned().unwrap_or_default();
+    Defaults {
+        output_tokens: t.default_output_tokens,
+        cost: t.default_cost,
+    }
+}
+
+/// Sets `x-nthpool-tpm-remaining` when the pool has a token budget in force.
+pub fn mark(headers: &mut http::HeaderMap, gate: &TokenGate) {
+    if let Some(remaining) = gate.remaining() {
+        headers.insert(TPM_REMAINING_HEADER, http::HeaderValue::from(remaining));
+    }
+}
+
+/// The token window an upstream outcome announced, if any.
+pub fn window_of(outcome: &Outcome) -> Option<TokenWindow> {
+    let rate = outcome.rate?;
+    let w = TokenWindow {
+        limit: rate.token_limit,
+        remaining: rate.token_remaining,
+        reset_ms: rate.token_reset_ms,
+    };
+    (w.limit.is_some() || w.remaining.is_some()).then_some(w)
+}
+
+/// A request body read for its estimate: whole, or (past `max` bytes) the part read and the
+/// rest still streaming.
+pub enum ReadBody<B> {
+    Whole(Bytes),
+    Partial(Bytes, B),
+}
+
+/// Reads up to `max` bytes of `body`. An error of the body itself is returned as is.
+pub async fn read_body<B>(mut body: B, max: usize) -> Result<ReadBody<B>, B::Error>
+where
+    B: Body<Data = Bytes> + Unpin,
+{
+    let mut buf = BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame?.into_data() {
+            buf.extend_from_slice(&data);
+            if buf.len() > max {
+                return Ok(ReadBody::Partial(buf.freeze(), body));
+            }
+        }
+    }
+    Ok(ReadBody::Whole(buf.freeze()))
+}
+
+/// An answer's body on its way to the caller: kept (up to a bound) so that the usage it reports
+/// reconciles the request's charge once it has been sent, or when the caller goes away.
+pub struct UsageTap<B> {
+    inner: B,
+    kept: Option<BytesMut>,
+    max: usize,
+    charge: Option<(Arc<TokenGate>, u128)>,
+}
+
+impl<B> UsageTap<B> {
+    pub fn new(inner: B, gate: Arc<TokenGate>, id: u128, max: usize) -> Self {
+        UsageTap {
+            inner,
+            kept: Some(BytesMut::new()),
+            max,
+            charge: Some((gate, id)),
+        }
+    }
+
+    fn finish(&mut self) {
+        if let Some((gate, id)) = self.charge.take() {
+            let usage = self.kept.take().and_then(|b| reported_usage(&b));
+            gate.finish(id, usage);
+        }
+    }
+}
+
+/// The usage an answer reports: its JSON body's `usage`, or the last `data:` event of a
+/// server-sent stream that carries one.
+fn reported_usage(body: &[u8]) -> Option<u64> {
+    if let Some(u) = estimate::usage(body) {
+        return Some(u);
+    }
+    let text = std::str::from_utf8(body).ok()?;
+    text.lines()
+        .rev()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d.trim()).ok())
+        .find_map(|v| estimate::usage_of(&v))
+}
+
+impl<B> Drop for UsageTap<B> {
+    fn drop(&mut self) {
+        // A body of known length may be dropped once its last byte went out, without a last
+        // poll. What was kept tells: a cut JSON body does not parse, so the estimate stands.
+        self.finish();
+    }
+}
+
+impl<B> Body for UsageTap<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let (Some(data), Some(kept)) = (frame.data_ref(), this.kept.as_mut()) {
+                    if kept.len() + data.len() > this.max {
+                        this.kept = None;
+                    } else {
+                        kept.extend_from_slice(data);
+                    }
+                }
+            }
+            Poll::Ready(None) => this.finish(),
+            Poll::Ready(Some(Err(_))) | Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}

@@ -1,0 +1,232 @@
+//! Token budgets end to end (SPEC §12): the real router in front of the real sandbox with a
+//! hidden tokens-per-minute limit on a short window, or the counting upstream when a test
+//! needs to choose the usage an answer reports. Counting, not timing.
+
+use std::sync::Arc;
+
+use nthbouncer_sandbox::{Sandbox, SandboxConfig};
+use nthbouncer_testkit::*;
+use reqwest::Method;
+use serde_json::{json, Value};
+
+/// Framing our estimate adds to a one-message chat completion whose content is one token
+/// (`hi`): 3 for the message, 1 for its text, 3 to prime the answer.
+const FRAMING: u64 = 7;
+
+/// A sandbox with a hidden token limit of `tpm` refilling over `window_ms`, and no other limit.
+async fn sandbox(tpm: u64, window_ms: u64) -> (Arc<Sandbox>, String) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let sb = Sandbox::new(SandboxConfig {
+        limit: 0,
+        rpm: 0,
+        latency_ms: 5,
+        latency_jitter_ms: 0,
+        announce: true,
+        tpm,
+        token_window_ms: window_ms,
+    });
+    tokio::spawn(nthbouncer_sandbox::serve(
+        listener,
+        sb.clone(),
+        std::future::pending(),
+    ));
+    (sb, format!("http://{addr}"))
+}
+
+/// A chat completion whose estimate is `cost` tokens (`cost - FRAMING` of output).
+fn chat(cost: u64) -> Value {
+    json!({
+        "model": "gpt-4o",
+        "max_tokens": cost - FRAMING,
+        "messages": [{"role": "user", "content": "hi"}],
+    })
+}
+
+fn post(gw: &Gateway, path: &str, body: &Value) -> reqwest::RequestBuilder {
+    gw.pool("p", Method::POST, path)
+        .header("x-nthpool-key", KEY)
+        .json(body)
+}
+
+fn tokens_of(state: &Value) -> &Value {
+    &state["tokens"]
+}
+
+#[tokio::test]
+async fn a_request_larger_than_the_budget_gets_400_at_once() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), "tpm = 1000")).await;
+    let r = send(post(&gw, "/respond", &chat(5_000))).await;
+    assert_eq!(r.headers()["x-nthpool-tpm-remaining"], "1000");
+    let body = expect_error(r, 400, "exceeds_token_budget").await;
+    let message = body["message"].as_str().unwrap();
+    assert!(
+        message.contains("5000") && message.contains("1000"),
+        "{message}"
+    );
+    assert_eq!(up.total(), 0, "nothing reached the origin");
+    // One that fits goes through, and says what is left.
+    let r = send(post(&gw, "/respond", &chat(400))).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-nthpool-tpm-remaining"], "600");
+    let s = gw.state("p").await;
+    assert_eq!(tokens_of(&s)["budget"], 1000);
+    assert_eq!(tokens_of(&s)["source"], "configured");
+}
+
+#[tokio::test]
+async fn usage_reconciliation_moves_the_budget_both_ways() {
+    let up = Upstream::start().await;
+    let gw = gateway(&pool_toml("p", &up.url(), "tpm = 10000")).await;
+    // Estimated 300, used 40: the budget gets 260 back.
+    let r = send(post(&gw, "/respond", &chat(300)).header(
+        "x-respond-body",
+        r#"{"usage":{"prompt_tokens":10,"completion_tokens":30}}"#,
+    ))
+    .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-nthpool-tpm-remaining"], "9700");
+    r.bytes().await.unwrap();
+    gw.wait_state("p", "usage of 40 reconciled", |s| {
+        tokens_of(s)["remaining"] == 9960
+    })
+    .await;
+    // Estimated 100, used 900: the budget loses 800 more.
+    let r = send(post(&gw, "/respond", &chat(100)).header(
+        "x-respond-body",
+        r#"{"usage":{"input_tokens":400,"output_tokens":500}}"#,
+    ))
+    .await;
+    assert_eq!(r.headers()["x-nthpool-tpm-remaining"], "9860");
+    r.bytes().await.unwrap();
+    let s = gw
+        .wait_state("p", "usage of 900 reconciled", |s| {
+            tokens_of(s)["remaining"] == 10_000 - 40 - 900
+        })
+        .await;
+    assert_eq!(tokens_of(&s)["admittedTokens"], 940);
+    // Without a usage report the estimate stands.
+    let r = send(post(&gw, "/respond", &chat(60))).await;
+    r.bytes().await.unwrap();
+    gw.wait_state("p", "estimate kept", |s| {
+        tokens_of(s)["remaining"] == 10_000 - 40 - 900 - 60
+    })
+    .await;
+    let metrics = send(gw.api(Method::GET, "/metrics"))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("nthbouncer_admitted_tokens_total{pool=\"p\"}"),
+        "admitted estimates counted: {metrics}"
+    );
+}
+
+/// Eager clients with prompts of mixed length against a sandbox whose token limit is hidden:
+/// once the first answer announced it, the origin refuses nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eager_clients_get_no_origin_429_once_the_budget_is_known() {
+    let (sb, url) = sandbox(3_000, 1_000).await;
+    let gw = gateway(&pool_toml("p", &url, "limit = 50")).await;
+    let first = send(post(&gw, "/v1/chat/completions", &chat(100))).await;
+    assert_eq!(first.status(), 200);
+    assert!(first.headers().contains_key("x-nthpool-tpm-remaining"));
+    let s = gw.state("p").await;
+    assert_eq!(tokens_of(&s)["source"], "announced");
+    assert_eq!(tokens_of(&s)["budget"], 3000);
+    let mut tasks = Vec::new();
+    for i in 0..40u64 {
+        let words = ["alpha "; 200].concat();
+        let prompt = &words[..(6 * (5 + (i * 37) % 190)) as usize];
+        let body = json!({
+            "model": "gpt-4o",
+            "max_tokens": 20 + (i * 13) % 120,
+            "messages": [{"role": "user", "content": prompt}],
+        });
+        tasks.push(spawn_send(post(&gw, "/v1/chat/completions", &body)));
+    }
+    for t in tasks {
+        let r = t.await.unwrap();
+        assert_eq!(r.status(), 200, "{:?}", r.text().await);
+    }
+    let stats = sb.stats();
+    assert_eq!(stats.throttled, 0, "the origin refused some: {stats:?}");
+    assert_eq!(stats.ok, 41);
+}
+
+/// A request that does not fit lets small ones pass until its hold has run out; from then on
+/// the budget is kept for it, and it is served before the small ones that came after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_waiter_is_served_within_its_bound_while_small_ones_pass() {
+    let up = Upstream::start().await;
+    let toml = format!(
+        "{}[pools.tokens]\nhold_ms = 300\nwindow_ms = 1500\n",
+        pool_toml("p", &up.url(), "tpm = 1000")
+    );
+    let gw = gateway(&toml).await;
+    let seq = |n: &str, cost| post(&gw, "/respond", &chat(cost)).header("x-seq", n);
+    assert_eq!(send(seq("a", 800)).await.status(), 200);
+    let large = spawn_send(seq("large", 900));
+    gw.wait_state("p", "the large one waits", |s| tokens_of(s)["waiting"] == 1)
+        .await;
+    // Small ones that fit pass it while its hold has not run out...
+    assert_eq!(send(seq("small", 100)).await.status(), 200);
+    assert_eq!(up.arrivals(), ["a", "small"]);
+    // ...and once it has, they wait behind it, though they would fit.
+    gw.wait_state("p", "the budget is held", |s| tokens_of(s)["held"] == true)
+        .await;
+    let probe = post(&gw, "/respond", &chat(50))
+        .header("x-nthpool-no-queue", "1")
+        .header("x-seq", "probe");
+    expect_error(send(probe).await, 429, "too_many_requests").await;
+    let late: Vec<_> = (0..3)
+        .map(|i| spawn_send(seq(&format!("late{i}"), 30)))
+        .collect();
+    assert_eq!(large.await.unwrap().status(), 200);
+    for t in late {
+        assert_eq!(t.await.unwrap().status(), 200);
+    }
+    let arrivals = up.arrivals();
+    assert!(
+        !arrivals.iter().any(|a| a == "probe"),
+        "a small one passed the held budget: {arrivals:?}"
+    );
+    assert_eq!(arrivals[..3], ["a", "small", "large"]);
+    assert_eq!(arrivals.len(), 6, "{arrivals:?}");
+}
+
+/// A lock acquire carries its estimate and a release its usage: the pool's token budget counts
+/// lock holders' calls like proxied ones.
+#[tokio::test]
+async fn lock_acquire_charges_tokens_and_release_reports_usage() {
+    let gw = gateway(&lock_pool_toml("p", "tpm = 1000")).await;
+    let acquire = |body: Value| {
+        gw.api(Method::POST, "/pools/p/lock/acquire")
+            .header("x-nthpool-key", KEY)
+            .json(&body)
+    };
+    let too_big = send(acquire(json!({"tokens": 1500}))).await;
+    expect_error(too_big, 400, "exceeds_token_budget").await;
+    let r = send(acquire(json!({"tokens": 600}))).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-nthpool-tpm-remaining"], "400");
+    let slot = r.json::<Value>().await.unwrap()["slotId"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // No room for 500 more now, and this one may not wait.
+    let full = send(acquire(json!({"tokens": 500}))).await;
+    expect_error(full, 429, "too_many_requests").await;
+    let released = send(
+        gw.api(Method::POST, &format!("/pools/p/lock/{slot}/release"))
+            .header("x-nthpool-key", KEY)
+            .json(&json!({"status": 200, "usage": {"promptTokens": 50, "completionTokens": 50}})),
+    )
+    .await;
+    assert_eq!(released.status(), 200);
+    let s = gw.state("p").await;
+    assert_eq!(tokens_of(&s)["remaining"], 900);
+    assert_eq!(send(acquire(json!({"tokens": 500}))).await.status(), 200);
+}
