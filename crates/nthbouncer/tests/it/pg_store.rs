@@ -255,3 +255,85 @@ async fn a_database_that_does_not_answer_stops_the_start_without_showing_the_pas
     assert!(said.contains("server.store"), "{said}");
     assert!(!said.contains("pg-secret-never-shown"), "{said}");
 }
+
+/// Makes the test's database refuse this node: no new connection is allowed and the open ones
+/// are ended (`reachable = false`), or lets it back in. The machine's PostgreSQL keeps running for
+/// every other test.
+async fn database_reachable(db: &TestDb, reachable: bool) {
+    let admin = client(&db.admin_url).await;
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE {} ALLOW_CONNECTIONS {reachable}",
+            db.name
+        ))
+        .await
+        .unwrap();
+    if !reachable {
+        admin
+            .execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1",
+                &[&db.name],
+            )
+            .await
+            .unwrap();
+    }
+}
+
+/// PostgreSQL gone: an async job is refused with `503 store_unavailable` (no `202` that is not
+/// durable), proxied calls go on (they need no store), and once the database is back jobs are
+/// accepted again and complete, without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_database_down_jobs_are_refused_and_proxying_goes_on() {
+    let db = TestDb::create().await;
+    let up = serve_http(|_req| async { ok(b"done") }).await;
+    let pools = format!(
+        "store = \"{}\"\nallow_private_webhooks = true\n{}[pools.async]\nenabled = true\n{}",
+        db.url,
+        nthbouncer_testkit::pool_toml("p", &format!("http://{up}"), "limit = 2"),
+        nthbouncer_testkit::webhook_toml("http://127.0.0.1:9/hook"),
+    );
+    let node = Server::start(BIN, "warn", reqwest::Client::new(), &pools).await;
+    let submit = async || {
+        node.pool("p", Method::POST, "/work")
+            .header("x-nthpool-async", "1")
+            .send()
+            .await
+            .unwrap()
+    };
+
+    database_reachable(&db, false).await;
+    let r = submit().await;
+    assert_eq!(r.status(), 503);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"], "store_unavailable", "{e}");
+    for i in 0..5 {
+        let r = node
+            .pool_get("p", &format!("/sync/{i}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.text().await.unwrap(), "done");
+    }
+
+    // Back: a connection the pool still held from before may fail one more call (it is then
+    // dropped); a new one is made for the next, so jobs are accepted again within a few tries.
+    database_reachable(&db, true).await;
+    let mut accepted = Value::Null;
+    let back = wait_until(50, Duration::from_millis(20), async || {
+        let r = submit().await;
+        let status = r.status();
+        accepted = r.json().await.unwrap();
+        if status != 202 {
+            assert_eq!(accepted["error"], "store_unavailable", "{accepted}");
+        }
+        status == 202
+    })
+    .await;
+    assert!(
+        back,
+        "no job accepted after the database came back: {accepted}"
+    );
+    let job = accepted["jobId"].as_str().unwrap().to_owned();
+    node.wait_completed("p", &[job], "done").await;
+}
