@@ -14,6 +14,7 @@ pub mod cache;
 pub mod coordination;
 pub mod database;
 pub mod keys;
+pub mod store;
 pub mod tls;
 pub mod tokens;
 
@@ -22,6 +23,7 @@ pub use async_jobs::{AsyncSpec, WebhookSpec};
 pub use cache::CacheSpec;
 pub use coordination::{Coordination, CoordinationFail, RedisCoordination};
 pub use database::DatabaseSpec;
+pub use store::StoreSpec;
 pub use tls::{MtlsSpec, ServerTlsSpec, SniCertSpec, UpstreamTlsSpec};
 pub use tokens::TokensSpec;
 
@@ -70,7 +72,8 @@ pub struct ServerSpec {
     /// Base of every `pollUrl`; default `http://{api_host}:{port}`.
     pub public_url: Option<String>,
     pub data_dir: PathBuf,
-    /// `"sqlite"` (embedded default).
+    /// `"sqlite"` (embedded default) or `"postgres://…"` (`env:NAME` allowed): durable state in
+    /// one PostgreSQL database that several nodes share.
     pub store: String,
     /// `"in-process"` (default) or `"redis://host:port/db"` (`env:NAME` allowed): several nodes
     /// then share each pool's limit, queue, RPM and learned state.
@@ -403,16 +406,7 @@ impl ServerSpec {
         if let Some(url) = &self.public_url {
             parse_http_url("server.public_url", url)?;
         }
-        if self.store != "sqlite" {
-            let rule = if self.store.starts_with("postgres://")
-                || self.store.starts_with("postgresql://")
-            {
-                "the PostgreSQL store is not available in this version; use \"sqlite\""
-            } else {
-                "must be \"sqlite\""
-            };
-            return Err(ConfigError::new("server.store", rule));
-        }
+        self.store()?;
         self.coordination()?;
         if self.admin_token.is_some() {
             let token = self.admin_token()?.unwrap_or_default();

@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 mod lock;
+mod migrate;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -79,6 +80,9 @@ enum Command {
     /// slot with CMD's outcome, and exits with CMD's status.
     #[command(after_help = lock::AFTER_HELP)]
     Lock(lock::LockArgs),
+    /// Move a node's SQLite store into PostgreSQL (pools, keys, webhook destinations and
+    /// unfinished jobs), for `server.store = "postgres://…"`.
+    MigrateStore(migrate::MigrateArgs),
 }
 
 /// Prints a line of the demo's instructions. Unlike `println!`, which panics when stdout is
@@ -126,6 +130,7 @@ fn main() -> ExitCode {
             (tpm, token_window_ms),
         )),
         Command::Lock(args) => lock::main(args),
+        Command::MigrateStore(args) => run(migrate::main(args)),
     }
 }
 

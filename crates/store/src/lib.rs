@@ -2,8 +2,8 @@
 //!
 //! This crate owns what must survive a restart: pools created through the admin API, pool keys
 //! (hashes only), the pool access log, lock leases outstanding, the HMAC nonces seen (digests
-//! only), async jobs, webhook destinations, and the delivery outbox with its attempt log. [`Store`] is the seam; [`sqlite::SqliteStore`] is the embedded default, and a
-//! PostgreSQL implementation must fit the same trait unchanged.
+//! only), async jobs, webhook destinations, and the delivery outbox with its attempt log. [`Store`] (with [`JobStore`]) is the seam; [`sqlite::SqliteStore`] is the embedded default and
+//! [`postgres::PgStore`] the one several nodes share; both pass the same conformance tests.
 //!
 //! It must not know about HTTP or the governor. Pool settings are stored as opaque JSON (the
 //! config crate owns their shape), so the schema does not move when a setting is added.
@@ -11,6 +11,9 @@
 #![forbid(unsafe_code)]
 
 pub mod jobs;
+pub mod postgres;
+mod postgres_jobs;
+mod postgres_log;
 pub mod sqlite;
 mod sqlite_jobs;
 mod sqlite_leases;

@@ -52,21 +52,23 @@ const DELIVERY_COLUMNS: &str = "id, job_id, destination_id, status, attempts, ne
 const ATTEMPT_COLUMNS: &str = "id, delivery_id, job_id, destination_id, attempt, at, status_code, \
      latency_ms, response_body, error, manual, outcome";
 
+/// A job's request without its body, stored as JSON text (on PostgreSQL too).
 #[derive(serde::Serialize, serde::Deserialize)]
-struct RequestHead {
-    method: String,
-    path_and_query: String,
-    headers: Vec<(String, String)>,
+pub(crate) struct RequestHead {
+    pub(crate) method: String,
+    pub(crate) path_and_query: String,
+    pub(crate) headers: Vec<(String, String)>,
 }
 
+/// A job's result without its body, stored as JSON text (on PostgreSQL too).
 #[derive(serde::Serialize, serde::Deserialize)]
-struct ResultHead {
-    status: u16,
-    headers: Vec<(String, String)>,
-    truncated: bool,
+pub(crate) struct ResultHead {
+    pub(crate) status: u16,
+    pub(crate) headers: Vec<(String, String)>,
+    pub(crate) truncated: bool,
 }
 
-fn encode<T: serde::Serialize>(what: &str, v: &T) -> Result<String> {
+pub(crate) fn encode<T: serde::Serialize>(what: &str, v: &T) -> Result<String> {
     serde_json::to_string(v).map_err(|e| StoreError::Backend(format!("{what}: encoding: {e}")))
 }
 

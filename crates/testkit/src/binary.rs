@@ -217,6 +217,11 @@ impl Server {
         (r.status().as_u16(), r.json().await.unwrap())
     }
 
+    /// The node's `data_dir` (its SQLite store, when it runs on one).
+    pub fn data_dir(&self) -> PathBuf {
+        self._dir.path().join("data")
+    }
+
     /// `http://127.0.0.1:{port}{path}`.
     pub fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.port)

@@ -81,7 +81,8 @@ fn restart_only(old: &ServerSpec, new: &ServerSpec) -> Option<ConfigError> {
         return Some(needs_restart("data_dir", format!("{:?}", old.data_dir)));
     }
     if old.store != new.store {
-        return Some(needs_restart("store", format!("{:?}", old.store)));
+        // Masked: the URL may carry a password.
+        return Some(needs_restart("store", format!("{:?}", old.store_shown())));
     }
     if old.coordination != new.coordination {
         return Some(needs_restart(

@@ -6,7 +6,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use nthbouncer_config::Coordination as CoordinationSpec;
-use nthbouncer_config::{Config, ConfigError, ServerSpec};
+use nthbouncer_config::{Config, ConfigError, ServerSpec, StoreSpec};
 use nthbouncer_coord::in_process::InProcessCoordination;
 use nthbouncer_coord::redis::{RedisCoordination, RedisOptions};
 use nthbouncer_coord::{Clock, Coordination, SystemClock};
@@ -292,18 +292,36 @@ async fn bind(server: &ServerSpec) -> Result<(TcpListener, SocketAddr), StartErr
     Ok((listener, addr))
 }
 
-/// Opens the embedded store (off the async runtime: SQLite blocks).
+/// Opens the store `server.store` names: the embedded SQLite file (off the async runtime: SQLite
+/// blocks), or the PostgreSQL database, migrated to this build's schema. A database that does
+/// not answer at start stops the start (nothing durable could be promised).
 async fn open_store(
     server: &ServerSpec,
 ) -> Result<(Arc<dyn Store>, Arc<dyn JobStore>), StartError> {
-    let dir = server.data_dir.clone();
-    let sqlite = tokio::task::spawn_blocking(move || {
-        nthbouncer_store::sqlite::SqliteStore::open_in_dir(&dir)
-    })
-    .await
-    .map_err(|e| StartError::Store(e.to_string()))?
-    .map_err(|e| StartError::Store(e.to_string()))?;
-    Ok((Arc::new(sqlite.clone()), Arc::new(sqlite)))
+    match server.store().map_err(StartError::Config)? {
+        StoreSpec::Sqlite => {
+            let dir = server.data_dir.clone();
+            let sqlite = tokio::task::spawn_blocking(move || {
+                nthbouncer_store::sqlite::SqliteStore::open_in_dir(&dir)
+            })
+            .await
+            .map_err(|e| StartError::Store(e.to_string()))?
+            .map_err(|e| StartError::Store(e.to_string()))?;
+            Ok((Arc::new(sqlite.clone()), Arc::new(sqlite)))
+        }
+        StoreSpec::Postgres { url } => {
+            // The store's messages name the database without its password.
+            let pg = nthbouncer_store::postgres::PgStore::connect(&url)
+                .await
+                .map_err(|e| StartError::Store(format!("server.store: {e}")))?;
+            tracing::info!(
+                database = pg.target(),
+                node = pg.node_id(),
+                "storing state in PostgreSQL"
+            );
+            Ok((Arc::new(pg.clone()), Arc::new(pg)))
+        }
+    }
 }
 
 /// Connects to the shared coordination store, if the config names one. Failing closed, a node

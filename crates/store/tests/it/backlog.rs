@@ -1,8 +1,12 @@
-//! The unfinished-job backlog on SQLite (schema v6): counted per pool for `async.max_pending`,
-//! resumed in pages without request bodies, each body loaded when its job's turn comes.
+//! The unfinished-job backlog, on SQLite and PostgreSQL alike: counted per pool for
+//! `async.max_pending`, resumed in pages without request bodies, each body loaded when its
+//! job's turn comes.
 
-use nthbouncer_store::sqlite::SqliteStore;
-use nthbouncer_store::{Finish, JobCursor, JobRequest, JobStore, NewJob, UnfinishedJob};
+use nthbouncer_store::{Finish, JobCursor, JobRequest, NewJob, UnfinishedJob};
+
+use crate::backend::{conformance, AnyStore, Backend};
+
+conformance!(the_backlog_is_counted_paged_without_bodies_and_bodies_load_on_demand);
 
 fn job(id: &str, pool: &str, created_at: u64, body: &[u8]) -> NewJob {
     NewJob {
@@ -26,7 +30,7 @@ fn job(id: &str, pool: &str, created_at: u64, body: &[u8]) -> NewJob {
     }
 }
 
-async fn all_pages(store: &SqliteStore, limit: u32) -> Vec<Vec<UnfinishedJob>> {
+async fn all_pages(store: &dyn AnyStore, limit: u32) -> Vec<Vec<UnfinishedJob>> {
     let mut pages = Vec::new();
     let mut after: Option<JobCursor> = None;
     loop {
@@ -44,10 +48,8 @@ async fn all_pages(store: &SqliteStore, limit: u32) -> Vec<Vec<UnfinishedJob>> {
 
 /// Before, the only way to resume was `unfinished_jobs`, which loads every pending job with its
 /// body at once (a large backlog crash-looped a restart) and nothing counted a pool's backlog.
-#[tokio::test]
-async fn the_backlog_is_counted_paged_without_bodies_and_bodies_load_on_demand() {
-    let tmp = tempfile::tempdir().unwrap();
-    let store = SqliteStore::open_in_dir(tmp.path()).unwrap();
+async fn the_backlog_is_counted_paged_without_bodies_and_bodies_load_on_demand(b: &Backend) {
+    let store = b.open().await;
     // Two jobs share a creation time: the id breaks the tie.
     store
         .insert_jobs(&[
@@ -77,7 +79,7 @@ async fn the_backlog_is_counted_paged_without_bodies_and_bodies_load_on_demand()
         vec![("p".to_string(), 4), ("q".to_string(), 2)]
     );
 
-    let pages = all_pages(&store, 2).await;
+    let pages = all_pages(&*store, 2).await;
     assert_eq!(
         pages.iter().map(Vec::len).collect::<Vec<_>>(),
         vec![2, 2, 2]

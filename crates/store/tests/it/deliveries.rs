@@ -1,12 +1,22 @@
-//! The webhook delivery side of `JobStore` on SQLite (schema v3): due deliveries, recording
-//! attempts atomically with the destination's streak and deactivation, redelivery rounds,
-//! secret rotation, the attempt log, and the upgrade of a v2 database that has data in it.
+//! The webhook delivery side of `JobStore`, on SQLite and PostgreSQL alike (`conformance!`): due
+//! deliveries, recording attempts atomically with the destination's streak and deactivation,
+//! redelivery rounds, secret rotation, the attempt log; and on SQLite, the upgrade of a v2
+//! database that has data in it.
 
 use nthbouncer_store::sqlite::{SqliteStore, DB_FILE_NAME, SCHEMA_VERSION};
 use nthbouncer_store::{
     AttemptQuery, AttemptRecord, DeliveryNext, Finish, JobRequest, JobResult, JobStore, NewJob,
     Redeliver, StoredDestination,
 };
+
+use crate::backend::{conformance, AnyStore, Backend};
+
+conformance!(
+    due_record_retry_and_deliver,
+    streaks_deactivation_gone_and_manual,
+    redelivery_rounds_are_fenced,
+    undeliverable_rotation_and_retention,
+);
 
 fn job(id: &str, now: u64) -> NewJob {
     NewJob {
@@ -48,7 +58,7 @@ fn dest(id: &str, deactivate_after: u32) -> StoredDestination {
 }
 
 /// Inserts and completes `id`, with one pending delivery per destination in `dests`.
-async fn finished(store: &SqliteStore, id: &str, now: u64, dests: &[&str]) {
+async fn finished(store: &dyn AnyStore, id: &str, now: u64, dests: &[&str]) {
     store.insert_jobs(&[job(id, now)]).await.unwrap();
     let attempt = store.start_attempt(id, now).await.unwrap().unwrap();
     let dests: Vec<String> = dests.iter().map(|d| d.to_string()).collect();
@@ -88,7 +98,7 @@ fn record(
     }
 }
 
-async fn destination(store: &SqliteStore, id: &str) -> StoredDestination {
+async fn destination(store: &dyn AnyStore, id: &str) -> StoredDestination {
     store
         .list_destinations(Some("p"))
         .await
@@ -98,13 +108,11 @@ async fn destination(store: &SqliteStore, id: &str) -> StoredDestination {
         .unwrap()
 }
 
-#[tokio::test]
-async fn due_record_retry_and_deliver() {
-    let tmp = tempfile::tempdir().unwrap();
-    let store = SqliteStore::open_in_dir(tmp.path()).unwrap();
+async fn due_record_retry_and_deliver(b: &Backend) {
+    let store = b.open().await;
     store.create_destination(&dest("wh_a", 20)).await.unwrap();
     store.create_destination(&dest("wh_b", 20)).await.unwrap();
-    finished(&store, "job_1", 1_000, &["wh_a", "wh_b"]).await;
+    finished(&*store, "job_1", 1_000, &["wh_a", "wh_b"]).await;
 
     // Terminal: `destinations` is the number of deliveries; none delivered or failed yet.
     let j = store.get_job("p", "job_1").await.unwrap().unwrap();
@@ -135,7 +143,7 @@ async fn due_record_retry_and_deliver() {
         .await
         .unwrap();
     assert!(applied[0].recorded && applied[0].streak_changed && !applied[0].deactivated);
-    assert_eq!(destination(&store, "wh_a").await.consecutive_failures, 1);
+    assert_eq!(destination(&*store, "wh_a").await.consecutive_failures, 1);
     assert!(store
         .due_deliveries("wh_a", 5_999, 10, &[])
         .await
@@ -155,7 +163,7 @@ async fn due_record_retry_and_deliver() {
         .await
         .unwrap();
     assert!(applied[0].streak_changed);
-    assert_eq!(destination(&store, "wh_a").await.consecutive_failures, 0);
+    assert_eq!(destination(&*store, "wh_a").await.consecutive_failures, 0);
     let j = store.get_job("p", "job_1").await.unwrap().unwrap();
     assert_eq!((j.destinations, j.delivered, j.failed), (2, 1, 0));
     assert_eq!(j.request_id.as_deref(), Some("req-job_1"));
@@ -212,14 +220,12 @@ async fn due_record_retry_and_deliver() {
     assert!(store.list_attempts(&other_pool).await.unwrap().is_empty());
 }
 
-#[tokio::test]
-async fn streaks_deactivation_gone_and_manual() {
-    let tmp = tempfile::tempdir().unwrap();
-    let store = SqliteStore::open_in_dir(tmp.path()).unwrap();
+async fn streaks_deactivation_gone_and_manual(b: &Backend) {
+    let store = b.open().await;
     store.create_destination(&dest("wh_a", 2)).await.unwrap();
     store.create_destination(&dest("wh_b", 20)).await.unwrap();
     for id in ["job_1", "job_2", "job_3"] {
-        finished(&store, id, 1_000, &["wh_a", "wh_b"]).await;
+        finished(&*store, id, 1_000, &["wh_a", "wh_b"]).await;
     }
 
     // Two failures in one batch: the second reaches deactivate_after = 2 and fails every other
@@ -235,7 +241,7 @@ async fn streaks_deactivation_gone_and_manual() {
         .await
         .unwrap();
     assert!(!applied[0].deactivated && applied[1].deactivated);
-    let a = destination(&store, "wh_a").await;
+    let a = destination(&*store, "wh_a").await;
     assert!(!a.active);
     assert_eq!((a.consecutive_failures, a.deactivated_at), (2, Some(1_000)));
     for id in ["job_1", "job_2", "job_3"] {
@@ -267,24 +273,22 @@ async fn streaks_deactivation_gone_and_manual() {
     manual.manual = true;
     let applied = store.record_attempts(&[manual]).await.unwrap();
     assert!(!applied[0].streak_changed && !applied[0].deactivated);
-    assert_eq!(destination(&store, "wh_b").await.consecutive_failures, 0);
+    assert_eq!(destination(&*store, "wh_b").await.consecutive_failures, 0);
     let applied = store
         .record_attempts(&[record(&due[1], 1_000, Some(410), DeliveryNext::Failed)])
         .await
         .unwrap();
     assert!(applied[0].deactivated);
-    let b = destination(&store, "wh_b").await;
+    let b = destination(&*store, "wh_b").await;
     assert!(!b.active);
     assert_eq!(b.consecutive_failures, 1);
 }
 
-#[tokio::test]
-async fn redelivery_rounds_are_fenced() {
-    let tmp = tempfile::tempdir().unwrap();
-    let store = SqliteStore::open_in_dir(tmp.path()).unwrap();
+async fn redelivery_rounds_are_fenced(b: &Backend) {
+    let store = b.open().await;
     store.create_destination(&dest("wh_a", 20)).await.unwrap();
     store.create_destination(&dest("wh_b", 20)).await.unwrap();
-    finished(&store, "job_1", 1_000, &["wh_a"]).await;
+    finished(&*store, "job_1", 1_000, &["wh_a"]).await;
     let due = store.due_deliveries("wh_a", 1_000, 10, &[]).await.unwrap();
 
     // Unknown and unfinished jobs.
@@ -357,12 +361,10 @@ async fn redelivery_rounds_are_fenced() {
     assert_eq!((attempts[0].attempt, attempts[1].attempt), (2, 1));
 }
 
-#[tokio::test]
-async fn undeliverable_rotation_and_retention() {
-    let tmp = tempfile::tempdir().unwrap();
-    let store = SqliteStore::open_in_dir(tmp.path()).unwrap();
+async fn undeliverable_rotation_and_retention(b: &Backend) {
+    let store = b.open().await;
     store.create_destination(&dest("wh_a", 20)).await.unwrap();
-    finished(&store, "job_1", 1_000, &["wh_a", "wh_gone"]).await;
+    finished(&*store, "job_1", 1_000, &["wh_a", "wh_gone"]).await;
 
     // A delivery to a destination that is not active any more fails.
     assert_eq!(
@@ -385,7 +387,7 @@ async fn undeliverable_rotation_and_retention() {
         )
         .await
         .unwrap());
-    let a = destination(&store, "wh_a").await;
+    let a = destination(&*store, "wh_a").await;
     assert_eq!(a.secret, "whsec_bmV3LW5ldy1uZXctbmV3LW5ldy1uZXctbmV3");
     assert_eq!(
         a.previous_secret.as_deref(),
@@ -398,7 +400,7 @@ async fn undeliverable_rotation_and_retention() {
         .rotate_destination_secret("p", "wh_a", "whsec_other", None)
         .await
         .unwrap());
-    let a = destination(&store, "wh_a").await;
+    let a = destination(&*store, "wh_a").await;
     assert_eq!(
         (a.previous_secret, a.previous_secret_expires_at),
         (None, None)

@@ -1,5 +1,7 @@
-//! Behaviour of `SqliteStore` through the `Store` trait, against real database files in
-//! temporary directories. Owns nothing but its temp dirs.
+//! Behaviour of the stores through the `Store` trait: the conformance tests run on SQLite (real
+//! database files in temporary directories) and on PostgreSQL (a database of each test's own),
+//! from the same code (`conformance!`); the SQLite schema's own upgrades are tested here too.
+//! Owns nothing but its temp dirs and test databases.
 
 use std::collections::HashSet;
 use std::path::Path;
@@ -10,6 +12,24 @@ use nthbouncer_store::{
     StoredPool,
 };
 use serde_json::json;
+
+use crate::backend::{conformance, Backend, Db};
+
+conformance!(
+    pools_crud_and_conflict,
+    delete_pool_takes_its_keys_and_log_only,
+    keys_create_list_revoke_and_conflict,
+    access_log_batch_and_filters,
+    access_log_pagination_with_before_cursor,
+    access_log_batch_is_all_or_nothing,
+    trim_keeps_the_newest,
+    data_survives_reopen,
+    concurrent_use_from_many_tasks,
+    leases_outstanding_survive_a_reopen_until_released_or_past_their_deadline,
+    lease_records_fold_and_stay_exact_over_many_batches,
+    nonces_are_remembered_once_and_survive_a_reopen,
+    access_log_pages_trim_and_read_across_batches,
+);
 
 fn open(dir: &Path) -> SqliteStore {
     SqliteStore::open_in_dir(dir).unwrap()
@@ -106,10 +126,8 @@ async fn refuses_a_newer_schema() {
     );
 }
 
-#[tokio::test]
-async fn pools_crud_and_conflict() {
-    let tmp = tempfile::tempdir().unwrap();
-    let store = open(tmp.path());
+async fn pools_crud_and_conflict(b: &Backend) {
+    let store = b.open().await;
 
     assert!(store.list_pools().await.unwrap().is_empty());
     assert_eq!(store.get_pool("b").await.unwrap(), None);
@@ -148,10 +166,8 @@ async fn pools_crud_and_conflict() {
     store.create_pool(&pool("b", 100)).await.unwrap();
 }
 
-#[tokio::test]
-async fn delete_pool_takes_its_keys_and_log_only() {
-    let tmp = tempfile::tempdir().unwrap();
-    let store = open(tmp.path());
+async fn delete_pool_takes_its_keys_and_log_only(b: &Backend) {
+    let store = b.open().await;
     store.create_pool(&pool("gone", 1)).await.unwrap();
     store.create_pool(&pool("kept", 1)).await.unwrap();
     store.create_key(&key("key_g", "gone", 1)).await.unwrap();
@@ -193,10 +209,8 @@ async fn delete_pool_takes_its_keys_and_log_only() {
     );
 }
 
-#[tokio::test]
-async fn keys_create_list_revoke_and_conflict() {
-    let tmp = tempfile::tempdir().unwrap();
-    let store = open(tmp.path());
+async fn keys_create_list_revoke_and_conflict(b: &Backend) {
+    let store = b.open().await;
 
     // Inserted out of creation order; listing must be oldest first.
     let mut k2 = key("key_2", "p", 200);
@@ -260,10 +274,8 @@ async fn keys_create_list_revoke_and_conflict() {
     assert_eq!(listed[1].revoked_at, None);
 }
 
-#[tokio::test]
-async fn access_log_batch_and_filters() {
-    let tmp = tempfile::tempdir().unwrap();
-    let store = open(tmp.path());
+async fn access_log_batch_and_filters(b: &Backend) {
+    let store = b.open().await;
 
     // 300 entries in one batch, interleaved with another pool's.
     let batch: Vec<_> = (0..300u64)
@@ -405,10 +417,8 @@ async fn access_log_batch_and_filters() {
         .is_empty());
 }
 
-#[tokio::test]
-async fn access_log_pagination_with_before_cursor() {
-    let tmp = tempfile::tempdir().unwrap();
-    let store = open(tmp.path());
+async fn access_log_pagination_with_before_cursor(b: &Backend) {
+    let store = b.open().await;
     let batch: Vec<_> = (0..95).map(|i| entry("p", i, "admitted", None)).collect();
     store.append_access_log(&batch).await.unwrap();
 
@@ -432,10 +442,8 @@ async fn access_log_pagination_with_before_cursor() {
     assert_eq!(ats, (0..95).rev().collect::<Vec<_>>());
 }
 
-#[tokio::test]
-async fn access_log_batch_is_all_or_nothing() {
-    let tmp = tempfile::tempdir().unwrap();
-    let store = open(tmp.path());
+async fn access_log_batch_is_all_or_nothing(b: &Backend) {
+    let store = b.open().await;
     let mut batch: Vec<_> = (0..10).map(|i| entry("p", i, "admitted", None)).collect();
     // SQLite integers are signed 64-bit; this row cannot be stored.
     batch[7].at = u64::MAX;
@@ -448,10 +456,8 @@ async fn access_log_batch_is_all_or_nothing() {
         .is_empty());
 }
 
-#[tokio::test]
-async fn trim_keeps_the_newest() {
-    let tmp = tempfile::tempdir().unwrap();
-    let store = open(tmp.path());
+async fn trim_keeps_the_newest(b: &Backend) {
+    let store = b.open().await;
     let batch: Vec<_> = (0..50)
         .flat_map(|i| {
             [
@@ -486,12 +492,10 @@ async fn trim_keeps_the_newest() {
     assert_eq!(store.trim_access_log("nobody", 0).await.unwrap(), 0);
 }
 
-#[tokio::test]
-async fn data_survives_reopen() {
-    let tmp = tempfile::tempdir().unwrap();
+async fn data_survives_reopen(b: &Backend) {
     let last_id;
     {
-        let store = open(tmp.path());
+        let store = b.open().await;
         store.create_pool(&pool("p", 1)).await.unwrap();
         store.create_key(&key("key_1", "p", 2)).await.unwrap();
         store.revoke_key("p", "key_1", 3).await.unwrap();
@@ -506,7 +510,7 @@ async fn data_survives_reopen() {
             .unwrap();
     }
 
-    let store = open(tmp.path());
+    let store = b.open().await;
     assert_eq!(store.get_pool("p").await.unwrap(), Some(pool("p", 1)));
     let keys = store.list_all_keys().await.unwrap();
     assert_eq!(keys.len(), 1);
@@ -524,10 +528,8 @@ async fn data_survives_reopen() {
     assert!(log[0].id > last_id + 1, "ids stay monotonic across reopen");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_use_from_many_tasks() {
-    let tmp = tempfile::tempdir().unwrap();
-    let store = open(tmp.path());
+async fn concurrent_use_from_many_tasks(b: &Backend) {
+    let store = b.open().await;
     store.create_pool(&pool("p", 0)).await.unwrap();
 
     const TASKS: u64 = 32;
@@ -590,11 +592,9 @@ fn lease(id: &str, pool: &str, request_deadline: u64) -> LeaseRecord {
     }
 }
 
-#[tokio::test]
-async fn leases_outstanding_survive_a_reopen_until_released_or_past_their_deadline() {
-    let dir = tempfile::tempdir().unwrap();
+async fn leases_outstanding_survive_a_reopen_until_released_or_past_their_deadline(b: &Backend) {
     {
-        let store = open(dir.path());
+        let store = b.open().await;
         let granted = [
             lease("a", "p", 5_000),
             lease("b", "p", 9_000),
@@ -603,7 +603,7 @@ async fn leases_outstanding_survive_a_reopen_until_released_or_past_their_deadli
         store.apply_leases(&granted, &[], 1_000).await.unwrap();
         store.apply_leases(&[], &["b".into()], 1_000).await.unwrap();
     }
-    let store = open(dir.path());
+    let store = b.open().await;
     assert_eq!(
         store.outstanding_leases(1_000).await.unwrap(),
         vec![lease("a", "p", 5_000), lease("c", "q", 2_000)]
@@ -618,13 +618,11 @@ async fn leases_outstanding_survive_a_reopen_until_released_or_past_their_deadli
     assert_eq!(store.outstanding_leases(0).await.unwrap(), vec![]);
 }
 
-/// Thousands of grant and release batches (the journal folds itself many times over): what is
-/// outstanding is exactly what was granted and neither released, re-granted away nor due, and
-/// the journal stays short.
-#[tokio::test]
-async fn lease_records_fold_and_stay_exact_over_many_batches() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(dir.path());
+/// Thousands of grant and release batches (on SQLite the journal folds itself many times over):
+/// what is outstanding is exactly what was granted and neither released, re-granted away nor
+/// due, and SQLite's journal stays short.
+async fn lease_records_fold_and_stay_exact_over_many_batches(b: &Backend) {
+    let store = b.open().await;
     let mut expect = std::collections::BTreeMap::new();
     for i in 0..2_000u64 {
         let now = 1_000 + i;
@@ -658,13 +656,15 @@ async fn lease_records_fold_and_stay_exact_over_many_batches() {
         .collect();
     assert!(want.len() > 250, "{}", want.len());
     drop(store);
-    let store = open(dir.path());
+    let store = b.open().await;
     assert_eq!(store.outstanding_leases(now).await.unwrap(), want);
-    let raw = rusqlite::Connection::open(dir.path().join(DB_FILE_NAME)).unwrap();
-    let rows: i64 = raw
-        .query_row("SELECT COUNT(*) FROM lease_journal", [], |r| r.get(0))
-        .unwrap();
-    assert!(rows <= 256, "the journal folds: {rows} rows");
+    if let Backend::Sqlite(dir) = b {
+        let raw = rusqlite::Connection::open(dir.path().join(DB_FILE_NAME)).unwrap();
+        let rows: i64 = raw
+            .query_row("SELECT COUNT(*) FROM lease_journal", [], |r| r.get(0))
+            .unwrap();
+        assert!(rows <= 256, "the journal folds: {rows} rows");
+    }
 }
 
 /// A store written by schema v9 (leases as a table) keeps its outstanding leases on open.
@@ -704,11 +704,9 @@ fn nonce(pool: &str, digest: u8, expires_at: u64) -> NonceRecord {
 
 /// Seen HMAC nonces are durable (SPEC §9): before, they lived only in the process and a restart
 /// reopened the replay window (the store had no nonce methods at all).
-#[tokio::test]
-async fn nonces_are_remembered_once_and_survive_a_reopen() {
-    let tmp = tempfile::tempdir().unwrap();
+async fn nonces_are_remembered_once_and_survive_a_reopen(b: &Backend) {
     {
-        let store = open(tmp.path());
+        let store = b.open().await;
         let fresh = store
             .remember_nonces(
                 &[
@@ -735,7 +733,7 @@ async fn nonces_are_remembered_once_and_survive_a_reopen() {
         );
     }
     // Reopened, as after a restart: everything unexpired is still there.
-    let store = open(tmp.path());
+    let store = b.open().await;
     let mut loaded = store.unexpired_nonces(2_000).await.unwrap();
     loaded.sort_by(|a, b| (&a.pool, &a.digest).cmp(&(&b.pool, &b.digest)));
     assert_eq!(
@@ -985,10 +983,8 @@ async fn a_v7_store_migrates_to_request_ids() {
 
 /// Entries span many pages (batches of several sizes, one larger than a page): reads page
 /// through them newest first, and a trim keeps exactly the newest, wherever the boundary falls.
-#[tokio::test]
-async fn access_log_pages_trim_and_read_across_batches() {
-    let tmp = tempfile::tempdir().unwrap();
-    let store = open(tmp.path());
+async fn access_log_pages_trim_and_read_across_batches(b: &Backend) {
+    let store = b.open().await;
     let mut at = 0;
     for size in [1usize, 700, 3, 1200, 50] {
         let batch: Vec<_> = (0..size)
@@ -1001,7 +997,7 @@ async fn access_log_pages_trim_and_read_across_batches() {
         store.append_access_log(&batch).await.unwrap();
     }
     let total = 1 + 700 + 3 + 1200 + 50;
-    let all = |store: SqliteStore| async move {
+    let all = |store: Db| async move {
         let mut seen = Vec::new();
         let mut before = None;
         loop {

@@ -1,0 +1,1075 @@
+//! [`JobStore`] on PostgreSQL: the `jobs`, `job_events`, `webhook_destinations`, `deliveries` and
+//! `delivery_attempts` tables (schema v1 in `postgres.rs`). Request and result heads are JSON
+//! text, as on SQLite; bodies are `BYTEA`.
+//!
+//! The invariants are SQLite's: a batch of jobs is committed (synchronously) before
+//! `insert_jobs` returns; a job's terminal state, its history step and its outbox rows commit
+//! together; an attempt's result applies only while its attempt number holds the job (fencing);
+//! a delivery attempt's result applies only to the round it started in. What several nodes add:
+//! deliveries and jobs are claimed under `FOR UPDATE SKIP LOCKED` with a claim lease
+//! ([`CLAIM_LEASE_MS`]), so two nodes never work on one row at once while its claimant lives.
+
+use deadpool_postgres::Transaction;
+use tokio_postgres::Row;
+
+use crate::jobs::{delivery_status, status};
+use crate::postgres::{big, get, get_opt_u, get_u, rows, Ctx, PgStore, CLAIM_LEASE_MS};
+use crate::sqlite_jobs::{encode, RequestHead, ResultHead};
+use crate::{
+    AttemptApplied, AttemptQuery, AttemptRecord, DeliveryAttempt, DeliveryNext, DeliveryState,
+    DueDelivery, Finish, JobCursor, JobEvent, JobRequest, JobResult, JobStore, NewJob, Redeliver,
+    Result, StoreError, StoredDestination, StoredJob, UnfinishedJob,
+};
+
+/// A terminal job's `destinations` is the number of its deliveries (see `sqlite_jobs`).
+const JOB_COLUMNS: &str =
+    "id, pool, status, reason, key_id, fairness, priority, created_at, updated_at, expires_at, \
+     retention_ms, attempt, \
+     CASE WHEN status IN ('completed', 'failed', 'expired') \
+          THEN (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id) ELSE destinations END, \
+     error, request, request_body, result, result_body, \
+     (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id AND d.status = 'delivered'), \
+     (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id AND d.status = 'failed'), \
+     request_id";
+
+/// [`JOB_COLUMNS`] with an empty request body (column 15) and the body's length appended
+/// (column 21). Keep the two in step.
+const JOB_HEAD_COLUMNS: &str =
+    "id, pool, status, reason, key_id, fairness, priority, created_at, updated_at, expires_at, \
+     retention_ms, attempt, \
+     CASE WHEN status IN ('completed', 'failed', 'expired') \
+          THEN (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id) ELSE destinations END, \
+     error, request, ''::BYTEA, result, result_body, \
+     (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id AND d.status = 'delivered'), \
+     (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id AND d.status = 'failed'), \
+     request_id, octet_length(request_body)::BIGINT";
+
+/// The statuses of a job not yet terminal, in the exact text of the partial indexes.
+const UNFINISHED: &str = "status IN ('accepted', 'queued', 'running')";
+
+const DEST_COLUMNS: &str =
+    "id, pool, url, secret, active, deactivate_after, consecutive_failures, deactivated_at, \
+     managed_by, created_at, previous_secret, previous_secret_expires_at";
+
+const DELIVERY_COLUMNS: &str = "id, job_id, destination_id, status, attempts, next_attempt_at, \
+     manual, last_status, last_error, delivered_at, updated_at, request_id";
+
+const ATTEMPT_COLUMNS: &str = "id, delivery_id, job_id, destination_id, attempt, at, status_code, \
+     latency_ms, response_body, error, manual, outcome";
+
+fn decode<T: serde::de::DeserializeOwned>(what: &str, text: &str) -> Result<T> {
+    serde_json::from_str(text).map_err(|e| StoreError::Backend(format!("reading {what}: {e}")))
+}
+
+fn job_from_row(row: &Row) -> Result<StoredJob> {
+    let request: RequestHead = decode("a job's request", &get::<String>(row, 14)?)?;
+    let result = match get::<Option<String>>(row, 16)? {
+        Some(text) => {
+            let head: ResultHead = decode("a job's result", &text)?;
+            let body: Option<Vec<u8>> = get(row, 17)?;
+            Some(JobResult {
+                status: head.status,
+                headers: head.headers,
+                body: body.unwrap_or_default(),
+                truncated: head.truncated,
+            })
+        }
+        None => None,
+    };
+    Ok(StoredJob {
+        id: get(row, 0)?,
+        pool: get(row, 1)?,
+        status: get(row, 2)?,
+        reason: get(row, 3)?,
+        key_id: get(row, 4)?,
+        // Stored bit for bit (a hash), as on SQLite.
+        fairness: get::<i64>(row, 5)? as u64,
+        priority: get(row, 6)?,
+        created_at: get_u(row, 7)?,
+        updated_at: get_u(row, 8)?,
+        expires_at: get_u(row, 9)?,
+        retention_ms: get_u(row, 10)?,
+        attempt: get_u(row, 11)?,
+        destinations: get_u(row, 12)?,
+        error: get(row, 13)?,
+        request: JobRequest {
+            method: request.method,
+            path_and_query: request.path_and_query,
+            headers: request.headers,
+            body: get(row, 15)?,
+        },
+        result,
+        delivered: get_u(row, 18)?,
+        failed: get_u(row, 19)?,
+        request_id: get(row, 20)?,
+    })
+}
+
+fn dest_from_row(row: &Row) -> Result<StoredDestination> {
+    Ok(StoredDestination {
+        id: get(row, 0)?,
+        pool: get(row, 1)?,
+        url: get(row, 2)?,
+        secret: get(row, 3)?,
+        active: get(row, 4)?,
+        deactivate_after: get_u(row, 5)?,
+        consecutive_failures: get_u(row, 6)?,
+        deactivated_at: get_opt_u(row, 7)?,
+        managed_by: get(row, 8)?,
+        created_at: get_u(row, 9)?,
+        previous_secret: get(row, 10)?,
+        previous_secret_expires_at: get_opt_u(row, 11)?,
+    })
+}
+
+fn delivery_from_row(row: &Row) -> Result<DeliveryState> {
+    let status: String = get(row, 3)?;
+    let next: u64 = get_u(row, 5)?;
+    Ok(DeliveryState {
+        id: get_u(row, 0)?,
+        job_id: get(row, 1)?,
+        destination_id: get(row, 2)?,
+        next_attempt_at: (status == delivery_status::PENDING).then_some(next),
+        status,
+        attempts: get_u(row, 4)?,
+        manual: get(row, 6)?,
+        last_status: get_opt_u(row, 7)?,
+        last_error: get(row, 8)?,
+        delivered_at: get_opt_u(row, 9)?,
+        updated_at: get_u(row, 10)?,
+        request_id: get(row, 11)?,
+    })
+}
+
+fn attempt_from_row(row: &Row) -> Result<DeliveryAttempt> {
+    Ok(DeliveryAttempt {
+        id: get_u(row, 0)?,
+        delivery_id: get_u(row, 1)?,
+        job_id: get(row, 2)?,
+        destination_id: get(row, 3)?,
+        attempt: get_u(row, 4)?,
+        at: get_u(row, 5)?,
+        status_code: get_opt_u(row, 6)?,
+        latency_ms: get_u(row, 7)?,
+        response_body: get(row, 8)?,
+        error: get(row, 9)?,
+        manual: get(row, 10)?,
+        outcome: get(row, 11)?,
+    })
+}
+
+async fn event(
+    tx: &Transaction<'_>,
+    id: &str,
+    at: u64,
+    status: &str,
+    attempt: u32,
+    detail: Option<&str>,
+) -> Result<()> {
+    tx.execute(
+        "INSERT INTO job_events (job_id, at, status, attempt, detail) VALUES ($1, $2, $3, $4, $5)",
+        &[&id, &big(at), &status, &i64::from(attempt), &detail],
+    )
+    .await
+    .ctx("job event")
+    .map(drop)
+}
+
+/// One pending delivery per destination (in order; one already there is left alone).
+async fn enqueue_deliveries(
+    tx: &Transaction<'_>,
+    id: &str,
+    now: u64,
+    destination_ids: &[String],
+) -> Result<()> {
+    if destination_ids.is_empty() {
+        return Ok(());
+    }
+    tx.execute(
+        "INSERT INTO deliveries (job_id, destination_id, status, attempts, next_attempt_at, \
+         created_at, updated_at, request_id) \
+         SELECT $1, d, 'pending', 0, $2, $2, $2, (SELECT request_id FROM jobs WHERE id = $1) \
+         FROM (SELECT d, MIN(n) AS n FROM UNNEST($3::TEXT[]) WITH ORDINALITY AS t(d, n) \
+               GROUP BY d) AS u ORDER BY n \
+         ON CONFLICT (job_id, destination_id) DO NOTHING",
+        &[&id, &big(now), &destination_ids],
+    )
+    .await
+    .ctx("outbox")
+    .map(drop)
+}
+
+/// Applies one attempt inside the caller's transaction (see [`JobStore::record_attempts`]).
+async fn apply_attempt(tx: &Transaction<'_>, r: &AttemptRecord) -> Result<AttemptApplied> {
+    let mut applied = apply_streak(tx, r).await?;
+    // A deactivated destination gets no retries.
+    let next = match r.next {
+        DeliveryNext::Retry { .. } if applied.deactivated => DeliveryNext::Failed,
+        other => other,
+    };
+    applied.recorded = apply_delivery(tx, r, next).await?;
+    if applied.deactivated {
+        tx.execute(
+            "UPDATE deliveries SET status = 'failed', last_error = 'destination deactivated', \
+             updated_at = $2 WHERE destination_id = $1 AND status = 'pending'",
+            &[&r.destination_id, &big(r.at)],
+        )
+        .await
+        .ctx("record_attempts")?;
+    }
+    Ok(applied)
+}
+
+/// The destination's failure streak and deactivation after one attempt.
+async fn apply_streak(tx: &Transaction<'_>, r: &AttemptRecord) -> Result<AttemptApplied> {
+    let mut applied = AttemptApplied::default();
+    if r.next == DeliveryNext::Delivered {
+        let n = tx
+            .execute(
+                "UPDATE webhook_destinations SET consecutive_failures = 0 \
+                 WHERE id = $1 AND consecutive_failures != 0",
+                &[&r.destination_id],
+            )
+            .await
+            .ctx("record_attempts")?;
+        applied.streak_changed = n > 0;
+        return Ok(applied);
+    }
+    if !r.manual {
+        let n = tx
+            .execute(
+                "UPDATE webhook_destinations SET consecutive_failures = consecutive_failures + 1 \
+                 WHERE id = $1 AND active",
+                &[&r.destination_id],
+            )
+            .await
+            .ctx("record_attempts")?;
+        applied.streak_changed = n > 0;
+    }
+    let n = if r.gone {
+        tx.execute(
+            "UPDATE webhook_destinations SET active = FALSE, deactivated_at = $2 \
+             WHERE id = $1 AND active",
+            &[&r.destination_id, &big(r.at)],
+        )
+        .await
+        .ctx("record_attempts")?
+    } else if !r.manual {
+        tx.execute(
+            "UPDATE webhook_destinations SET active = FALSE, deactivated_at = $2 \
+             WHERE id = $1 AND active AND consecutive_failures >= deactivate_after",
+            &[&r.destination_id, &big(r.at)],
+        )
+        .await
+        .ctx("record_attempts")?
+    } else {
+        0
+    };
+    applied.deactivated = n > 0;
+    Ok(applied)
+}
+
+/// The delivery's new state and the attempt's log row; `false` if the delivery is gone.
+async fn apply_delivery(
+    tx: &Transaction<'_>,
+    r: &AttemptRecord,
+    next: DeliveryNext,
+) -> Result<bool> {
+    let id = big(r.delivery_id);
+    // The attempt is over: its claim goes with it.
+    let exists = tx
+        .execute(
+            "UPDATE deliveries SET attempts = attempts + 1, claimed_by = NULL, claim_until = NULL \
+             WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .ctx("record_attempts")?
+        > 0;
+    if !exists {
+        return Ok(false);
+    }
+    let (round, code, at) = (i64::from(r.round), r.status_code.map(i64::from), big(r.at));
+    // Fenced by the round: a redelivery asked for while this attempt ran stays pending.
+    let retry_at = match next {
+        DeliveryNext::Retry { at } => big(at),
+        _ => 0,
+    };
+    let (sql, params): (&str, &[&(dyn tokio_postgres::types::ToSql + Sync)]) = match next {
+        DeliveryNext::Delivered => (
+            "UPDATE deliveries SET status = 'delivered', round_attempts = round_attempts + 1, \
+             last_status = $3, last_error = NULL, delivered_at = $4, updated_at = $4 \
+             WHERE id = $1 AND round = $2 AND status != 'delivered'",
+            &[&id, &round, &code, &at],
+        ),
+        DeliveryNext::Retry { .. } => (
+            "UPDATE deliveries SET round_attempts = round_attempts + 1, next_attempt_at = $5, \
+             last_status = $3, last_error = $6, updated_at = $4 \
+             WHERE id = $1 AND round = $2 AND status = 'pending'",
+            &[&id, &round, &code, &at, &retry_at, &r.error],
+        ),
+        DeliveryNext::Failed => (
+            "UPDATE deliveries SET status = 'failed', round_attempts = round_attempts + 1, \
+             last_status = $3, last_error = $5, updated_at = $4 \
+             WHERE id = $1 AND round = $2 AND status = 'pending'",
+            &[&id, &round, &code, &at, &r.error],
+        ),
+    };
+    tx.execute(sql, params).await.ctx("record_attempts")?;
+    let outcome = match next {
+        DeliveryNext::Delivered => delivery_status::DELIVERED,
+        DeliveryNext::Retry { .. } => "retrying",
+        DeliveryNext::Failed => delivery_status::FAILED,
+    };
+    tx.execute(
+        "INSERT INTO delivery_attempts (delivery_id, job_id, destination_id, pool, attempt, at, \
+         status_code, latency_ms, response_body, error, manual, outcome) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+        &[
+            &id,
+            &r.job_id,
+            &r.destination_id,
+            &r.pool,
+            &i64::from(r.attempt),
+            &at,
+            &code,
+            &big(r.latency_ms),
+            &r.response_body,
+            &r.error,
+            &r.manual,
+            &outcome,
+        ],
+    )
+    .await
+    .ctx("record_attempts")?;
+    Ok(true)
+}
+
+impl PgStore {
+    /// Takes over up to `limit` unfinished jobs that no live node holds (never claimed, or their
+    /// claim lapsed at `now`), oldest first, claiming them for this node until
+    /// `now + CLAIM_LEASE_MS`; returns their ids. Rows other nodes are claiming at this moment
+    /// are skipped (`FOR UPDATE SKIP LOCKED`), so two nodes never take the same job.
+    pub async fn claim_jobs(&self, now: u64, limit: u32) -> Result<Vec<String>> {
+        let conn = self.conn().await?;
+        let found = conn
+            .query(
+                &format!(
+                    "WITH c AS (SELECT id FROM jobs WHERE {UNFINISHED} \
+                     AND (claim_until IS NULL OR claim_until <= $1 OR claimed_by = $3) \
+                     ORDER BY created_at, id LIMIT $2 FOR UPDATE SKIP LOCKED) \
+                     UPDATE jobs j SET claimed_by = $3, claim_until = $4 FROM c \
+                     WHERE j.id = c.id RETURNING j.id, j.created_at"
+                ),
+                &[
+                    &big(now),
+                    &i64::from(limit.clamp(1, 1000)),
+                    &self.inner.node,
+                    &big(now.saturating_add(CLAIM_LEASE_MS)),
+                ],
+            )
+            .await
+            .ctx("claim_jobs")?;
+        let mut claimed = rows(found, |r| Ok((get_u::<u64>(r, 1)?, get::<String>(r, 0)?)))?;
+        claimed.sort();
+        Ok(claimed.into_iter().map(|(_, id)| id).collect())
+    }
+
+    /// Extends this node's claims on its unfinished jobs to `now + CLAIM_LEASE_MS` (a live
+    /// node calls it well within the lease); returns how many it holds.
+    pub async fn renew_job_claims(&self, now: u64) -> Result<u64> {
+        let conn = self.conn().await?;
+        conn.execute(
+            &format!("UPDATE jobs SET claim_until = $2 WHERE claimed_by = $1 AND {UNFINISHED}"),
+            &[&self.inner.node, &big(now.saturating_add(CLAIM_LEASE_MS))],
+        )
+        .await
+        .ctx("renew_job_claims")
+    }
+
+    async fn insert_batch(&self, jobs: &[NewJob]) -> Result<()> {
+        let mut heads = Vec::with_capacity(jobs.len());
+        for j in jobs {
+            heads.push(encode(
+                "insert_jobs",
+                &RequestHead {
+                    method: j.request.method.clone(),
+                    path_and_query: j.request.path_and_query.clone(),
+                    headers: j.request.headers.clone(),
+                },
+            )?);
+        }
+        let text = |f: fn(&NewJob) -> &str| jobs.iter().map(f).collect::<Vec<&str>>();
+        let num = |f: fn(&NewJob) -> i64| jobs.iter().map(f).collect::<Vec<i64>>();
+        let bodies: Vec<&[u8]> = jobs.iter().map(|j| j.request.body.as_slice()).collect();
+        let request_ids: Vec<Option<&str>> = jobs.iter().map(|j| j.request_id.as_deref()).collect();
+        let mut conn = self.conn().await?;
+        let tx = conn.transaction().await.ctx("insert_jobs")?;
+        // A 202 promises the job survives a crash of the database's host too: whatever the
+        // server's default, this commit waits for its WAL flush.
+        tx.batch_execute("SET LOCAL synchronous_commit TO on")
+            .await
+            .ctx("insert_jobs")?;
+        tx.execute(
+            "INSERT INTO jobs (id, pool, status, reason, key_id, fairness, priority, created_at, \
+             updated_at, expires_at, retention_ms, attempt, destinations, request, request_body, \
+             request_id, claimed_by, claim_until) \
+             SELECT id, pool, 'accepted', reason, key_id, fairness, priority, created_at, \
+             created_at, expires_at, retention_ms, 0, destinations, request, body, request_id, \
+             $14, created_at + $15 \
+             FROM UNNEST($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::TEXT[], $5::BIGINT[], \
+             $6::TEXT[], $7::BIGINT[], $8::BIGINT[], $9::BIGINT[], $10::BIGINT[], $11::TEXT[], \
+             $12::BYTEA[], $13::TEXT[]) AS t(id, pool, reason, key_id, fairness, priority, \
+             created_at, expires_at, retention_ms, destinations, request, body, request_id)",
+            &[
+                &text(|j| &j.id),
+                &text(|j| &j.pool),
+                &text(|j| &j.reason),
+                &text(|j| &j.key_id),
+                &num(|j| j.fairness as i64),
+                &text(|j| &j.priority),
+                &num(|j| big(j.created_at)),
+                &num(|j| big(j.expires_at)),
+                &num(|j| big(j.retention_ms)),
+                &num(|j| i64::from(j.destinations)),
+                &heads,
+                &bodies,
+                &request_ids,
+                &self.inner.node,
+                &big(CLAIM_LEASE_MS),
+            ],
+        )
+        .await
+        .ctx("insert_jobs")?;
+        tx.execute(
+            "INSERT INTO job_events (job_id, at, status, attempt, detail) \
+             SELECT id, at, 'accepted', 0, reason \
+             FROM UNNEST($1::TEXT[], $2::BIGINT[], $3::TEXT[]) WITH ORDINALITY AS t(id, at, reason, n) \
+             ORDER BY n",
+            &[
+                &text(|j| &j.id),
+                &num(|j| big(j.created_at)),
+                &text(|j| &j.reason),
+            ],
+        )
+        .await
+        .ctx("insert_jobs")?;
+        tx.commit().await.ctx("insert_jobs")
+    }
+
+    async fn query_jobs(
+        &self,
+        what: &str,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<Vec<StoredJob>> {
+        let conn = self.conn().await?;
+        let found = conn.query(sql, params).await.ctx(what)?;
+        rows(found, job_from_row)
+    }
+}
+
+#[async_trait::async_trait]
+impl JobStore for PgStore {
+    async fn insert_jobs(&self, jobs: &[NewJob]) -> Result<()> {
+        if jobs.is_empty() {
+            return Ok(());
+        }
+        self.insert_batch(jobs).await
+    }
+
+    async fn get_job(&self, pool: &str, id: &str) -> Result<Option<StoredJob>> {
+        let sql = format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = $1 AND pool = $2");
+        Ok(self
+            .query_jobs("get_job", &sql, &[&id, &pool])
+            .await?
+            .into_iter()
+            .next())
+    }
+
+    async fn list_jobs(
+        &self,
+        pool: &str,
+        status: Option<&str>,
+        before: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<StoredJob>> {
+        // Newest first by (created_at, id); the cursor is the last id of the previous page.
+        let sql = format!(
+            "SELECT {JOB_COLUMNS} FROM jobs WHERE pool = $1 AND ($2::TEXT IS NULL OR status = $2) \
+             AND ($3::TEXT IS NULL OR (created_at, id) < \
+                  (SELECT created_at, id FROM jobs WHERE id = $3)) \
+             ORDER BY created_at DESC, id DESC LIMIT $4"
+        );
+        let limit = i64::from(limit.clamp(1, 1000));
+        self.query_jobs("list_jobs", &sql, &[&pool, &status, &before, &limit])
+            .await
+    }
+
+    async fn job_events(&self, id: &str) -> Result<Vec<JobEvent>> {
+        let conn = self.conn().await?;
+        let found = conn
+            .query(
+                "SELECT at, status, attempt, detail FROM job_events WHERE job_id = $1 ORDER BY seq",
+                &[&id],
+            )
+            .await
+            .ctx("job_events")?;
+        rows(found, |r| {
+            Ok(JobEvent {
+                at: get_u(r, 0)?,
+                status: get(r, 1)?,
+                attempt: get_u(r, 2)?,
+                detail: get(r, 3)?,
+            })
+        })
+    }
+
+    async fn unfinished_jobs(&self) -> Result<Vec<StoredJob>> {
+        let sql =
+            format!("SELECT {JOB_COLUMNS} FROM jobs WHERE {UNFINISHED} ORDER BY created_at, id");
+        self.query_jobs("unfinished_jobs", &sql, &[]).await
+    }
+
+    async fn unfinished_jobs_page(
+        &self,
+        after: Option<&JobCursor>,
+        limit: u32,
+    ) -> Result<Vec<UnfinishedJob>> {
+        let after_at = after.map(|c| big(c.created_at));
+        let after_id = after.map(|c| c.id.as_str());
+        let limit = i64::from(limit.clamp(1, 1000));
+        let conn = self.conn().await?;
+        let found = conn
+            .query(
+                &format!(
+                    "SELECT {JOB_HEAD_COLUMNS} FROM jobs WHERE {UNFINISHED} \
+                     AND ($1::BIGINT IS NULL OR (created_at, id) > ($1, $2::TEXT)) \
+                     ORDER BY created_at, id LIMIT $3"
+                ),
+                &[&after_at, &after_id, &limit],
+            )
+            .await
+            .ctx("unfinished_jobs_page")?;
+        rows(found, |r| {
+            Ok(UnfinishedJob {
+                job: job_from_row(r)?,
+                body_len: get_u(r, 21)?,
+            })
+        })
+    }
+
+    async fn job_request_body(&self, id: &str) -> Result<Option<Vec<u8>>> {
+        let conn = self.conn().await?;
+        let found = conn
+            .query_opt("SELECT request_body FROM jobs WHERE id = $1", &[&id])
+            .await
+            .ctx("job_request_body")?;
+        found.as_ref().map(|r| get(r, 0)).transpose()
+    }
+
+    async fn count_unfinished_jobs(&self, pool: &str) -> Result<u64> {
+        let conn = self.conn().await?;
+        let row = conn
+            .query_one(
+                &format!("SELECT COUNT(*) FROM jobs WHERE pool = $1 AND {UNFINISHED}"),
+                &[&pool],
+            )
+            .await
+            .ctx("count_unfinished_jobs")?;
+        get_u(&row, 0)
+    }
+
+    async fn unfinished_job_counts(&self) -> Result<Vec<(String, u64)>> {
+        let conn = self.conn().await?;
+        let found = conn
+            .query(
+                &format!(
+                    "SELECT pool, COUNT(*) FROM jobs WHERE {UNFINISHED} GROUP BY pool ORDER BY pool"
+                ),
+                &[],
+            )
+            .await
+            .ctx("unfinished_job_counts")?;
+        rows(found, |r| Ok((get(r, 0)?, get_u(r, 1)?)))
+    }
+
+    async fn mark_queued(&self, id: &str, now: u64) -> Result<()> {
+        let mut conn = self.conn().await?;
+        let tx = conn.transaction().await.ctx("mark_queued")?;
+        let n = tx
+            .execute(
+                "UPDATE jobs SET status = 'queued', updated_at = $2 \
+                 WHERE id = $1 AND status = 'accepted'",
+                &[&id, &big(now)],
+            )
+            .await
+            .ctx("mark_queued")?;
+        if n > 0 {
+            event(&tx, id, now, status::QUEUED, 0, None).await?;
+        }
+        tx.commit().await.ctx("mark_queued")
+    }
+
+    async fn start_attempt(&self, id: &str, now: u64) -> Result<Option<u32>> {
+        let mut conn = self.conn().await?;
+        let tx = conn.transaction().await.ctx("start_attempt")?;
+        // The attempt claims the job for this node until the lease ends.
+        let row = tx
+            .query_opt(
+                &format!(
+                    "UPDATE jobs SET status = 'running', attempt = attempt + 1, updated_at = $2, \
+                     claimed_by = $3, claim_until = $4 WHERE id = $1 AND {UNFINISHED} \
+                     RETURNING attempt"
+                ),
+                &[
+                    &id,
+                    &big(now),
+                    &self.inner.node,
+                    &big(now.saturating_add(CLAIM_LEASE_MS)),
+                ],
+            )
+            .await
+            .ctx("start_attempt")?;
+        let attempt = row.as_ref().map(|r| get_u::<u32>(r, 0)).transpose()?;
+        if let Some(a) = attempt {
+            event(&tx, id, now, status::RUNNING, a, None).await?;
+        }
+        tx.commit().await.ctx("start_attempt")?;
+        Ok(attempt)
+    }
+
+    async fn retry_attempt(&self, id: &str, attempt: u32, now: u64, detail: &str) -> Result<bool> {
+        let mut conn = self.conn().await?;
+        let tx = conn.transaction().await.ctx("retry_attempt")?;
+        let n = tx
+            .execute(
+                "UPDATE jobs SET status = 'queued', updated_at = $3, error = $4 \
+                 WHERE id = $1 AND attempt = $2 AND status = 'running'",
+                &[&id, &i64::from(attempt), &big(now), &detail],
+            )
+            .await
+            .ctx("retry_attempt")?;
+        if n > 0 {
+            event(&tx, id, now, status::QUEUED, attempt, Some(detail)).await?;
+        }
+        tx.commit().await.ctx("retry_attempt")?;
+        Ok(n > 0)
+    }
+
+    async fn finish_attempt(
+        &self,
+        id: &str,
+        attempt: u32,
+        finish: &Finish,
+        now: u64,
+        destination_ids: &[String],
+    ) -> Result<bool> {
+        let (new_status, error, head, body) = match finish {
+            Finish::Completed(r) => {
+                let head = ResultHead {
+                    status: r.status,
+                    headers: r.headers.clone(),
+                    truncated: r.truncated,
+                };
+                (
+                    status::COMPLETED,
+                    None,
+                    Some(encode("finish_attempt", &head)?),
+                    Some(r.body.as_slice()),
+                )
+            }
+            Finish::Failed(e) => (status::FAILED, Some(e.as_str()), None, None),
+        };
+        let mut conn = self.conn().await?;
+        let tx = conn.transaction().await.ctx("finish_attempt")?;
+        let n = tx
+            .execute(
+                "UPDATE jobs SET status = $3, updated_at = $4, error = $5, result = $6, \
+                 result_body = $7, claimed_by = NULL, claim_until = NULL \
+                 WHERE id = $1 AND attempt = $2 AND status = 'running'",
+                &[
+                    &id,
+                    &i64::from(attempt),
+                    &new_status,
+                    &big(now),
+                    &error,
+                    &head,
+                    &body,
+                ],
+            )
+            .await
+            .ctx("finish_attempt")?;
+        if n > 0 {
+            event(&tx, id, now, new_status, attempt, error).await?;
+            enqueue_deliveries(&tx, id, now, destination_ids).await?;
+        }
+        tx.commit().await.ctx("finish_attempt")?;
+        Ok(n > 0)
+    }
+
+    async fn expire_jobs(
+        &self,
+        now: u64,
+        active_destinations: &std::collections::HashMap<String, Vec<String>>,
+    ) -> Result<Vec<String>> {
+        let mut conn = self.conn().await?;
+        let tx = conn.transaction().await.ctx("expire_jobs")?;
+        // Rows another node is expiring (or finishing) right now are left to it.
+        let due = tx
+            .query(
+                &format!(
+                    "UPDATE jobs SET status = 'expired', updated_at = $1, claimed_by = NULL, \
+                     claim_until = NULL WHERE id IN (SELECT id FROM jobs WHERE {UNFINISHED} \
+                     AND expires_at <= $1 ORDER BY created_at, id FOR UPDATE SKIP LOCKED) \
+                     RETURNING id, pool, created_at"
+                ),
+                &[&big(now)],
+            )
+            .await
+            .ctx("expire_jobs")?;
+        let mut due = rows(due, |r| {
+            Ok((
+                get_u::<u64>(r, 2)?,
+                get::<String>(r, 0)?,
+                get::<String>(r, 1)?,
+            ))
+        })?;
+        due.sort();
+        let mut expired = Vec::with_capacity(due.len());
+        for (_, id, pool) in due {
+            event(&tx, &id, now, status::EXPIRED, 0, None).await?;
+            let dests = active_destinations
+                .get(&pool)
+                .map_or(&[][..], Vec::as_slice);
+            enqueue_deliveries(&tx, &id, now, dests).await?;
+            expired.push(id);
+        }
+        tx.commit().await.ctx("expire_jobs")?;
+        Ok(expired)
+    }
+
+    async fn delete_retained(&self, now: u64) -> Result<u64> {
+        let conn = self.conn().await?;
+        // One statement: the jobs and everything of theirs go together, or none of it.
+        let row = conn
+            .query_one(
+                "WITH gone AS (DELETE FROM jobs WHERE status IN ('completed', 'failed', 'expired') \
+                   AND updated_at + retention_ms <= $1 RETURNING id), \
+                 e AS (DELETE FROM job_events WHERE job_id IN (SELECT id FROM gone)), \
+                 a AS (DELETE FROM delivery_attempts WHERE job_id IN (SELECT id FROM gone)), \
+                 d AS (DELETE FROM deliveries WHERE job_id IN (SELECT id FROM gone)) \
+                 SELECT COUNT(*) FROM gone",
+                &[&big(now)],
+            )
+            .await
+            .ctx("delete_retained")?;
+        get_u(&row, 0)
+    }
+
+    async fn list_destinations(&self, pool: Option<&str>) -> Result<Vec<StoredDestination>> {
+        let conn = self.conn().await?;
+        let found = conn
+            .query(
+                &format!(
+                    "SELECT {DEST_COLUMNS} FROM webhook_destinations \
+                     WHERE $1::TEXT IS NULL OR pool = $1 ORDER BY created_at, id"
+                ),
+                &[&pool],
+            )
+            .await
+            .ctx("list_destinations")?;
+        rows(found, dest_from_row)
+    }
+
+    async fn create_destination(&self, d: &StoredDestination) -> Result<()> {
+        let conn = self.conn().await?;
+        conn.execute(
+            &format!(
+                "INSERT INTO webhook_destinations ({DEST_COLUMNS}) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
+            ),
+            &[
+                &d.id,
+                &d.pool,
+                &d.url,
+                &d.secret,
+                &d.active,
+                &i64::from(d.deactivate_after),
+                &i64::from(d.consecutive_failures),
+                &d.deactivated_at.map(big),
+                &d.managed_by,
+                &big(d.created_at),
+                &d.previous_secret,
+                &d.previous_secret_expires_at.map(big),
+            ],
+        )
+        .await
+        .ctx("create_destination")
+        .map(drop)
+    }
+
+    async fn update_destination(&self, d: &StoredDestination) -> Result<bool> {
+        let conn = self.conn().await?;
+        let n = conn
+            .execute(
+                "UPDATE webhook_destinations SET url = $3, secret = $4, active = $5, \
+                 deactivate_after = $6, consecutive_failures = $7, deactivated_at = $8 \
+                 WHERE id = $1 AND pool = $2",
+                &[
+                    &d.id,
+                    &d.pool,
+                    &d.url,
+                    &d.secret,
+                    &d.active,
+                    &i64::from(d.deactivate_after),
+                    &i64::from(d.consecutive_failures),
+                    &d.deactivated_at.map(big),
+                ],
+            )
+            .await
+            .ctx("update_destination")?;
+        Ok(n > 0)
+    }
+
+    async fn delete_destination(&self, pool: &str, id: &str) -> Result<bool> {
+        let conn = self.conn().await?;
+        let n = conn
+            .execute(
+                "DELETE FROM webhook_destinations WHERE id = $1 AND pool = $2",
+                &[&id, &pool],
+            )
+            .await
+            .ctx("delete_destination")?;
+        Ok(n > 0)
+    }
+
+    async fn rotate_destination_secret(
+        &self,
+        pool: &str,
+        id: &str,
+        secret: &str,
+        previous_expires_at: Option<u64>,
+    ) -> Result<bool> {
+        let conn = self.conn().await?;
+        let n = conn
+            .execute(
+                "UPDATE webhook_destinations SET \
+                 previous_secret = CASE WHEN $4::BIGINT IS NULL THEN NULL ELSE secret END, \
+                 previous_secret_expires_at = $4, secret = $3 WHERE id = $1 AND pool = $2",
+                &[&id, &pool, &secret, &previous_expires_at.map(big)],
+            )
+            .await
+            .ctx("rotate_destination_secret")?;
+        Ok(n > 0)
+    }
+
+    async fn due_deliveries(
+        &self,
+        destination_id: &str,
+        now: u64,
+        limit: u32,
+        exclude: &[u64],
+    ) -> Result<Vec<DueDelivery>> {
+        let conn = self.conn().await?;
+        let destination = conn
+            .query_opt(
+                &format!(
+                    "SELECT {DEST_COLUMNS} FROM webhook_destinations WHERE id = $1 AND active"
+                ),
+                &[&destination_id],
+            )
+            .await
+            .ctx("due_deliveries")?;
+        let Some(destination) = destination.as_ref().map(dest_from_row).transpose()? else {
+            return Ok(Vec::new());
+        };
+        let exclude: Vec<i64> = exclude.iter().map(|id| big(*id)).collect();
+        // Claimed for this node until the lease ends: other nodes skip them meanwhile (and
+        // rows another node is claiming right now), this node is handed its own claims again.
+        let found = conn
+            .query(
+                "WITH due AS (SELECT id FROM deliveries WHERE destination_id = $1 \
+                   AND status = 'pending' AND next_attempt_at <= $2 AND id <> ALL($4::BIGINT[]) \
+                   AND (claim_until IS NULL OR claim_until <= $2 OR claimed_by = $5) \
+                   ORDER BY next_attempt_at, id LIMIT $3 FOR UPDATE SKIP LOCKED) \
+                 UPDATE deliveries d SET claimed_by = $5, claim_until = $6 FROM due \
+                 WHERE d.id = due.id \
+                 RETURNING d.next_attempt_at, d.id, d.job_id, d.attempts, d.round_attempts, \
+                   d.round, d.manual",
+                &[
+                    &destination_id,
+                    &big(now),
+                    &i64::from(limit),
+                    &exclude,
+                    &self.inner.node,
+                    &big(now.saturating_add(CLAIM_LEASE_MS)),
+                ],
+            )
+            .await
+            .ctx("due_deliveries")?;
+        let mut claimed = rows(found, |r| {
+            Ok((
+                get_u::<u64>(r, 0)?,
+                get_u::<u64>(r, 1)?,
+                get::<String>(r, 2)?,
+                get_u::<u32>(r, 3)?,
+                get_u::<u32>(r, 4)?,
+                get_u::<u32>(r, 5)?,
+                get::<bool>(r, 6)?,
+            ))
+        })?;
+        claimed.sort_by_key(|c| (c.0, c.1));
+        let job_ids: Vec<&str> = claimed.iter().map(|c| c.2.as_str()).collect();
+        let jobs = conn
+            .query(
+                &format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = ANY($1)"),
+                &[&job_ids],
+            )
+            .await
+            .ctx("due_deliveries")?;
+        let mut jobs: std::collections::HashMap<String, StoredJob> = rows(jobs, job_from_row)?
+            .into_iter()
+            .map(|j| (j.id.clone(), j))
+            .collect();
+        let mut due = Vec::with_capacity(claimed.len());
+        for (_, id, job_id, attempts, round_attempts, round, manual) in claimed {
+            // Deliveries go with their job at retention; a missing job has nothing to send.
+            let Some(job) = jobs.remove(&job_id) else {
+                continue;
+            };
+            due.push(DueDelivery {
+                id,
+                job,
+                destination: destination.clone(),
+                attempts,
+                round_attempts,
+                round,
+                manual,
+            });
+        }
+        Ok(due)
+    }
+
+    async fn next_delivery_at(&self, destination_id: &str, after: u64) -> Result<Option<u64>> {
+        let conn = self.conn().await?;
+        let row = conn
+            .query_one(
+                "SELECT MIN(next_attempt_at) FROM deliveries \
+                 WHERE destination_id = $1 AND status = 'pending' AND next_attempt_at > $2",
+                &[&destination_id, &big(after)],
+            )
+            .await
+            .ctx("next_delivery_at")?;
+        get_opt_u(&row, 0)
+    }
+
+    async fn record_attempts(&self, records: &[AttemptRecord]) -> Result<Vec<AttemptApplied>> {
+        if records.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut conn = self.conn().await?;
+        let tx = conn.transaction().await.ctx("record_attempts")?;
+        let mut applied = Vec::with_capacity(records.len());
+        for r in records {
+            applied.push(apply_attempt(&tx, r).await?);
+        }
+        tx.commit().await.ctx("record_attempts")?;
+        Ok(applied)
+    }
+
+    async fn fail_undeliverable(&self, active_destination_ids: &[String], now: u64) -> Result<u64> {
+        let conn = self.conn().await?;
+        conn.execute(
+            "UPDATE deliveries SET status = 'failed', \
+             last_error = 'destination deactivated or deleted', updated_at = $2 \
+             WHERE status = 'pending' AND destination_id <> ALL($1::TEXT[])",
+            &[&active_destination_ids, &big(now)],
+        )
+        .await
+        .ctx("fail_undeliverable")
+    }
+
+    async fn list_attempts(&self, q: &AttemptQuery) -> Result<Vec<DeliveryAttempt>> {
+        let conn = self.conn().await?;
+        let found = conn
+            .query(
+                &format!(
+                    "SELECT {ATTEMPT_COLUMNS} FROM delivery_attempts WHERE pool = $1 \
+                     AND ($2::TEXT IS NULL OR job_id = $2) \
+                     AND ($3::TEXT IS NULL OR destination_id = $3) AND id < $4 \
+                     ORDER BY id DESC LIMIT $5"
+                ),
+                &[
+                    &q.pool,
+                    &q.job_id,
+                    &q.destination_id,
+                    &q.before.map_or(i64::MAX, big),
+                    &i64::from(q.limit.clamp(1, 1000)),
+                ],
+            )
+            .await
+            .ctx("list_attempts")?;
+        rows(found, attempt_from_row)
+    }
+
+    async fn job_deliveries(&self, job_id: &str) -> Result<Vec<DeliveryState>> {
+        let conn = self.conn().await?;
+        let found = conn
+            .query(
+                &format!("SELECT {DELIVERY_COLUMNS} FROM deliveries WHERE job_id = $1 ORDER BY id"),
+                &[&job_id],
+            )
+            .await
+            .ctx("job_deliveries")?;
+        rows(found, delivery_from_row)
+    }
+
+    async fn redeliver_job(
+        &self,
+        pool: &str,
+        job_id: &str,
+        destination_ids: &[String],
+        now: u64,
+    ) -> Result<Redeliver> {
+        let mut conn = self.conn().await?;
+        let tx = conn.transaction().await.ctx("redeliver_job")?;
+        let found = tx
+            .query_opt(
+                "SELECT status FROM jobs WHERE id = $1 AND pool = $2 FOR UPDATE",
+                &[&job_id, &pool],
+            )
+            .await
+            .ctx("redeliver_job")?;
+        let Some(job_status) = found.as_ref().map(|r| get::<String>(r, 0)).transpose()? else {
+            return Ok(Redeliver::NoSuchJob);
+        };
+        if !status::is_terminal(&job_status) {
+            return Ok(Redeliver::NotTerminal);
+        }
+        let upsert = tx
+            .prepare(
+                "INSERT INTO deliveries (job_id, destination_id, status, attempts, \
+                 next_attempt_at, created_at, updated_at, manual, round, round_attempts, \
+                 request_id) \
+                 VALUES ($1, $2, 'pending', 0, $3, $3, $3, TRUE, 0, 0, \
+                 (SELECT request_id FROM jobs WHERE id = $1)) \
+                 ON CONFLICT (job_id, destination_id) DO UPDATE SET status = 'pending', \
+                 next_attempt_at = excluded.next_attempt_at, updated_at = excluded.updated_at, \
+                 manual = TRUE, round = deliveries.round + 1, round_attempts = 0, \
+                 delivered_at = NULL",
+            )
+            .await
+            .ctx("redeliver_job")?;
+        let mut queued = 0u32;
+        for d in destination_ids {
+            let n = tx
+                .execute(&upsert, &[&job_id, d, &big(now)])
+                .await
+                .ctx("redeliver_job")?;
+            queued += u32::try_from(n).unwrap_or(0);
+        }
+        tx.commit().await.ctx("redeliver_job")?;
+        Ok(Redeliver::Queued(queued))
+    }
+}
