@@ -1053,11 +1053,26 @@ impl RedisGate {
             return self.acquire_shared(req).await;
         };
         let start = s.mono();
-        let local = gate.acquire(req.clone()).await?;
+        // The hold is a period, not a cap for good: a caller waiting for the share when it
+        // ends goes on to Redis alone.
+        let hold_left = s
+            .recover_until
+            .load(Ordering::Acquire)
+            .saturating_sub(start);
+        let within = AcquireRequest {
+            wait_ms: req.wait_ms.min(hold_left),
+            ..req.clone()
+        };
+        let local = gate.acquire(within).await;
         let waited = s.mono().saturating_sub(start);
         let rest = AcquireRequest {
             wait_ms: req.wait_ms.saturating_sub(waited),
             ..req
+        };
+        let local = match local {
+            Ok(local) => local,
+            Err(refusal) if s.recovering() => return Err(refusal),
+            Err(_) => return self.acquire_shared(rest).await,
         };
         let answer = self.acquire_shared(rest).await;
         match &answer {
