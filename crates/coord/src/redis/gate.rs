@@ -186,6 +186,8 @@ pub(crate) struct Shared {
     holds: Mutex<HashMap<u128, Hold>>,
     /// Monotonic ms at which the holds are next renewed.
     renew_at: AtomicU64,
+    /// Monotonic ms at which the ticker next collects grants for this node's waiters (0: now).
+    poll_at: AtomicU64,
     learner: Mutex<Learner>,
     /// Server ms minus this node's monotonic ms, as of the last answer (for the learner's clock
     /// between calls).
@@ -203,6 +205,15 @@ pub(crate) struct Shared {
     /// slot), so the node's share counts them: the origin sees no more than the share from
     /// this node once they end.
     carried: Mutex<HashMap<u128, SlotId>>,
+    /// Fail open: fallback slots registered in Redis once it answered again (`adopt`), with
+    /// the monotonic ms until which each lease is confirmed. They are renewed with the holds
+    /// and released in both places.
+    adopted: Mutex<HashMap<u128, u64>>,
+    /// Fail open: this node went on its own since Redis last answered.
+    outage_seen: AtomicBool,
+    /// Fail open, back on Redis: until this monotonic ms, an admission must also fit this
+    /// node's share (see [`Shared::recover`]).
+    recover_until: AtomicU64,
 }
 
 /// One pool's gate on Redis. Dropping it (or [`PoolGate::close`]) stops its ticker.
@@ -256,6 +267,7 @@ impl RedisGate {
             waiters: Mutex::new(HashMap::new()),
             holds: Mutex::new(HashMap::new()),
             renew_at: AtomicU64::new(0),
+            poll_at: AtomicU64::new(0),
             offset: AtomicI64::new(0),
             signal: Arc::new(Notify::new()),
             closed: AtomicBool::new(false),
@@ -264,6 +276,9 @@ impl RedisGate {
             fallback: Mutex::new(None),
             local_slots: Mutex::new(HashSet::new()),
             carried: Mutex::new(HashMap::new()),
+            adopted: Mutex::new(HashMap::new()),
+            outage_seen: AtomicBool::new(false),
+            recover_until: AtomicU64::new(0),
             node: Arc::clone(&node),
         });
         {
@@ -285,7 +300,15 @@ impl Drop for RedisGate {
 }
 
 impl Shared {
+    /// Runs the ticker now, its grant collection included (a wake-up arrived).
     pub(crate) fn wake(&self) {
+        self.poll_at.store(0, Ordering::Release);
+        self.signal.notify_one();
+    }
+
+    /// Lets the ticker reschedule (a hold or waiter came), without collecting grants before
+    /// they are due.
+    fn nudge(&self) {
         self.signal.notify_one();
     }
 
@@ -395,6 +418,7 @@ impl Shared {
         );
         match self.fallback_gate() {
             Some(gate) => {
+                self.outage_seen.store(true, Ordering::Release);
                 tracing::warn!(pool = %self.pool, error = %e, "redis unreachable; admitting on this node's share (fail open)");
                 self.carry_holds(&gate).await;
                 self.acquire_on_own(&gate, req).await
@@ -468,7 +492,94 @@ impl Shared {
     ) -> Result<Grant, Refusal> {
         let grant = gate.acquire(req).await?;
         self.local_slots.lock().insert(grant.slot_id.0);
+        // The ticker tries Redis again to register it (see `recover`).
+        self.nudge();
         Ok(grant)
+    }
+
+    /// Fail open: whether Redis must be told about this node's time on its own before it
+    /// admits through Redis again.
+    fn needs_recovery(&self) -> bool {
+        self.fail_open().is_some()
+            && (self.outage_seen.load(Ordering::Acquire)
+                || self.local_slots.lock().len() > self.adopted.lock().len())
+    }
+
+    /// Whether admissions are still held to this node's share after an outage.
+    fn recovering(&self) -> bool {
+        self.fail_open().is_some() && self.mono() < self.recover_until.load(Ordering::Acquire)
+    }
+
+    /// Back from an outage (fail open): registers the calls this node admitted on its own and
+    /// that still run in Redis (`adopt`), so the shared limit counts them until they end. Then,
+    /// for two retry periods, admissions through Redis must also fit this node's share: the
+    /// other nodes register theirs within a retry period of Redis answering (their tickers try
+    /// it while they have any), and until they have, Redis alone would not count them.
+    async fn recover(&self) -> Result<(), CallError> {
+        let pending: Vec<u128> = {
+            let local = self.local_slots.lock();
+            let adopted = self.adopted.lock();
+            local
+                .iter()
+                .filter(|slot| !adopted.contains_key(slot))
+                .copied()
+                .collect()
+        };
+        let settings = self.settings();
+        let mut extra = vec![
+            settings.lease_term_ms.to_string(),
+            crate::EXCHANGE_GRACE_MS.to_string(),
+        ];
+        extra.extend(pending.iter().map(|slot| SlotId(*slot).to_string()));
+        let mono = self.mono();
+        let reply = match self.call(&self.node.scripts.adopt, &extra).await {
+            Ok(reply) => reply,
+            Err(e) => {
+                self.down_until.store(
+                    self.mono().saturating_add(self.retry_redis_ms()),
+                    Ordering::Release,
+                );
+                return Err(e);
+            }
+        };
+        let server_now = reply.u64(0)?;
+        self.note_server_now(server_now, mono);
+        {
+            let local = self.local_slots.lock();
+            let mut adopted = self.adopted.lock();
+            for (i, slot) in pending.iter().enumerate() {
+                let deadline = reply.u64(1 + i)?;
+                // A slot released meanwhile was freed in the fallback only: free it here too.
+                if local.contains(slot) {
+                    adopted.insert(
+                        *slot,
+                        mono.saturating_add(deadline.saturating_sub(server_now)),
+                    );
+                }
+            }
+        }
+        for slot in pending {
+            if !self.local_slots.lock().contains(&slot) {
+                self.free(SlotId(slot)).await;
+            }
+        }
+        if self.outage_seen.swap(false, Ordering::AcqRel) {
+            let period = self.retry_redis_ms().max(self.poll_ms());
+            self.recover_until.store(
+                self.mono().saturating_add(period.saturating_mul(2)),
+                Ordering::Release,
+            );
+            tracing::info!(pool = %self.pool, "redis answers again; this node's own admissions are registered there");
+        }
+        if self.renew_at.load(Ordering::Acquire) < mono {
+            self.renew_at
+                .store(mono.saturating_add(self.renew_every()), Ordering::Release);
+        }
+        Ok(())
+    }
+
+    fn poll_ms(&self) -> u64 {
+        u64::try_from(self.node.options.poll_interval.as_millis()).unwrap_or(500)
     }
 
     fn grant(&self, g: &Granted, kind: SlotKind, queued_ms: u64) -> Grant {
@@ -481,14 +592,23 @@ impl Shared {
                     .store(now.saturating_add(self.renew_every()), Ordering::Release);
             }
             let (tx, _) = watch::channel(false);
-            self.holds.lock().insert(
-                g.slot.0,
-                Hold {
-                    confirmed_until: g.confirmed_until(),
-                    lost: tx,
-                },
-            );
-            self.wake();
+            let first = {
+                let mut holds = self.holds.lock();
+                let first = holds.is_empty();
+                holds.insert(
+                    g.slot.0,
+                    Hold {
+                        confirmed_until: g.confirmed_until(),
+                        lost: tx,
+                    },
+                );
+                first
+            };
+            // A ticker that renews holds already has this one's renewal scheduled; one with
+            // none may be asleep until woken.
+            if first {
+                self.nudge();
+            }
         }
         Grant {
             slot_id: g.slot,
@@ -514,24 +634,151 @@ impl Shared {
         })
     }
 
-    /// Frees `slot` in Redis (no learning), e.g. for a grant nobody is left to take.
+    /// Frees `slot` in Redis (no learning), e.g. for a grant nobody is left to take. A grant
+    /// it makes to a waiter of this node is collected by the ticker (not here: this is how
+    /// [`Shared::deliver`] frees orphans).
     async fn free(&self, slot: SlotId) {
-        let extra = [slot.to_string(), "0".to_owned()];
+        let extra = [
+            slot.to_string(),
+            "0".to_owned(),
+            "0".to_owned(),
+            "0".to_owned(),
+        ];
         if let Err(e) = self.call(&self.node.scripts.release, &extra).await {
             tracing::warn!(pool = %self.pool, slot = %slot, error = %e, "could not free an unclaimed slot; its lease will expire");
         }
     }
 
+    /// Takes the waiter of `ticket` out of this gate, or out of another open gate of the same
+    /// pool on this node (a pool reopened while the old gate still drains): grants are made
+    /// per node, so any of its gates may collect one.
+    fn take_waiter(&self, ticket: &str) -> Option<oneshot::Sender<Granted>> {
+        if let Some(tx) = self.waiters.lock().remove(ticket) {
+            return Some(tx);
+        }
+        let others: Vec<Arc<Shared>> = self
+            .node
+            .gates
+            .lock()
+            .get(&self.pool)
+            .map(|gates| gates.iter().filter_map(Weak::upgrade).collect())
+            .unwrap_or_default();
+        others
+            .iter()
+            .filter(|g| !std::ptr::eq(Arc::as_ptr(g), self))
+            .find_map(|g| g.waiters.lock().remove(ticket))
+    }
+
+    /// Releases `slot` in one call that also reads what its outcome's learning needs (when
+    /// there is one) and collects the grants it makes to this node's waiters; learns after,
+    /// and writes the conclusion only if it changed. For outcomes that cannot stop admission.
+    async fn release_then_learn(&self, slot: SlotId, outcome: Option<&Outcome>) -> bool {
+        let peek = if outcome.is_some() { "1" } else { "0" };
+        let extra = [
+            slot.to_string(),
+            "0".to_owned(),
+            peek.to_owned(),
+            "1".to_owned(),
+        ];
+        let mono = self.mono();
+        let reply = match self.call(&self.node.scripts.release, &extra).await {
+            Ok(reply) => reply,
+            Err(e) => {
+                tracing::warn!(pool = %self.pool, slot = %slot, error = %e, "release not confirmed in redis; the lease will expire");
+                return false;
+            }
+        };
+        if let Err(e) = self.deliver(&reply, 5, mono, 1).await {
+            tracing::warn!(pool = %self.pool, error = %e, "bad release reply");
+        }
+        let freed = reply.int(0).unwrap_or(0) == 1;
+        let held = reply.int(2).unwrap_or(0) == 1;
+        if let (Some(outcome), true, Ok(now), Ok(granted_at)) =
+            (outcome, held, reply.u64(1), reply.u64(3))
+        {
+            self.note_server_now(now, mono);
+            let bound = reply.int(4).unwrap_or(0) == 1;
+            if let Some(wire) = self.learn_from(now, outcome, bound, granted_at) {
+                let mut extra = vec!["1".to_owned()];
+                extra.extend(wire.args());
+                let _ = self.call(&self.node.scripts.learn, &extra).await;
+            }
+        }
+        freed
+    }
+
+    /// Learns from an outcome that may stop admission (a throttle, a spent budget) before the
+    /// slot is handed on: reads the slot first, then releases it with the conclusion.
+    async fn learn_then_release(&self, slot: SlotId, outcome: &Outcome) -> bool {
+        let mut extra = vec![
+            slot.to_string(),
+            "0".to_owned(),
+            "0".to_owned(),
+            "1".to_owned(),
+        ];
+        let mono = self.mono();
+        if let Ok(peek) = self
+            .call(&self.node.scripts.peek, &[slot.to_string()])
+            .await
+        {
+            let held = peek.int(1).unwrap_or(0) == 1;
+            if let (true, Ok(now), Ok(granted_at)) = (held, peek.u64(0), peek.u64(2)) {
+                self.note_server_now(now, mono);
+                let bound = peek.int(3).unwrap_or(0) == 1;
+                if let Some(wire) = self.learn_from(now, outcome, bound, granted_at) {
+                    extra[1] = "1".to_owned();
+                    extra.extend(wire.args());
+                }
+            }
+        }
+        let mono = self.mono();
+        match self.call(&self.node.scripts.release, &extra).await {
+            Ok(reply) => {
+                if let Err(e) = self.deliver(&reply, 5, mono, 1).await {
+                    tracing::warn!(pool = %self.pool, error = %e, "bad release reply");
+                }
+                reply.int(0).unwrap_or(0) == 1
+            }
+            Err(e) => {
+                tracing::warn!(pool = %self.pool, slot = %slot, error = %e, "release not confirmed in redis; the lease will expire");
+                false
+            }
+        }
+    }
+
+    /// Feeds the learner the outcome of a slot granted at `granted_at`; what to store, if the
+    /// conclusion changed.
+    fn learn_from(
+        &self,
+        now: u64,
+        outcome: &Outcome,
+        bound: bool,
+        granted_at: u64,
+    ) -> Option<Wire> {
+        let mut learner = self.learner.lock();
+        let adjustment = learner
+            .gov
+            .observe_external(now, outcome, bound, Some(granted_at));
+        log_adjustment(&self.pool, adjustment.as_ref(), now);
+        learner.conclusion_to_store(now, adjustment.is_some())
+    }
+
     /// Hands collected grants to their waiters; a grant whose waiter is gone is freed.
-    async fn deliver(&self, reply: &Reply, from: usize, mono: u64) -> Result<(), CallError> {
-        let server_now = reply.u64(0)?;
+    async fn deliver(
+        &self,
+        reply: &Reply,
+        from: usize,
+        mono: u64,
+        now_at: usize,
+    ) -> Result<(), CallError> {
+        let server_now = reply.u64(now_at)?;
         let mut orphans = Vec::new();
         let mut i = from;
         while i + 1 < reply.len() {
             let ticket = reply.str(i)?;
             let g = Granted::parse(&reply.str(i + 1)?, server_now, mono)
                 .ok_or(CallError::Reply("malformed grant"))?;
-            let tx = self.waiters.lock().remove(&ticket);
+            let tx = self.take_waiter(&ticket);
             let undelivered = match tx {
                 Some(tx) => tx.send(g).err(),
                 None => Some(g),
@@ -555,24 +802,40 @@ impl Shared {
         let mut at_most = |ms: u64| sleep = Some(sleep.map_or(ms, |s: u64| s.min(ms)));
 
         let tickets: Vec<String> = self.waiters.lock().keys().cloned().collect();
-        if !tickets.is_empty() {
+        let due = self.poll_at.load(Ordering::Acquire);
+        if !tickets.is_empty() && self.mono() < due {
+            at_most(due.saturating_sub(self.mono()));
+        } else if !tickets.is_empty() {
             let mono = self.mono();
+            self.poll_at
+                .store(mono.saturating_add(poll), Ordering::Release);
             if let Ok(reply) = self.call(&self.node.scripts.tick, &tickets).await {
                 if let Ok(now) = reply.u64(0) {
                     self.note_server_now(now, mono);
                 }
-                if let Err(e) = self.deliver(&reply, 2, mono).await {
+                if let Err(e) = self.deliver(&reply, 2, mono, 0).await {
                     tracing::warn!(pool = %self.pool, error = %e, "bad tick reply");
                 }
                 if let Ok(Some(next)) = reply.opt(1) {
                     at_most(next);
+                    self.poll_at
+                        .fetch_min(mono.saturating_add(next), Ordering::AcqRel);
                 }
             }
             // The polling fallback (pub/sub is at most once), and the node's heartbeat.
             at_most(poll);
         }
 
-        if !self.holds.lock().is_empty() {
+        if self.needs_recovery() {
+            // Fail open: try Redis again while anything admitted on this node's own is not
+            // registered there yet.
+            at_most(poll);
+            if !self.on_own() {
+                let _ = self.recover().await;
+            }
+        }
+
+        if !self.holds.lock().is_empty() || !self.adopted.lock().is_empty() {
             let now = self.mono();
             let renew_at = self.renew_at.load(Ordering::Acquire);
             if now >= renew_at {
@@ -600,7 +863,8 @@ impl Shared {
     /// Renews every exchange slot this node holds in one call; a slot Redis no longer has is
     /// lost (self-fencing).
     async fn renew_holds(&self) {
-        let slots: Vec<u128> = self.holds.lock().keys().copied().collect();
+        let mut slots: Vec<u128> = self.holds.lock().keys().copied().collect();
+        slots.extend(self.adopted.lock().keys().copied());
         if slots.is_empty() {
             return;
         }
@@ -614,16 +878,26 @@ impl Shared {
         };
         self.note_server_now(server_now, mono);
         let mut holds = self.holds.lock();
+        let mut adopted = self.adopted.lock();
         for (i, slot) in slots.iter().enumerate() {
             let status = reply.int(1 + 2 * i).unwrap_or(0);
             let deadline = reply.u64(2 + 2 * i).unwrap_or(0);
-            if status == 0 {
+            let until = mono.saturating_add(deadline.saturating_sub(server_now));
+            if adopted.contains_key(slot) {
+                // Nothing to fence: the call runs on the node's own share either way (a lost
+                // registration is made again, see `needs_recovery`).
+                if status == 0 {
+                    adopted.remove(slot);
+                } else {
+                    adopted.insert(*slot, until);
+                }
+            } else if status == 0 {
                 if let Some(h) = holds.remove(slot) {
                     tracing::warn!(pool = %self.pool, slot = %SlotId(*slot), "lease lost in redis; the holder is told to stop");
                     h.lost.send_replace(true);
                 }
             } else if let Some(h) = holds.get_mut(slot) {
-                h.confirmed_until = mono.saturating_add(deadline.saturating_sub(server_now));
+                h.confirmed_until = until;
             }
         }
     }
@@ -769,19 +1043,54 @@ impl Drop for QueueGuard {
     }
 }
 
-#[async_trait::async_trait]
-impl PoolGate for RedisGate {
-    async fn acquire(&self, req: AcquireRequest) -> Result<Grant, Refusal> {
+impl RedisGate {
+    /// Fail open, just back on Redis (see [`Shared::recover`]): a slot of this node's share
+    /// first, then the shared one. The share's slot is carried by the shared slot until it
+    /// ends, as for a hold that was running when Redis went away.
+    async fn acquire_within_share(&self, req: AcquireRequest) -> Result<Grant, Refusal> {
         let s = &self.shared;
-        if s.closed.load(Ordering::Acquire) {
-            return Err(Refusal::PoolClosed);
-        }
-        s.ensure_ticker();
-        if s.on_own() {
-            if let Some(gate) = s.fallback_gate() {
-                return s.acquire_on_own(&gate, req).await;
+        let Some(gate) = s.fallback_gate() else {
+            return self.acquire_shared(req).await;
+        };
+        let start = s.mono();
+        // The hold is a period, not a cap for good: a caller waiting for the share when it
+        // ends goes on to Redis alone.
+        let hold_left = s
+            .recover_until
+            .load(Ordering::Acquire)
+            .saturating_sub(start);
+        let within = AcquireRequest {
+            wait_ms: req.wait_ms.min(hold_left),
+            ..req.clone()
+        };
+        let local = gate.acquire(within).await;
+        let waited = s.mono().saturating_sub(start);
+        let rest = AcquireRequest {
+            wait_ms: req.wait_ms.saturating_sub(waited),
+            ..req
+        };
+        let local = match local {
+            Ok(local) => local,
+            Err(refusal) if s.recovering() => return Err(refusal),
+            Err(_) => return self.acquire_shared(rest).await,
+        };
+        let answer = self.acquire_shared(rest).await;
+        match &answer {
+            // Admitted through Redis: its slot carries the share's.
+            Ok(grant) if !s.local_slots.lock().contains(&grant.slot_id.0) => {
+                s.carried.lock().insert(grant.slot_id.0, local.slot_id);
+            }
+            // Refused, or Redis went away again and the share admitted it a second time.
+            _ => {
+                gate.release(local.slot_id, None).await;
             }
         }
+        answer
+    }
+
+    /// Admission through Redis (or, when it does not answer, on this node's own).
+    async fn acquire_shared(&self, req: AcquireRequest) -> Result<Grant, Refusal> {
+        let s = &self.shared;
         let settings = s.settings();
         let slot = SlotId::random();
         let start = s.mono();
@@ -853,8 +1162,14 @@ impl PoolGate for RedisGate {
 
         let (tx, rx) = oneshot::channel();
         s.waiters.lock().insert(ticket.clone(), tx);
-        // The ticker collects this node's grants; it polls while anyone waits.
-        s.wake();
+        // The ticker collects this node's grants: when woken by a grant's wake-up, at the
+        // script's next wake-up time, and at least every poll interval while anyone waits.
+        let poll = reply.opt(3).ok().flatten().unwrap_or(u64::MAX);
+        s.poll_at.fetch_min(
+            s.mono().saturating_add(poll.min(s.poll_ms())),
+            Ordering::AcqRel,
+        );
+        s.nudge();
         let mut guard = QueueGuard {
             shared: Arc::clone(s),
             ticket: ticket.clone(),
@@ -929,6 +1244,31 @@ impl PoolGate for RedisGate {
         let queued_ms = s.mono().saturating_sub(start);
         Ok(s.grant(&granted, kind, queued_ms))
     }
+}
+
+#[async_trait::async_trait]
+impl PoolGate for RedisGate {
+    async fn acquire(&self, req: AcquireRequest) -> Result<Grant, Refusal> {
+        let s = &self.shared;
+        if s.closed.load(Ordering::Acquire) {
+            return Err(Refusal::PoolClosed);
+        }
+        s.ensure_ticker();
+        if s.on_own() {
+            if let Some(gate) = s.fallback_gate() {
+                return s.acquire_on_own(&gate, req).await;
+            }
+        }
+        if s.needs_recovery() {
+            if let Err(e) = s.recover().await {
+                return s.unavailable(&e, req).await;
+            }
+        }
+        if s.recovering() {
+            return self.acquire_within_share(req).await;
+        }
+        self.acquire_shared(req).await
+    }
 
     async fn renew(&self, slot: SlotId) -> Result<u64, RenewError> {
         let s = &self.shared;
@@ -962,45 +1302,21 @@ impl PoolGate for RedisGate {
     async fn release(&self, slot: SlotId, outcome: Option<Outcome>) -> bool {
         let s = &self.shared;
         if s.local_slots.lock().remove(&slot.0) {
+            if s.adopted.lock().remove(&slot.0).is_some() {
+                s.free(slot).await;
+            }
             if let Some(gate) = s.fallback_gate() {
                 return gate.release(slot, outcome).await;
             }
         }
         s.holds.lock().remove(&slot.0);
         s.uncarry(slot.0).await;
-        let adaptive = s.settings().adaptive;
-        let mut extra = vec![slot.to_string(), "0".to_owned()];
-        if let (Some(outcome), true) = (outcome, adaptive) {
-            // Learn before the slot is handed on, and only if the slot is held: an unknown,
-            // reclaimed or already released slot teaches nothing.
-            let mono = s.mono();
-            if let Ok(peek) = s.call(&s.node.scripts.peek, &[slot.to_string()]).await {
-                let held = peek.int(1).unwrap_or(0) == 1;
-                if let (true, Ok(now), Ok(granted_at)) = (held, peek.u64(0), peek.u64(2)) {
-                    s.note_server_now(now, mono);
-                    let bound = peek.int(3).unwrap_or(0) == 1;
-                    let wire = {
-                        let mut learner = s.learner.lock();
-                        let adjustment =
-                            learner
-                                .gov
-                                .observe_external(now, &outcome, bound, Some(granted_at));
-                        log_adjustment(&s.pool, adjustment.as_ref(), now);
-                        learner.conclusion_to_store(now, adjustment.is_some())
-                    };
-                    if let Some(wire) = wire {
-                        extra[1] = "1".to_owned();
-                        extra.extend(wire.args());
-                    }
-                }
+        let outcome = outcome.filter(|_| s.settings().adaptive);
+        match outcome {
+            Some(outcome) if may_stop_admission(&outcome) => {
+                s.learn_then_release(slot, &outcome).await
             }
-        }
-        match s.call(&s.node.scripts.release, &extra).await {
-            Ok(reply) => reply.int(0).unwrap_or(0) == 1,
-            Err(e) => {
-                tracing::warn!(pool = %s.pool, slot = %slot, error = %e, "release not confirmed in redis; the lease will expire");
-                false
-            }
+            _ => s.release_then_learn(slot, outcome.as_ref()).await,
         }
     }
 
@@ -1042,7 +1358,13 @@ impl PoolGate for RedisGate {
             gate.reconfigure(share(&settings, expected)).await;
         }
         // Any call settles the pool: a higher limit admits waiters at once.
-        let _ = s.call(&s.node.scripts.tick, &[]).await;
+        let mono = s.mono();
+        if let Ok(reply) = s.call(&s.node.scripts.tick, &[]).await {
+            // Grants it makes to this node's waiters come back with it.
+            if let Err(e) = s.deliver(&reply, 2, mono, 0).await {
+                tracing::warn!(pool = %s.pool, error = %e, "bad tick reply");
+            }
+        }
         s.wake();
     }
 
@@ -1123,6 +1445,18 @@ impl PoolGate for RedisGate {
             .get(&slot.0)
             .map(|h| LeaseWatch::new(h.lost.subscribe()))
     }
+}
+
+/// Whether learning from `outcome` may pause or slow admission (a throttle, a spent announced
+/// budget): such an outcome is learned before its slot is handed on.
+fn may_stop_admission(outcome: &Outcome) -> bool {
+    outcome.throttled > 0
+        || matches!(outcome.status, Some(429 | 503))
+        || outcome.retry_after_ms.is_some()
+        || outcome
+            .rate
+            .as_ref()
+            .is_some_and(|r| r.remaining == Some(0) || r.token_remaining == Some(0))
 }
 
 /// One line per change of what this node learned (the governor filters repeats and jitter).

@@ -33,6 +33,7 @@ pub(crate) struct Scripts {
     pub renew: Script,
     pub release: Script,
     pub peek: Script,
+    pub adopt: Script,
     pub learn: Script,
     pub snapshot: Script,
 }
@@ -50,6 +51,7 @@ impl Scripts {
             renew: script(include_str!("lua/renew.lua")),
             release: script(include_str!("lua/release.lua")),
             peek: script(include_str!("lua/peek.lua")),
+            adopt: script(include_str!("lua/adopt.lua")),
             learn: script(include_str!("lua/learn.lua")),
             snapshot: script(include_str!("lua/snapshot.lua")),
         }

@@ -315,10 +315,11 @@ async fn fail_open_goes_back_to_redis_when_it_answers_again() {
     );
 
     switch.up();
+    // Back on Redis, the slot taken on the node's own counts there too (see the next test).
     until("admission through Redis again", || async {
         match gate.acquire(req(0, SlotKind::Lease)).await {
             Ok(g) => {
-                let through_redis = seen.snapshot().await.in_flight == 2;
+                let through_redis = seen.snapshot().await.in_flight == 3;
                 gate.release(g.slot_id, None).await;
                 through_redis
             }
@@ -329,6 +330,88 @@ async fn fail_open_goes_back_to_redis_when_it_answers_again() {
     // Slots taken on either side are released where they were taken.
     assert!(gate.release(local.slot_id, None).await);
     assert!(gate.release(shared.slot_id, None).await);
+    assert_eq!(seen.snapshot().await.in_flight, 0);
+}
+
+/// Fail open, Redis away and back: what a node admitted on its own while Redis was away still
+/// counts once it answers again, on every node. Two nodes, limit 4, two expected (a share of 2
+/// each): A's two calls taken on its own are still running when Redis comes back, and B, which
+/// also went on its own, asks for slots over and over from that moment: B never holds more than
+/// the 2 that A leaves, and gets the rest once A's calls end. (Before the fix, B got all 4 from
+/// an empty Redis: 6 running at once.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_recovery_counts_the_calls_admitted_on_each_nodes_own() {
+    let space = Space::new();
+    let switch = Switch::start().await;
+    let options = RedisOptions {
+        url: format!("redis://127.0.0.1:{}/", switch.port),
+        fail_open: Some(2),
+        retry_redis_after: Duration::from_millis(100),
+        ..space.options()
+    };
+    let node = |o: &RedisOptions| RedisCoordination::new(o.clone(), Arc::new(SystemClock::new()));
+    let (a, b) = (node(&options).unwrap(), node(&options).unwrap());
+    let (ga, gb) = (a.open("back", limit(4)), b.open("back", limit(4)));
+    let observer = space.node();
+    let seen = observer.open("back", limit(4));
+    assert_eq!(seen.snapshot().await.in_flight, 0);
+
+    switch.down();
+    let mut a_held = Vec::new();
+    for _ in 0..2 {
+        a_held.push(ga.acquire(req(0, SlotKind::Exchange)).await.unwrap());
+    }
+    assert!(
+        ga.acquire(req(0, SlotKind::Exchange)).await.is_err(),
+        "A's share is full"
+    );
+    let b_own = gb.acquire(req(0, SlotKind::Exchange)).await.unwrap();
+    assert!(gb.release(b_own.slot_id, None).await);
+    assert_eq!(seen.snapshot().await.in_flight, 0, "nothing reached Redis");
+
+    switch.up();
+    // B tries from the moment Redis is back, through A registering its calls there and past
+    // the period in which a node that was on its own keeps to its share (2 × 200 ms here).
+    let mut b_held = Vec::new();
+    let mut registered = 0;
+    for _ in 0..400 {
+        if let Ok(g) = gb.acquire(req(0, SlotKind::Exchange)).await {
+            b_held.push(g);
+        }
+        assert!(
+            b_held.len() <= 2,
+            "B holds {} while A's 2 calls still run: over the limit of 4",
+            b_held.len()
+        );
+        if seen.snapshot().await.in_flight == 4 {
+            registered += 1;
+            if registered == 100 {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(
+        registered, 100,
+        "A's calls and B's never all counted in Redis"
+    );
+    assert_eq!(b_held.len(), 2);
+
+    // A's calls end: B gets the rest of the limit.
+    for g in a_held {
+        assert!(ga.release(g.slot_id, None).await);
+    }
+    until("B takes the slots A freed", || async {
+        seen.snapshot().await.in_flight == 2
+    })
+    .await;
+    for _ in 0..2 {
+        b_held.push(gb.acquire(req(5_000, SlotKind::Exchange)).await.unwrap());
+    }
+    assert!(gb.acquire(req(0, SlotKind::Exchange)).await.is_err());
+    for g in b_held {
+        assert!(gb.release(g.slot_id, None).await);
+    }
     assert_eq!(seen.snapshot().await.in_flight, 0);
 }
 

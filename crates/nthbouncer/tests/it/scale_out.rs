@@ -589,3 +589,73 @@ async fn redis_killed_mid_load_fails_open_on_each_nodes_share_and_comes_back() {
     }
     assert_eq!(origin.max_in_flight(), 6);
 }
+
+/// Fail open, Redis `kill -9`ed and started again empty while nodes B and C still run the calls
+/// they admitted on their own: once Redis answers, those calls are registered there and count
+/// against the shared limit, so a flood on node A from that moment never takes the origin past
+/// the limit (before: A admitted the whole limit from the empty Redis, 10 calls at an origin of
+/// limit 6), and A's calls are all served once they end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_recovery_keeps_the_limit_at_the_origin() {
+    let _serial = SERIAL.lock().await;
+    let space = Space::new();
+    let mut redis = OwnRedis::start(false).await;
+    let origin = Upstream::start().await;
+    let pools = pool_toml("r", &origin.url(), "limit = 6\nadaptive = false");
+    let extra = "coordination_fail = \"open\"\nexpected_nodes = 3\n";
+    let nodes = nodes(3, &space.server_toml(&redis.url(), extra), &pools).await;
+
+    redis.kill_9();
+    // B and C each take their share (2) on their own; the calls are held at the origin.
+    let mut own = JoinSet::new();
+    for node in &nodes[1..] {
+        for _ in 0..2 {
+            let req = node.pool_get("r", "/hold").header("x-seq", "own");
+            own.spawn(async move { req.send().await.unwrap().status().as_u16() });
+        }
+    }
+    let running = wait_until(1000, Duration::from_millis(10), async || {
+        origin.in_flight() == 4
+    })
+    .await;
+    assert!(running, "B's and C's calls never reached the origin");
+    // A goes on its own too, with a call that ends at once.
+    let r = nodes[0].pool_get("r", "/").send().await.unwrap();
+    assert_eq!(r.status(), 200);
+
+    redis.up().await;
+    let mut flood = JoinSet::new();
+    for _ in 0..6 {
+        let req = nodes[0].pool_get("r", "/hold").header("x-seq", "flood");
+        flood.spawn(async move { req.send().await.unwrap().status().as_u16() });
+    }
+    // B's and C's calls are registered in Redis: with A's two, the pool is full.
+    let mut last = Value::Null;
+    let full = wait_until(1000, Duration::from_millis(20), async || {
+        last = state(&nodes[0], "r").await;
+        last["inFlight"] == 6
+    })
+    .await;
+    assert!(
+        full,
+        "the calls taken on the nodes' own never counted in Redis: {last}"
+    );
+    assert_eq!(arrived(&origin, "flood"), 2, "A got only what B and C left");
+    assert_eq!(
+        origin.max_in_flight(),
+        6,
+        "never more than the limit at the origin"
+    );
+
+    // Every call ends as soon as it arrives from now on: A's waiting calls are all served (on
+    // its share or through Redis, wherever they wait), never past the limit.
+    origin.release(100);
+    while let Some(s) = own.join_next().await {
+        assert_eq!(s.unwrap(), 200);
+    }
+    while let Some(s) = flood.join_next().await {
+        assert_eq!(s.unwrap(), 200);
+    }
+    assert_eq!(arrived(&origin, "flood"), 6);
+    assert_eq!(origin.max_in_flight(), 6);
+}

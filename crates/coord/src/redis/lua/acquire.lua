@@ -22,6 +22,12 @@ if not b and queued() == 0 then
   return { 'admitted', now, g[1], g[2], g[3], g[4], g[5] }
 end
 if may_wait and queued() < cfg_queue then
+  heartbeat()
+  if cfg_fair and queued() == 0 then
+    -- A queue that emptied starts its rounds afresh.
+    redis.call('DEL', K_ROUNDS)
+    redis.call('HDEL', K_META, 'r1', 'r2', 'r3')
+  end
   local seq = redis.call('HINCRBY', K_META, 'seq', 1)
   local m = string.format('%016d', seq)
   local round = 0
@@ -35,6 +41,7 @@ if may_wait and queued() < cfg_queue then
     redis.call('HSET', K_ROUNDS, field, fmt(round))
   end
   redis.call('ZADD', K_QUEUES[class], round, m)
+  queue_changed(1)
   redis.call('HSET', K_WAITERS, m, class .. ':' .. fkey .. ':' .. fmt(lease_ms) .. ':' .. fmt(hold_grace) .. ':' .. node .. ':' .. slot)
   redis.call('ZADD', K_DEADLINES, now + wait_ms + grace, m)
   publish()

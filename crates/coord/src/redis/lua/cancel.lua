@@ -3,6 +3,7 @@
 -- Returns {'cancelled', remaining, effective, rpmRemaining} | {'granted', grant} | {'released'}
 -- | {'gone', remaining, effective, rpmRemaining}.
 local m, release = ARGV[12], ARGV[13] == '1'
+heartbeat()
 local meta = redis.call('HGET', K_WAITERS, m)
 if meta then
   forget(m)

@@ -42,8 +42,12 @@ local function fmt(n)
   return string.format('%d', n)
 end
 
--- Every call is a heartbeat: waiters of a node that stopped calling are skipped at dispatch.
-redis.call('ZADD', K_NODES, now + node_ttl, node)
+-- A node with waiters calls at least every poll interval (its ticker collects their grants);
+-- those calls, and queueing itself, are its heartbeat: waiters of a node that stopped calling
+-- are skipped at dispatch. Calls of a node without waiters need none.
+local function heartbeat()
+  redis.call('ZADD', K_NODES, now + node_ttl, node)
+end
 
 local eff, l_limit, l_pace, l_rpm, rpm_limit, paused_until
 
@@ -71,9 +75,24 @@ local function in_flight()
   return redis.call('ZCARD', K_LEASES)
 end
 
+-- The number of waiters, read once per script and kept up to date by what changes a queue
+-- (`queue_changed`), since every operation asks for it at least once.
+local n_queued = nil
+-- Whether this call took a waiter out of a queue (the fair-share rounds are reset once empty).
+local left_queue = false
+
 local function queued()
-  return redis.call('ZCARD', K_QUEUES[1]) + redis.call('ZCARD', K_QUEUES[2])
-    + redis.call('ZCARD', K_QUEUES[3])
+  if not n_queued then
+    n_queued = redis.call('ZCARD', K_QUEUES[1]) + redis.call('ZCARD', K_QUEUES[2])
+      + redis.call('ZCARD', K_QUEUES[3])
+  end
+  return n_queued
+end
+
+-- A queue gained (+1) or lost (-1) a waiter.
+local function queue_changed(delta)
+  if n_queued then n_queued = n_queued + delta end
+  if delta < 0 then left_queue = true end
 end
 
 -- Admissions inside the rolling minute (an admission at t leaves it at t + WINDOW_MS).
@@ -161,7 +180,7 @@ local function forget(m)
   local meta = redis.call('HGET', K_WAITERS, m)
   if meta then
     local c = parse_waiter(meta)
-    if c then redis.call('ZREM', K_QUEUES[c], m) end
+    if c and redis.call('ZREM', K_QUEUES[c], m) == 1 then queue_changed(-1) end
     redis.call('HDEL', K_WAITERS, m)
   end
   redis.call('HDEL', K_GRANTS, m)
@@ -169,6 +188,11 @@ local function forget(m)
 end
 
 local woken = {}
+-- With `collect_own` set (by the operation, before `settle`), grants to this node's own
+-- waiters are not recorded for its ticker to collect but returned by this call: ticket, grant,
+-- ticket, grant, ... (no wake-up, no second round trip).
+local collect_own = false
+local own_grants = {}
 
 local function publish()
   for n in pairs(woken) do
@@ -183,6 +207,7 @@ local function pop_waiter()
     local head = redis.call('ZRANGE', K_QUEUES[c], 0, 0, 'WITHSCORES')
     if head[1] then
       redis.call('ZREM', K_QUEUES[c], head[1])
+      queue_changed(-1)
       if cfg_fair then redis.call('HSET', K_META, 'r' .. c, head[2]) end
       return head[1]
     end
@@ -191,8 +216,10 @@ local function pop_waiter()
 end
 
 -- Admits waiters while nothing blocks. A grant is recorded for the waiter's node to collect
--- and that node is woken; a waiter whose node stopped calling is dropped, not granted.
+-- and that node is woken (or returned at once, see `collect_own`); a waiter whose node stopped
+-- calling is dropped, not granted.
 local function dispatch()
+  if queued() == 0 then return end
   while not blocker() do
     local m = pop_waiter()
     if not m then return end
@@ -204,30 +231,39 @@ local function dispatch()
       local alive = tonumber(redis.call('ZSCORE', K_NODES, wnode))
       if slot and alive and alive >= now then
         local g = admit(slot, lease_ms, hold_grace or 0)
-        redis.call('HSET', K_GRANTS, m, slot .. ':' .. fmt(g[1]) .. ':' .. fmt(g[2]) .. ':'
-          .. fmt(g[3]) .. ':' .. fmt(g[4]) .. ':' .. fmt(g[5]))
-        -- An uncollected grant is forgotten with its lease (the slot itself expires then too).
-        redis.call('ZADD', K_DEADLINES, g[1], m)
-        woken[wnode] = true
+        local grant = slot .. ':' .. fmt(g[1]) .. ':' .. fmt(g[2]) .. ':' .. fmt(g[3]) .. ':'
+          .. fmt(g[4]) .. ':' .. fmt(g[5])
+        if collect_own and wnode == node then
+          table.insert(own_grants, m)
+          table.insert(own_grants, grant)
+        else
+          redis.call('HSET', K_GRANTS, m, grant)
+          -- An uncollected grant is forgotten with its lease (the slot itself expires then too).
+          redis.call('ZADD', K_DEADLINES, g[1], m)
+          woken[wnode] = true
+        end
       end
     end
   end
 end
 
--- Reclaims expired leases, forgets stale tickets and dead nodes, admits whoever can go.
-local function settle()
+-- Reclaims expired leases, forgets stale tickets, admits whoever can go. `full` (the periodic
+-- and rare calls: tick, snapshot) also tidies what no admission depends on: dead nodes, the
+-- admission times of an RPM gate no longer in force, the fair-share rounds of an empty queue.
+local function settle(full)
   local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now)
   for _, slot in ipairs(expired) do
     redis.call('ZREM', K_LEASES, slot)
     redis.call('HDEL', K_HELD, slot)
   end
-  redis.call('ZREMRANGEBYSCORE', K_NODES, '-inf', '(' .. fmt(now))
   local stale = redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', now)
   for _, m in ipairs(stale) do forget(m) end
-  -- Admission times are kept only while a gate is in force.
-  if not rpm_limit then redis.call('DEL', K_RPM) end
+  if full then
+    redis.call('ZREMRANGEBYSCORE', K_NODES, '-inf', '(' .. fmt(now))
+    if not rpm_limit then redis.call('DEL', K_RPM) end
+  end
   dispatch()
-  if queued() == 0 then
+  if (full or left_queue) and queued() == 0 then
     redis.call('DEL', K_ROUNDS)
     redis.call('HDEL', K_META, 'r1', 'r2', 'r3')
   end

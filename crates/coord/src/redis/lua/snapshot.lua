@@ -1,7 +1,7 @@
 -- snapshot: live state. Returns {now, inFlight, queuedHigh, queuedNormal, queuedLow, effective,
 -- learnedLimit, learnedRpm, rpmRemaining, pausedUntil, pacedUntil, throttleAt, throttleCause,
 -- admitted, refused}, -1 for what is absent.
-settle()
+settle(true)
 publish()
 local t = redis.call('HMGET', K_LEARNED, 'throttle_at', 'throttle_cause')
 local m = redis.call('HMGET', K_META, 'admitted', 'refused')

@@ -1,7 +1,10 @@
 -- tick: ARGV 12.. tickets this node waits on. Settles the pool and hands back the grants of
 -- those tickets (each collected once).
+-- Grants this call makes to this node's waiters are returned too (`collect_own`).
 -- Returns {now, nextWakeupMs, ticket, grant, ticket, grant, ...}.
-settle()
+heartbeat()
+collect_own = true
+settle(true)
 local out = { now, next_wakeup() }
 for i = 12, #ARGV do
   local g = redis.call('HGET', K_GRANTS, ARGV[i])
@@ -12,5 +15,6 @@ for i = 12, #ARGV do
     table.insert(out, g)
   end
 end
+for _, v in ipairs(own_grants) do table.insert(out, v) end
 publish()
 return out
