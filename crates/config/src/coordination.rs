@@ -65,6 +65,15 @@ pub const MAX_EXPECTED_NODES: u32 = 1_000;
 pub const MAX_COORDINATION_TIMEOUT_MS: u64 = 60_000;
 
 impl ServerSpec {
+    /// `server.coordination` as it may be shown (a log line, a reload's refusal): a Redis URL's
+    /// password masked, like `store`'s.
+    pub fn coordination_shown(&self) -> String {
+        if self.coordination == "in-process" || self.coordination.starts_with("env:") {
+            return self.coordination.clone();
+        }
+        crate::database::mask_database_url(&self.coordination)
+    }
+
     /// The coordination this server runs with, with every rule of its keys checked.
     pub fn coordination(&self) -> Result<Coordination, ConfigError> {
         const KEY: &str = "server.coordination";
@@ -176,6 +185,24 @@ fn check_redis_url(key: &str, url: &str) -> Result<(), ConfigError> {
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::panic)]
 mod tests {
+    #[test]
+    fn the_shown_coordination_masks_a_redis_password() {
+        let with = |c: &str| ServerSpec {
+            coordination: c.into(),
+            ..ServerSpec::default()
+        };
+        assert_eq!(with("in-process").coordination_shown(), "in-process");
+        assert_eq!(with("env:REDIS_URL").coordination_shown(), "env:REDIS_URL");
+        let shown = with("redis://:hunter2@cache:6379/0").coordination_shown();
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.starts_with("redis://:") && shown.ends_with("@cache:6379/0"));
+        let shown = with("redis://app:hunter2@cache/1").coordination_shown();
+        assert!(
+            !shown.contains("hunter2") && shown.starts_with("redis://app:"),
+            "{shown}"
+        );
+    }
+
     use crate::Config;
 
     use super::*;

@@ -306,6 +306,11 @@ async fn with_the_database_down_jobs_are_refused_and_proxying_goes_on() {
     assert_eq!(r.status(), 503);
     let e: Value = r.json().await.unwrap();
     assert_eq!(e["error"], "store_unavailable", "{e}");
+    // Still in the balancer's rotation: proxying needs no store.
+    let ready = node.api(Method::GET, "/readyz").send().await.unwrap();
+    assert_eq!(ready.status(), 200);
+    let ready: Value = ready.json().await.unwrap();
+    assert_eq!(ready["store"], "unavailable", "{ready}");
     for i in 0..5 {
         let r = node
             .pool_get("p", &format!("/sync/{i}"))
@@ -336,6 +341,15 @@ async fn with_the_database_down_jobs_are_refused_and_proxying_goes_on() {
     );
     let job = accepted["jobId"].as_str().unwrap().to_owned();
     node.wait_completed("p", &[job], "done").await;
+    let ready: Value = node
+        .api(Method::GET, "/readyz")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(ready, serde_json::json!({ "status": "ready" }));
 }
 
 /// `migrate-store` moves a SQLite node's pools, keys and unfinished job into PostgreSQL: a node

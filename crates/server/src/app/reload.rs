@@ -85,10 +85,9 @@ fn restart_only(old: &ServerSpec, new: &ServerSpec) -> Option<ConfigError> {
         return Some(needs_restart("store", format!("{:?}", old.store_shown())));
     }
     if old.coordination != new.coordination {
-        return Some(needs_restart(
-            "coordination",
-            format!("{:?}", old.coordination),
-        ));
+        // Masked: the URL may carry a password.
+        let was = format!("{:?}", old.coordination_shown());
+        return Some(needs_restart("coordination", was));
     }
     None
 }

@@ -140,27 +140,27 @@ pub async fn healthz() -> Json<serde_json::Value> {
 }
 
 #[utoipa::path(get, path = "/readyz", tag = "ops",
-    responses((status = 200, description = "ready to serve (with Redis coordination: `coordination` is `ok`, or `unavailable` while a node failing open admits its share on its own)"),
-        (status = 503, description = "draining, storage down, or Redis unreachable while failing closed")))]
+    responses((status = 200, description = "ready to serve (`store` is `unavailable` while the durable store does not answer: proxied calls and the lock API go on, async intake answers `503 store_unavailable`; with Redis coordination `coordination` is `ok`, or `unavailable` while a node failing open admits its share on its own)"),
+        (status = 503, description = "draining, or Redis unreachable while failing closed")))]
 pub async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     if state.draining.load(Ordering::Relaxed) {
         return ApiError::new(ErrorCode::Draining, "shutting down").into_response();
     }
+    let mut ready = serde_json::json!({ "status": "ready" });
+    // The store holds jobs and records, not what admission needs (pools and keys are in
+    // memory): a node without it still proxies and leases, so it stays in the rotation. With
+    // PostgreSQL every node loses it at once, and taking them all out would stop everything.
     if let Err(e) = state.store.ping().await {
-        return ApiError::from(e).into_response();
+        tracing::warn!(error = %e, "the store does not answer: /readyz says store unavailable");
+        ready["store"] = "unavailable".into();
     }
     let Some(redis) = &state.shared else {
-        return Json(serde_json::json!({ "status": "ready" })).into_response();
+        return Json(ready).into_response();
     };
     match redis.ping().await {
-        Ok(()) => {
-            Json(serde_json::json!({ "status": "ready", "coordination": "ok" })).into_response()
-        }
+        Ok(()) => ready["coordination"] = "ok".into(),
         // Failing open the node still admits (its share): keep it in the balancer's rotation.
-        Err(_) if redis.fails_open() => {
-            Json(serde_json::json!({ "status": "ready", "coordination": "unavailable" }))
-                .into_response()
-        }
+        Err(_) if redis.fails_open() => ready["coordination"] = "unavailable".into(),
         // Failing closed it admits nothing that needs a slot, like every other node then.
         Err(_) => {
             let mut e = ApiError::new(
@@ -169,9 +169,10 @@ pub async fn readyz(State(state): State<Arc<AppState>>) -> Response {
             );
             let ms = u64::try_from(redis.retry_after().as_millis()).unwrap_or(u64::MAX);
             e.retry_after_s = Some(ms.div_ceil(1000).max(1));
-            e.into_response()
+            return e.into_response();
         }
     }
+    Json(ready).into_response()
 }
 
 #[utoipa::path(get, path = "/metrics", tag = "ops", responses((status = 200, description = "Prometheus text format")))]
