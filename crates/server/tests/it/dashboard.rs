@@ -314,7 +314,7 @@ fn example(page: &str, title: &str) -> String {
         .nth(1)
         .unwrap_or_else(|| panic!("no example {title:?}: {page}"));
     let code = section
-        .split("<pre><code>")
+        .split("<pre tabindex=\"0\"><code>")
         .nth(1)
         .and_then(|c| c.split("</code></pre>").next())
         .unwrap();
