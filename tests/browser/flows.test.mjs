@@ -172,6 +172,15 @@ describe("the dashboard's per-pool pages in Chromium", () => {
       held.release();
     }
     await waitUntil("the live row shows the pool idle", async () => (await live(page, "tuned", "in-flight")) === "0");
+
+    // A refused value: the API's message by its field, the typed values kept, nothing applied.
+    await page.getByTestId("field-min_limit").fill("9");
+    await page.getByRole("button", { name: "Save settings" }).click();
+    await page.getByTestId("error-min_limit").waitFor();
+    assert.equal(await page.getByTestId("field-min_limit").getAttribute("aria-invalid"), "true");
+    assert.equal(await page.getByTestId("field-min_limit").inputValue(), "9");
+    assert.equal((await stack.admin("GET", "/admin/pools/tuned/state")).json.effectiveLimit, 4);
+    await assertAccessible(page, "the Concurrency page with an error");
     await context.close();
   });
 
@@ -209,6 +218,15 @@ describe("the dashboard's per-pool pages in Chromium", () => {
     assert.equal(await row.getByTestId("destination-state").textContent(), "active");
     const job = await proxiedWith("hooks", "/echo", POOL_KEY, { headers: { "x-nthpool-async": "1" } });
     assert.equal(job.status, 202, job.body);
+    // The job's delivery to the re-enabled destination, listed with the receiver's status.
+    const { jobId } = JSON.parse(job.body);
+    const attempt = page.locator('[data-testid="attempt-row"]', { hasText: jobId });
+    await waitUntil("the delivery attempt listed", async () => {
+      await page.goto(stack.url("/dashboard/pools/hooks/webhooks"));
+      return (await attempt.count()) === 1;
+    });
+    assert.equal(await attempt.getByTestId("attempt-status").textContent(), "204");
+    await assertAccessible(page, "the Webhooks page with an attempt");
     await context.close();
   });
 
