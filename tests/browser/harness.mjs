@@ -105,8 +105,8 @@ export function proxyPoolToml(name, upstream, concurrency = "") {
 /// Starts the sandbox origin and `nthbouncer serve` with `pools(originUrl)` as the pools' TOML,
 /// and waits until the server is ready. Returns the running stack.
 /// `port`: the server's port when it is free (the screenshots show 8080, as the README does);
-/// any free one otherwise.
-export async function startStack({ pools, port: wanted }) {
+/// any free one otherwise. `server`: more `[server]` lines (e.g. `allow_private_webhooks = true`).
+export async function startStack({ pools, port: wanted, server = "" }) {
   const bin = binaryPath();
   const dir = await mkdtemp(path.join(os.tmpdir(), "nthbouncer-browser-"));
   const originPort = await freePort();
@@ -160,7 +160,7 @@ export async function startStack({ pools, port: wanted }) {
     await writeFile(
       config,
       `[server]\nlisten = "127.0.0.1:${port}"\ndata_dir = ${JSON.stringify(path.join(dir, "data"))}\n` +
-        `admin_token = "${ADMIN_TOKEN}"\n\n${pools(origin)}`,
+        `admin_token = "${ADMIN_TOKEN}"\n${server}\n\n${pools(origin)}`,
     );
     children.push(spawnLogged(bin, ["serve", "--config", config]));
     for (const c of children) {
@@ -216,6 +216,31 @@ function holdStreams(port, pool, n) {
   return {
     answered: () => answered,
     release: () => reqs.forEach((r) => r.destroy()),
+  };
+}
+
+/// A webhook signing secret of the shape the config wants (`whsec_` + base64 of 24 bytes).
+export const WEBHOOK_SECRET = `whsec_${Buffer.alloc(24, 7).toString("base64")}`;
+
+/// A tiny webhook receiver on loopback: answers every POST `204` and counts them
+/// (`received()`). Pools reach it with `allow_private_webhooks = true`.
+export async function webhookReceiver() {
+  let received = 0;
+  const srv = http.createServer((req, res) => {
+    req.on("data", () => {});
+    req.on("end", () => {
+      if (req.method === "POST") received++;
+      res.writeHead(204).end();
+    });
+  });
+  await new Promise((resolve) => srv.listen(0, "127.0.0.1", resolve));
+  return {
+    url: `http://127.0.0.1:${srv.address().port}/hook`,
+    received: () => received,
+    close: () => new Promise((resolve) => {
+      srv.close(resolve);
+      srv.closeAllConnections();
+    }),
   };
 }
 

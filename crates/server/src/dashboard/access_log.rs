@@ -144,7 +144,7 @@ fn table(
         return out;
     }
     out.push_str(
-        "<div class=\"scroll\">\n<table aria-labelledby=\"log-title\">\n<thead><tr>\
+        "<div class=\"scroll\" tabindex=\"0\" role=\"region\" aria-labelledby=\"log-title\">\n<table aria-labelledby=\"log-title\">\n<thead><tr>\
          <th scope=\"col\">At</th><th scope=\"col\">Key</th><th scope=\"col\">Client</th>\
          <th scope=\"col\">Route</th><th scope=\"col\">Outcome</th><th scope=\"col\">Reason</th>\
          <th scope=\"col\">Status</th><th scope=\"col\">Queued (ms)</th><th scope=\"col\">Upstream</th>\

@@ -265,7 +265,7 @@ fn result(job: &StoredJob) -> String {
          <h3 id=\"result-title\">Result</h3>\n\
          <p>Status <strong data-testid=\"job-result-status\">{}</strong>; body {encoding}{}.</p>\n\
          <details><summary>Headers</summary><table>{headers}</table></details>\n\
-         <pre><code data-testid=\"job-result-body\">{}</code></pre>\n</section>\n",
+         <pre tabindex=\"0\"><code data-testid=\"job-result-body\">{}</code></pre>\n</section>\n",
         r.status,
         if r.truncated { ", truncated" } else { "" },
         esc(&body)
@@ -274,7 +274,7 @@ fn result(job: &StoredJob) -> String {
 
 fn events(history: &[nthbouncer_store::JobEvent]) -> String {
     let mut out = String::from(
-        "<h3 id=\"history-title\">History</h3>\n<div class=\"scroll\">\n<table aria-labelledby=\"history-title\">\n\
+        "<h3 id=\"history-title\">History</h3>\n<div class=\"scroll\" tabindex=\"0\" role=\"region\" aria-labelledby=\"history-title\">\n<table aria-labelledby=\"history-title\">\n\
          <thead><tr><th scope=\"col\">At</th><th scope=\"col\">Status</th><th scope=\"col\">Attempt</th>\
          <th scope=\"col\">Detail</th></tr></thead>\n<tbody>\n",
     );
@@ -297,7 +297,7 @@ fn delivery_table(deliveries: &[nthbouncer_store::DeliveryState]) -> String {
         return "<h3>Deliveries</h3>\n<p>No webhook deliveries.</p>\n".into();
     }
     let mut out = String::from(
-        "<h3 id=\"deliveries-title\">Deliveries</h3>\n<div class=\"scroll\">\n<table aria-labelledby=\"deliveries-title\">\n\
+        "<h3 id=\"deliveries-title\">Deliveries</h3>\n<div class=\"scroll\" tabindex=\"0\" role=\"region\" aria-labelledby=\"deliveries-title\">\n<table aria-labelledby=\"deliveries-title\">\n\
          <thead><tr><th scope=\"col\">Destination</th><th scope=\"col\">Status</th><th scope=\"col\">Attempts</th>\
          <th scope=\"col\">Last status</th><th scope=\"col\">Last error</th><th scope=\"col\">Delivered</th></tr></thead>\n<tbody>\n",
     );
