@@ -57,12 +57,8 @@ pub async fn page(
     Path(name): Path<String>,
     Query(f): Query<Filters>,
 ) -> Response {
-    let open = match d.open(&headers) {
-        Ok(open) => open,
-        Err(answer) => return *answer,
-    };
-    let pool = match d.pool(&name) {
-        Ok(pool) => pool,
+    let (open, pool) = match d.open_pool(&headers, &name) {
+        Ok(ok) => ok,
         Err(answer) => return *answer,
     };
     let (status, problems, rows) = match read(&d, &pool, &f).await {

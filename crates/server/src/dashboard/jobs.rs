@@ -39,12 +39,8 @@ pub async fn list(
     Path(name): Path<String>,
     Query(q): Query<Params>,
 ) -> Response {
-    let open = match d.open(&headers) {
-        Ok(open) => open,
-        Err(answer) => return *answer,
-    };
-    let pool = match d.pool(&name) {
-        Ok(pool) => pool,
+    let (open, pool) = match d.open_pool(&headers, &name) {
+        Ok(ok) => ok,
         Err(answer) => return *answer,
     };
     let wanted = q.status.as_deref().filter(|s| !s.is_empty());
@@ -162,12 +158,8 @@ pub async fn one(
     Path((name, job_id)): Path<(String, String)>,
     Query(q): Query<JobParams>,
 ) -> Response {
-    let open = match d.open(&headers) {
-        Ok(open) => open,
-        Err(answer) => return *answer,
-    };
-    let pool = match d.pool(&name) {
-        Ok(pool) => pool,
+    let (open, pool) = match d.open_pool(&headers, &name) {
+        Ok(ok) => ok,
         Err(answer) => return *answer,
     };
     match job_body(&d, &pool, &job_id, &open.csrf).await {

@@ -32,12 +32,8 @@ pub async fn page(
     Path(name): Path<String>,
     Query(q): Query<Done>,
 ) -> Response {
-    let open = match d.open(&headers) {
-        Ok(open) => open,
-        Err(answer) => return *answer,
-    };
-    let pool = match d.pool(&name) {
-        Ok(pool) => pool,
+    let (open, pool) = match d.open_pool(&headers, &name) {
+        Ok(ok) => ok,
         Err(answer) => return *answer,
     };
     let flash = match q.revoked {
@@ -58,12 +54,8 @@ pub async fn create(
     Path(name): Path<String>,
     body: Bytes,
 ) -> Response {
-    let (open, form) = match d.post(&headers, &body) {
+    let (open, form, pool) = match d.post_pool(&headers, &body, &name) {
         Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
-    let pool = match d.pool(&name) {
-        Ok(pool) => pool,
         Err(answer) => return *answer,
     };
     let label = form.optional("label");

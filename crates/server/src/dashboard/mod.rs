@@ -117,6 +117,28 @@ impl Dashboard {
             .ok_or_else(|| Box::new(html(StatusCode::NOT_FOUND, pages::no_such_pool())))
     }
 
+    /// A page of the pool named `name`: the session (else the login form), then the pool (else
+    /// the "No such pool" page), in that order, so a stranger learns nothing of pool names.
+    fn open_pool(
+        &self,
+        headers: &HeaderMap,
+        name: &str,
+    ) -> Result<(Open, Arc<PoolRuntime>), Box<Response>> {
+        let open = self.open(headers)?;
+        Ok((open, self.pool(name)?))
+    }
+
+    /// A POST to the pool named `name`: [`Dashboard::post`]'s checks, then the pool.
+    fn post_pool(
+        &self,
+        headers: &HeaderMap,
+        body: &Bytes,
+        name: &str,
+    ) -> Result<(Open, Form, Arc<PoolRuntime>), Box<Response>> {
+        let (open, form) = self.post(headers, body)?;
+        Ok((open, form, self.pool(name)?))
+    }
+
     fn cookie_header(&self, value: &str, max_age_s: u64) -> String {
         let secure = if self.secure { "; Secure" } else { "" };
         format!(
@@ -330,12 +352,8 @@ async fn pool_overview(
     headers: HeaderMap,
     crate::core::extract::Path(name): crate::core::extract::Path<String>,
 ) -> Response {
-    let open = match d.open(&headers) {
-        Ok(open) => open,
-        Err(answer) => return *answer,
-    };
-    let pool = match d.pool(&name) {
-        Ok(pool) => pool,
+    let (open, pool) = match d.open_pool(&headers, &name) {
+        Ok(ok) => ok,
         Err(answer) => return *answer,
     };
     let live = d.live.load();

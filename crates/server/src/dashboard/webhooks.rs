@@ -49,12 +49,8 @@ pub async fn page(
     Path(name): Path<String>,
     Query(q): Query<Params>,
 ) -> Response {
-    let open = match d.open(&headers) {
-        Ok(open) => open,
-        Err(answer) => return *answer,
-    };
-    let pool = match d.pool(&name) {
-        Ok(pool) => pool,
+    let (open, pool) = match d.open_pool(&headers, &name) {
+        Ok(ok) => ok,
         Err(answer) => return *answer,
     };
     let flash = match q.done.as_deref() {
@@ -268,12 +264,8 @@ pub async fn create(
     Path(name): Path<String>,
     body: Bytes,
 ) -> Response {
-    let (open, form) = match d.post(&headers, &body) {
+    let (open, form, pool) = match d.post_pool(&headers, &body, &name) {
         Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
-    let pool = match d.pool(&name) {
-        Ok(pool) => pool,
         Err(answer) => return *answer,
     };
     let after = form.optional("deactivate_after");
@@ -320,12 +312,8 @@ pub async fn set_active(
     Path((name, id)): Path<(String, String)>,
     body: Bytes,
 ) -> Response {
-    let (open, form) = match d.post(&headers, &body) {
+    let (open, form, pool) = match d.post_pool(&headers, &body, &name) {
         Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
-    let pool = match d.pool(&name) {
-        Ok(pool) => pool,
         Err(answer) => return *answer,
     };
     let active = form.text("active") == "true";
@@ -390,12 +378,8 @@ pub async fn redeliver(
     Path((name, job)): Path<(String, String)>,
     body: Bytes,
 ) -> Response {
-    let (open, form) = match d.post(&headers, &body) {
+    let (open, form, pool) = match d.post_pool(&headers, &body, &name) {
         Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
-    let pool = match d.pool(&name) {
-        Ok(pool) => pool,
         Err(answer) => return *answer,
     };
     let pool_path = format!("/dashboard/pools/{}", url_segment(&pool.name));
