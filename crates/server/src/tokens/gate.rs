@@ -4,6 +4,7 @@
 //! hold starts). In process only: on Redis each node keeps its own (see the README).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 
 use nthbouncer_coord::{Clock, Priority};
@@ -32,6 +33,9 @@ pub struct TokenGate {
     state: Mutex<State>,
     clock: Arc<dyn Clock>,
     wake: Arc<Notify>,
+    /// Whether a budget was ever configured or announced. Most pools never have one, and every
+    /// proxied answer asks [`TokenGate::active`]: they are answered without the lock.
+    engaged: AtomicBool,
 }
 
 impl TokenGate {
@@ -44,6 +48,7 @@ impl TokenGate {
             }),
             clock,
             wake: Arc::new(Notify::new()),
+            engaged: AtomicBool::new(settings.tpm > 0),
         });
         if tokio::runtime::Handle::try_current().is_ok() {
             tokio::spawn(ticker(Arc::downgrade(&gate), gate.wake.clone()));
@@ -57,10 +62,16 @@ impl TokenGate {
 
     /// Whether any budget is in force (configured, or learned from the origin).
     pub fn active(&self) -> bool {
+        if !self.engaged.load(Ordering::Acquire) {
+            return false;
+        }
         self.state.lock().budget.active(self.now())
     }
 
     pub fn reconfigure(&self, settings: TokenSettings) {
+        if settings.tpm > 0 {
+            self.engaged.store(true, Ordering::Release);
+        }
         self.state.lock().budget.reconfigure(settings);
         self.wake.notify_one();
     }
@@ -135,6 +146,7 @@ impl TokenGate {
     pub fn observe(&self, id: Option<u128>, window: TokenWindow) {
         let now = self.now();
         self.state.lock().budget.observe(now, id, window);
+        self.engaged.store(true, Ordering::Release);
         self.wake.notify_one();
     }
 
