@@ -340,12 +340,8 @@ pub async fn rotate(
     Path((name, id)): Path<(String, String)>,
     body: Bytes,
 ) -> Response {
-    let (open, _) = match d.post(&headers, &body) {
+    let (open, _, pool) = match d.post_pool(&headers, &body, &name) {
         Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
-    let pool = match d.pool(&name) {
-        Ok(pool) => pool,
         Err(answer) => return *answer,
     };
     match d
