@@ -1,7 +1,8 @@
 //! Test support shared by the end-to-end tests of the server, the client and the binary: a
 //! real gateway on loopback ([`gateway`]), a real upstream that counts what it sees
 //! ([`upstream`]), loopback HTTP servers ([`loopback`]), the real binary as a child process
-//! ([`binary`]), raw sockets ([`raw`]), the access-policy fixtures ([`access`]) and bounded
+//! ([`binary`]), a PostgreSQL database of the test's own ([`pg`]), raw sockets ([`raw`]), the
+//! access-policy fixtures ([`access`]) and bounded
 //! polling ([`wait`]).
 //!
 //! The few server internals a test reaches into are named once, in [`internals`] and
@@ -12,6 +13,7 @@ pub mod access;
 pub mod binary;
 pub mod gateway;
 pub mod loopback;
+pub mod pg;
 pub mod raw;
 pub mod tls;
 pub mod upstream;

@@ -9,84 +9,12 @@
 use std::time::Duration;
 
 use nthbouncer_testkit::binary::Server;
+use nthbouncer_testkit::pg::{admin_client as client, TestDb};
 use nthbouncer_testkit::{ok, serve_http, wait_until, ADMIN_TOKEN, API_HOST, WEBHOOK_SECRET};
 use reqwest::Method;
 use serde_json::{json, Value};
 
 use crate::BIN;
-
-/// A database of the test's own, dropped (with its connections) when this is.
-struct TestDb {
-    name: String,
-    url: String,
-    admin_url: String,
-}
-
-async fn client(url: &str) -> tokio_postgres::Client {
-    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    client
-}
-
-impl TestDb {
-    async fn create() -> TestDb {
-        let mut failures = Vec::new();
-        for user in ["postgres", "root"] {
-            let admin_url = format!("postgres://{user}@127.0.0.1:5432/postgres");
-            match tokio_postgres::connect(&admin_url, tokio_postgres::NoTls).await {
-                Ok((admin, conn)) => {
-                    tokio::spawn(conn);
-                    let name = format!(
-                        "nb_test_{}_{}",
-                        std::process::id(),
-                        std::time::SystemTime::now()
-                            .duration_since(std::time::UNIX_EPOCH)
-                            .unwrap()
-                            .as_nanos()
-                    );
-                    admin
-                        .batch_execute(&format!("CREATE DATABASE {name}"))
-                        .await
-                        .unwrap();
-                    return TestDb {
-                        url: format!("postgres://{user}@127.0.0.1:5432/{name}"),
-                        name,
-                        admin_url,
-                    };
-                }
-                Err(e) => failures.push(format!("{user}: {e}")),
-            }
-        }
-        panic!(
-            "PostgreSQL is not answering at 127.0.0.1:5432 (trust auth, user postgres or root): {}",
-            failures.join("; ")
-        )
-    }
-}
-
-impl Drop for TestDb {
-    fn drop(&mut self) {
-        let (url, name) = (self.admin_url.clone(), self.name.clone());
-        let dropped = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                client(&url)
-                    .await
-                    .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-                    .await
-            })
-        })
-        .join();
-        if !matches!(dropped, Ok(Ok(()))) {
-            eprintln!("could not drop test database {}", self.name);
-        }
-    }
-}
 
 async fn admin(node: &Server, method: Method, path: &str, body: Option<Value>) -> (u16, Value) {
     let mut req = node
