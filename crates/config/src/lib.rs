@@ -75,6 +75,10 @@ pub struct ServerSpec {
     /// `"sqlite"` (embedded default) or `"postgres://…"` (`env:NAME` allowed): durable state in
     /// one PostgreSQL database that several nodes share.
     pub store: String,
+    /// On a PostgreSQL store, how long a node's claim on a job or a webhook delivery holds off
+    /// the other nodes: a node renews its jobs' claims while it runs them, so this is how long
+    /// the work of a node that died waits before another node takes it over.
+    pub store_claim_lease_ms: u64,
     /// `"in-process"` (default) or `"redis://host:port/db"` (`env:NAME` allowed): several nodes
     /// then share each pool's limit, queue, RPM and learned state.
     pub coordination: String,
@@ -126,6 +130,7 @@ impl Default for ServerSpec {
             public_url: None,
             data_dir: PathBuf::from("nthbouncer-data"),
             store: "sqlite".into(),
+            store_claim_lease_ms: store::DEFAULT_CLAIM_LEASE_MS,
             coordination: "in-process".into(),
             coordination_fail: CoordinationFail::Closed,
             expected_nodes: None,

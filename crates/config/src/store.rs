@@ -11,16 +11,28 @@ pub enum StoreSpec {
     Postgres {
         /// The URL with `env:` resolved (it may hold a password: never print it).
         url: String,
+        /// `server.store_claim_lease_ms`.
+        claim_lease_ms: u64,
     },
 }
+
+/// Default `server.store_claim_lease_ms`: two minutes, longer than any webhook attempt.
+pub const DEFAULT_CLAIM_LEASE_MS: u64 = 120_000;
+/// Bounds of `server.store_claim_lease_ms`.
+pub const MIN_CLAIM_LEASE_MS: u64 = 1_000;
+pub const MAX_CLAIM_LEASE_MS: u64 = 3_600_000;
 
 impl std::fmt::Debug for StoreSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             StoreSpec::Sqlite => f.write_str("Sqlite"),
-            StoreSpec::Postgres { url } => f
+            StoreSpec::Postgres {
+                url,
+                claim_lease_ms,
+            } => f
                 .debug_struct("Postgres")
                 .field("url", &crate::database::mask_database_url(url))
+                .field("claim_lease_ms", claim_lease_ms)
                 .finish(),
         }
     }
@@ -54,7 +66,17 @@ impl ServerSpec {
                 "a PostgreSQL store must name a host (postgres://user@host/db)",
             ));
         }
-        Ok(StoreSpec::Postgres { url })
+        let lease = self.store_claim_lease_ms;
+        if !(MIN_CLAIM_LEASE_MS..=MAX_CLAIM_LEASE_MS).contains(&lease) {
+            return Err(ConfigError::new(
+                "server.store_claim_lease_ms",
+                format!("must be {MIN_CLAIM_LEASE_MS}..={MAX_CLAIM_LEASE_MS} (got {lease})"),
+            ));
+        }
+        Ok(StoreSpec::Postgres {
+            url,
+            claim_lease_ms: lease,
+        })
     }
 
     /// `server.store` fit to show: a URL's password masked.
@@ -86,9 +108,14 @@ mod tests {
         assert_eq!(
             pg,
             Some(StoreSpec::Postgres {
-                url: "postgres://app:hunter2@db:5432/nb?sslmode=require".into()
+                url: "postgres://app:hunter2@db:5432/nb?sslmode=require".into(),
+                claim_lease_ms: DEFAULT_CLAIM_LEASE_MS,
             })
         );
+        let mut short = with("postgres://db/nb");
+        short.store_claim_lease_ms = 999;
+        let err = short.store().err().map(|e| e.key);
+        assert_eq!(err.as_deref(), Some("server.store_claim_lease_ms"));
         assert!(!format!("{pg:?}").contains("hunter2"));
         for bad in [
             "mysql://x/y",

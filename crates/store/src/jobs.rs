@@ -319,6 +319,23 @@ pub trait JobStore: Send + Sync + 'static {
         after: Option<&JobCursor>,
         limit: u32,
     ) -> Result<Vec<UnfinishedJob>>;
+    /// For a store several nodes share, the claim pass a node makes every little while: extends
+    /// this node's claims on `held` (the jobs it is running) to `now` plus the claim lease, then
+    /// takes over up to `limit` (at most 1000) unfinished jobs no live node holds (never claimed,
+    /// or their claim lapsed at `now`: their node died, or stopped renewing), oldest first, and
+    /// returns them without their request bodies, as [`JobStore::unfinished_jobs_page`] does.
+    /// A job accepted here is claimed by this node with its insert. Two nodes never take the
+    /// same job while its claim holds, and [`JobStore::start_attempt`] refuses a job another
+    /// node holds.
+    ///
+    /// `None`: the store serves one node (SQLite), every unfinished job is this node's, resumed
+    /// at start ([`JobStore::unfinished_jobs_page`]) and never claimed.
+    async fn claim_jobs(
+        &self,
+        now: u64,
+        held: &[String],
+        limit: u32,
+    ) -> Result<Option<Vec<UnfinishedJob>>>;
     /// A job's request body, loaded when its turn comes; `None` if the job is gone.
     async fn job_request_body(&self, id: &str) -> Result<Option<Vec<u8>>>;
     /// How many of `pool`'s jobs are accepted and not yet terminal (`async.max_pending`).
@@ -328,7 +345,8 @@ pub trait JobStore: Send + Sync + 'static {
     /// `accepted → queued`; no effect on any other status.
     async fn mark_queued(&self, id: &str, now: u64) -> Result<()>;
     /// Starts a run attempt: status `running`, `attempt + 1`. `None` if the job is terminal or
-    /// gone (nothing to run).
+    /// gone (nothing to run), or, on a store several nodes share, held by another node's
+    /// claim (that node runs it).
     async fn start_attempt(&self, id: &str, now: u64) -> Result<Option<u32>>;
     /// Back to `queued` after a retryable failure, if `attempt` still holds the job.
     async fn retry_attempt(&self, id: &str, attempt: u32, now: u64, detail: &str) -> Result<bool>;

@@ -136,6 +136,11 @@ pub trait Store: Send + Sync + 'static {
     /// Cheap liveness probe for `/readyz`.
     async fn ping(&self) -> Result<()>;
 
+    /// A number that every change to pools, keys or webhook destinations moves, whichever node
+    /// made it: a node sharing the store re-reads them when it moves. `None` for a store only
+    /// this process writes (SQLite), which has nothing to notice.
+    async fn settings_version(&self) -> Result<Option<u64>>;
+
     async fn list_pools(&self) -> Result<Vec<StoredPool>>;
     async fn get_pool(&self, name: &str) -> Result<Option<StoredPool>>;
     /// `Conflict` if a pool of that name exists.

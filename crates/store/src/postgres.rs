@@ -14,7 +14,7 @@
 //!   claimed (`claimed_by`, `claim_until`) under `FOR UPDATE SKIP LOCKED` and no other node is
 //!   handed it until the claim lease ends; this store's own claims are still handed back to it
 //!   (its caller excludes the ones it has in flight), so one node sees what SQLite would show.
-//!   A run attempt records the same claim on its job ([`PgStore::claim_jobs`] takes over jobs
+//!   A run attempt records the same claim on its job ([`crate::JobStore::claim_jobs`] takes over jobs
 //!   whose claim has lapsed).
 //! - The access log is a plain table (`access_log`) with identity ids from one sequence, so ids
 //!   stay unique and increasing across nodes; the lease records are a plain table too.
@@ -188,6 +188,34 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX delivery_attempts_pool ON delivery_attempts (pool, id);
     CREATE INDEX delivery_attempts_job ON delivery_attempts (job_id, id);
     CREATE INDEX delivery_attempts_destination ON delivery_attempts (destination_id, id);"#,
+    // v2: a counter every change to pools, keys or webhook destinations moves, in the same
+    // transaction as the change, so every node notices another's admin changes by reading one
+    // row ([`Store::settings_version`]).
+    r#"CREATE TABLE settings_version (
+        only_row BOOLEAN PRIMARY KEY DEFAULT TRUE CHECK (only_row),
+        version  BIGINT NOT NULL
+    );
+    INSERT INTO settings_version (only_row, version) VALUES (TRUE, 0);
+    CREATE FUNCTION nthbouncer_settings_changed() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        UPDATE settings_version SET version = version + 1;
+        RETURN NULL;
+    END $$;
+    CREATE TRIGGER pools_changed AFTER INSERT OR DELETE ON pools
+        FOR EACH ROW EXECUTE FUNCTION nthbouncer_settings_changed();
+    CREATE TRIGGER pools_updated AFTER UPDATE ON pools
+        FOR EACH ROW WHEN (OLD.* IS DISTINCT FROM NEW.*)
+        EXECUTE FUNCTION nthbouncer_settings_changed();
+    CREATE TRIGGER keys_changed AFTER INSERT OR DELETE ON keys
+        FOR EACH ROW EXECUTE FUNCTION nthbouncer_settings_changed();
+    CREATE TRIGGER keys_updated AFTER UPDATE ON keys
+        FOR EACH ROW WHEN (OLD.* IS DISTINCT FROM NEW.*)
+        EXECUTE FUNCTION nthbouncer_settings_changed();
+    CREATE TRIGGER destinations_changed AFTER INSERT OR DELETE ON webhook_destinations
+        FOR EACH ROW EXECUTE FUNCTION nthbouncer_settings_changed();
+    CREATE TRIGGER destinations_updated AFTER UPDATE ON webhook_destinations
+        FOR EACH ROW WHEN (OLD.* IS DISTINCT FROM NEW.*)
+        EXECUTE FUNCTION nthbouncer_settings_changed();"#,
 ];
 
 /// The schema version this build writes (`nthbouncer_schema.version`).
@@ -200,9 +228,10 @@ const POOL_SIZE: usize = 16;
 /// down database must fail a call quickly (the caller answers `503`), not hang it.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// How long a claim on a delivery or a job holds off other nodes: longer than any one webhook
-/// attempt or a job's upstream call, so a live node never loses work it is doing; a dead node's
-/// work is resumed elsewhere once it passes.
+/// How long a claim on a delivery or a job holds off other nodes, unless the store is opened
+/// with another ([`PgStore::connect_node`]): longer than any one webhook attempt, so a live
+/// node never loses a delivery it is sending (a job's claim is renewed while it runs, see
+/// [`crate::JobStore::claim_jobs`]); a dead node's work is resumed elsewhere once it passes.
 pub const CLAIM_LEASE_MS: u64 = 120_000;
 
 /// The advisory lock every node takes while migrating, so two starting at once cannot both
@@ -221,6 +250,10 @@ pub(crate) struct Inner {
     pub(crate) node: String,
     /// Where it connects, without the password.
     target: String,
+    /// How long a claim holds off other nodes ([`CLAIM_LEASE_MS`] unless told).
+    pub(crate) claim_lease_ms: u64,
+    /// The jobs it inserts are claimed by its node (a serving node), or by none (a tool).
+    pub(crate) claims_inserts: bool,
 }
 
 impl fmt::Debug for PgStore {
@@ -243,7 +276,22 @@ impl PgStore {
     /// schema up to [`SCHEMA_VERSION`] and returns the store. Fails if the database does not
     /// answer, or holds a schema newer than this build knows. Error messages never quote the
     /// URL (it may carry a password).
+    ///
+    /// A store opened this way is a tool's (`migrate-store`): the jobs it inserts are claimed by
+    /// no node, so the first node's claim pass takes them. A serving node opens it with
+    /// [`PgStore::connect_node`].
     pub async fn connect(url: &str) -> Result<Self> {
+        Self::open(url, CLAIM_LEASE_MS, false).await
+    }
+
+    /// [`PgStore::connect`] for a node that serves: the jobs it inserts (accepts) are claimed by
+    /// it, and its claims on jobs and deliveries hold for `claim_lease_ms` (at least 1): how
+    /// long a dead node's work waits before another node takes it over.
+    pub async fn connect_node(url: &str, claim_lease_ms: u64) -> Result<Self> {
+        Self::open(url, claim_lease_ms, true).await
+    }
+
+    async fn open(url: &str, claim_lease_ms: u64, claims_inserts: bool) -> Result<Self> {
         let mut config = tokio_postgres::Config::from_str(url)
             .map_err(|e| StoreError::Backend(format!("reading the PostgreSQL URL: {e}")))?;
         // As for database pools (crates/sqlhttp): no `sslmode` means plain TCP; `prefer` and
@@ -281,6 +329,8 @@ impl PgStore {
                 pool,
                 node: format!("node-{:016x}", rand::random::<u64>()),
                 target,
+                claim_lease_ms: claim_lease_ms.max(1),
+                claims_inserts,
             }),
         };
         store.migrate().await?;
@@ -295,6 +345,16 @@ impl PgStore {
     /// This process's name on the claims it takes.
     pub fn node_id(&self) -> &str {
         &self.inner.node
+    }
+
+    /// How long this store's claims hold off other nodes.
+    pub fn claim_lease_ms(&self) -> u64 {
+        self.inner.claim_lease_ms
+    }
+
+    /// `now` plus the claim lease: when a claim taken or renewed at `now` lapses.
+    pub(crate) fn claim_until(&self, now: u64) -> i64 {
+        big(now.saturating_add(self.inner.claim_lease_ms))
     }
 
     /// A connection from the pool.
@@ -504,6 +564,15 @@ impl Store for PgStore {
     async fn ping(&self) -> Result<()> {
         let conn = self.conn().await?;
         conn.simple_query("SELECT 1").await.ctx("ping").map(drop)
+    }
+
+    async fn settings_version(&self) -> Result<Option<u64>> {
+        let conn = self.conn().await?;
+        let row = conn
+            .query_one("SELECT version FROM settings_version", &[])
+            .await
+            .ctx("settings_version")?;
+        get_u(&row, 0).map(Some)
     }
 
     async fn list_pools(&self) -> Result<Vec<StoredPool>> {

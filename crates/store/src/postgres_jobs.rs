@@ -7,13 +7,13 @@
 //! together; an attempt's result applies only while its attempt number holds the job (fencing);
 //! a delivery attempt's result applies only to the round it started in. What several nodes add:
 //! deliveries and jobs are claimed under `FOR UPDATE SKIP LOCKED` with a claim lease
-//! ([`CLAIM_LEASE_MS`]), so two nodes never work on one row at once while its claimant lives.
+//! ([`crate::postgres::CLAIM_LEASE_MS`] unless told otherwise), so two nodes never work on one row at once while its claimant lives.
 
 use deadpool_postgres::Transaction;
 use tokio_postgres::Row;
 
 use crate::jobs::{delivery_status, status};
-use crate::postgres::{big, get, get_opt_u, get_u, rows, Ctx, PgStore, CLAIM_LEASE_MS};
+use crate::postgres::{big, get, get_opt_u, get_u, rows, Ctx, PgStore};
 use crate::sqlite_jobs::{encode, RequestHead, ResultHead};
 use crate::{
     AttemptApplied, AttemptQuery, AttemptRecord, DeliveryAttempt, DeliveryNext, DeliveryState,
@@ -346,47 +346,6 @@ async fn apply_delivery(
 }
 
 impl PgStore {
-    /// Takes over up to `limit` unfinished jobs that no live node holds (never claimed, or their
-    /// claim lapsed at `now`), oldest first, claiming them for this node until
-    /// `now + CLAIM_LEASE_MS`; returns their ids. Rows other nodes are claiming at this moment
-    /// are skipped (`FOR UPDATE SKIP LOCKED`), so two nodes never take the same job.
-    pub async fn claim_jobs(&self, now: u64, limit: u32) -> Result<Vec<String>> {
-        let conn = self.conn().await?;
-        let found = conn
-            .query(
-                &format!(
-                    "WITH c AS (SELECT id FROM jobs WHERE {UNFINISHED} \
-                     AND (claim_until IS NULL OR claim_until <= $1 OR claimed_by = $3) \
-                     ORDER BY created_at, id LIMIT $2 FOR UPDATE SKIP LOCKED) \
-                     UPDATE jobs j SET claimed_by = $3, claim_until = $4 FROM c \
-                     WHERE j.id = c.id RETURNING j.id, j.created_at"
-                ),
-                &[
-                    &big(now),
-                    &i64::from(limit.clamp(1, 1000)),
-                    &self.inner.node,
-                    &big(now.saturating_add(CLAIM_LEASE_MS)),
-                ],
-            )
-            .await
-            .ctx("claim_jobs")?;
-        let mut claimed = rows(found, |r| Ok((get_u::<u64>(r, 1)?, get::<String>(r, 0)?)))?;
-        claimed.sort();
-        Ok(claimed.into_iter().map(|(_, id)| id).collect())
-    }
-
-    /// Extends this node's claims on its unfinished jobs to `now + CLAIM_LEASE_MS` (a live
-    /// node calls it well within the lease); returns how many it holds.
-    pub async fn renew_job_claims(&self, now: u64) -> Result<u64> {
-        let conn = self.conn().await?;
-        conn.execute(
-            &format!("UPDATE jobs SET claim_until = $2 WHERE claimed_by = $1 AND {UNFINISHED}"),
-            &[&self.inner.node, &big(now.saturating_add(CLAIM_LEASE_MS))],
-        )
-        .await
-        .ctx("renew_job_claims")
-    }
-
     async fn insert_batch(&self, jobs: &[NewJob]) -> Result<()> {
         let mut heads = Vec::with_capacity(jobs.len());
         for j in jobs {
@@ -416,7 +375,7 @@ impl PgStore {
              request_id, claimed_by, claim_until) \
              SELECT id, pool, 'accepted', reason, key_id, fairness, priority, created_at, \
              created_at, expires_at, retention_ms, 0, destinations, request, body, request_id, \
-             $14, created_at + $15 \
+             $14::TEXT, CASE WHEN $14::TEXT IS NULL THEN NULL ELSE created_at + $15 END \
              FROM UNNEST($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::TEXT[], $5::BIGINT[], \
              $6::TEXT[], $7::BIGINT[], $8::BIGINT[], $9::BIGINT[], $10::BIGINT[], $11::TEXT[], \
              $12::BYTEA[], $13::TEXT[]) AS t(id, pool, reason, key_id, fairness, priority, \
@@ -435,8 +394,11 @@ impl PgStore {
                 &heads,
                 &bodies,
                 &request_ids,
-                &self.inner.node,
-                &big(CLAIM_LEASE_MS),
+                &self
+                    .inner
+                    .claims_inserts
+                    .then_some(self.inner.node.as_str()),
+                &big(self.inner.claim_lease_ms),
             ],
         )
         .await
@@ -559,6 +521,57 @@ impl JobStore for PgStore {
         })
     }
 
+    async fn claim_jobs(
+        &self,
+        now: u64,
+        held: &[String],
+        limit: u32,
+    ) -> Result<Option<Vec<UnfinishedJob>>> {
+        let conn = self.conn().await?;
+        let until = self.claim_until(now);
+        if !held.is_empty() {
+            conn.execute(
+                &format!(
+                    "UPDATE jobs SET claim_until = $3 \
+                     WHERE id = ANY($1) AND claimed_by = $2 AND {UNFINISHED}"
+                ),
+                &[&held, &self.inner.node, &until],
+            )
+            .await
+            .ctx("claim_jobs")?;
+        }
+        if limit == 0 {
+            return Ok(Some(Vec::new()));
+        }
+        // Rows another node is claiming at this moment are skipped, not waited for.
+        let found = conn
+            .query(
+                &format!(
+                    "WITH c AS (SELECT id AS claimed FROM jobs WHERE {UNFINISHED} \
+                     AND (claim_until IS NULL OR claim_until <= $1) \
+                     ORDER BY created_at, id LIMIT $2 FOR UPDATE SKIP LOCKED) \
+                     UPDATE jobs SET claimed_by = $3, claim_until = $4 FROM c \
+                     WHERE jobs.id = c.claimed RETURNING {JOB_HEAD_COLUMNS}"
+                ),
+                &[
+                    &big(now),
+                    &i64::from(limit.min(1000)),
+                    &self.inner.node,
+                    &until,
+                ],
+            )
+            .await
+            .ctx("claim_jobs")?;
+        let mut claimed = rows(found, |r| {
+            Ok(UnfinishedJob {
+                job: job_from_row(r)?,
+                body_len: get_u(r, 21)?,
+            })
+        })?;
+        claimed.sort_by(|a, b| (a.job.created_at, &a.job.id).cmp(&(b.job.created_at, &b.job.id)));
+        Ok(Some(claimed))
+    }
+
     async fn job_request_body(&self, id: &str) -> Result<Option<Vec<u8>>> {
         let conn = self.conn().await?;
         let found = conn
@@ -614,20 +627,17 @@ impl JobStore for PgStore {
     async fn start_attempt(&self, id: &str, now: u64) -> Result<Option<u32>> {
         let mut conn = self.conn().await?;
         let tx = conn.transaction().await.ctx("start_attempt")?;
-        // The attempt claims the job for this node until the lease ends.
+        // The attempt claims the job for this node until the lease ends, unless another live
+        // node holds it (that node runs it: the origin must not be called twice).
         let row = tx
             .query_opt(
                 &format!(
                     "UPDATE jobs SET status = 'running', attempt = attempt + 1, updated_at = $2, \
                      claimed_by = $3, claim_until = $4 WHERE id = $1 AND {UNFINISHED} \
+                     AND (claimed_by IS NULL OR claimed_by = $3 OR claim_until <= $2) \
                      RETURNING attempt"
                 ),
-                &[
-                    &id,
-                    &big(now),
-                    &self.inner.node,
-                    &big(now.saturating_add(CLAIM_LEASE_MS)),
-                ],
+                &[&id, &big(now), &self.inner.node, &self.claim_until(now)],
             )
             .await
             .ctx("start_attempt")?;
@@ -903,7 +913,7 @@ impl JobStore for PgStore {
                     &i64::from(limit),
                     &exclude,
                     &self.inner.node,
-                    &big(now.saturating_add(CLAIM_LEASE_MS)),
+                    &self.claim_until(now),
                 ],
             )
             .await

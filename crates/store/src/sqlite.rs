@@ -525,6 +525,10 @@ fn key_from_row(row: &Row<'_>) -> rusqlite::Result<StoredKey> {
 
 #[async_trait::async_trait]
 impl Store for SqliteStore {
+    async fn settings_version(&self) -> Result<Option<u64>> {
+        Ok(None) // one process writes it: nothing changes behind this node's back
+    }
+
     async fn ping(&self) -> Result<()> {
         // A reader, not the writer: the probe must stay cheap and answer promptly even while a
         // large log batch or trim holds the writer.

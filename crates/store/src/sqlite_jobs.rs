@@ -544,6 +544,15 @@ impl JobStore for SqliteStore {
         .await
     }
 
+    async fn claim_jobs(
+        &self,
+        _now: u64,
+        _held: &[String],
+        _limit: u32,
+    ) -> Result<Option<Vec<UnfinishedJob>>> {
+        Ok(None) // one node: every unfinished job is its own, resumed at start
+    }
+
     async fn job_request_body(&self, id: &str) -> Result<Option<Vec<u8>>> {
         let id = id.to_owned();
         self.read(move |conn| {

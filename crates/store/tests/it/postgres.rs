@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use nthbouncer_store::postgres::{PgStore, CLAIM_LEASE_MS, SCHEMA_VERSION};
 use nthbouncer_store::{
     Finish, JobRequest, JobResult, JobStore, NewJob, Store, StoreError, StoredDestination,
+    StoredKey, StoredPool, UnfinishedJob,
 };
 
 use crate::backend::TestDb;
@@ -95,7 +96,14 @@ async fn a_database_that_does_not_answer_fails_fast_and_names_no_password() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deliveries_and_jobs_are_claimed_by_one_node_at_a_time() {
     let db = TestDb::create().await;
-    let (a, b) = (db.open().await, db.open().await);
+    let (a, b) = (
+        PgStore::connect_node(&db.url, CLAIM_LEASE_MS)
+            .await
+            .unwrap(),
+        PgStore::connect_node(&db.url, CLAIM_LEASE_MS)
+            .await
+            .unwrap(),
+    );
     assert_ne!(a.node_id(), b.node_id());
     a.create_destination(&dest("d")).await.unwrap();
     let now = 1_000;
@@ -135,14 +143,83 @@ async fn deliveries_and_jobs_are_claimed_by_one_node_at_a_time() {
         2
     );
 
-    // Jobs: a holds what it accepted; once its claims lapse, b takes them over, once.
+    // Jobs: each node holds what it accepted; what a node runs it renews; a claim that lapsed
+    // is taken over by one node, and the other may not start the job meanwhile.
     b.insert_jobs(&[job("j3", now)]).await.unwrap();
     a.insert_jobs(&[job("j4", now)]).await.unwrap();
-    assert!(b.claim_jobs(now + 5, 10).await.unwrap() == vec!["j3".to_string()]);
-    assert_eq!(a.renew_job_claims(now + 5).await.unwrap(), 1);
-    let lapse = now + 5 + CLAIM_LEASE_MS;
-    assert_eq!(b.claim_jobs(lapse, 10).await.unwrap(), vec!["j3", "j4"]);
-    assert!(a.claim_jobs(lapse, 10).await.unwrap().is_empty());
+    let ids = |page: Option<Vec<UnfinishedJob>>| -> Vec<String> {
+        page.unwrap().into_iter().map(|u| u.job.id).collect()
+    };
+    assert!(ids(b.claim_jobs(now + 5, &[], 10).await.unwrap()).is_empty());
+    let held = ["j4".to_string()];
+    assert!(ids(a.claim_jobs(now + 5, &held, 10).await.unwrap()).is_empty());
+    // b stopped renewing j3 (as if dead): a takes it over, j4 stays a's.
+    let lapse = now + CLAIM_LEASE_MS;
+    assert_eq!(ids(a.claim_jobs(lapse, &held, 10).await.unwrap()), ["j3"]);
+    assert!(ids(b.claim_jobs(lapse, &[], 10).await.unwrap()).is_empty());
+    assert_eq!(
+        b.start_attempt("j3", lapse).await.unwrap(),
+        None,
+        "a holds it"
+    );
+    assert_eq!(a.start_attempt("j3", lapse).await.unwrap(), Some(1));
+    // a dies: once its claims lapse, b takes both over, once.
+    let later = lapse + CLAIM_LEASE_MS + 10;
+    assert_eq!(
+        ids(b.claim_jobs(later, &[], 10).await.unwrap()),
+        ["j3", "j4"]
+    );
+    assert!(ids(a.claim_jobs(later, &[], 10).await.unwrap()).is_empty());
+    assert_eq!(b.start_attempt("j3", later).await.unwrap(), Some(2));
     let expire = a.expire_jobs(u64::MAX / 4, &HashMap::new()).await.unwrap();
     assert_eq!(expire, vec!["j3", "j4"]);
+
+    // What a tool inserts (`migrate-store`) no node holds: the first claim pass takes it.
+    let tool = PgStore::connect(&db.url).await.unwrap();
+    tool.insert_jobs(&[job("j5", later)]).await.unwrap();
+    assert_eq!(ids(a.claim_jobs(later, &[], 10).await.unwrap()), ["j5"]);
+}
+
+/// The settings version moves with every change to pools, keys and destinations (so the other
+/// nodes re-read them), and not with jobs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_settings_version_moves_with_pools_keys_and_destinations() {
+    let db = TestDb::create().await;
+    let s = PgStore::connect(&db.url).await.unwrap();
+    let version = async || s.settings_version().await.unwrap().unwrap();
+    let v0 = version().await;
+    let pool = StoredPool {
+        name: "p".into(),
+        spec: serde_json::json!({"name": "p"}),
+        created_at: 1,
+        updated_at: 1,
+    };
+    s.create_pool(&pool).await.unwrap();
+    let v1 = version().await;
+    assert!(v1 > v0);
+    let key = StoredKey {
+        id: "key_1".into(),
+        pool: "p".into(),
+        hash: "00".into(),
+        label: None,
+        created_at: 1,
+        expires_at: None,
+        revoked_at: None,
+    };
+    s.create_key(&key).await.unwrap();
+    let v2 = version().await;
+    assert!(v2 > v1);
+    assert!(s.revoke_key("p", "key_1", 2).await.unwrap());
+    let v3 = version().await;
+    assert!(v3 > v2);
+    s.create_destination(&dest("d")).await.unwrap();
+    let v4 = version().await;
+    assert!(v4 > v3);
+    s.insert_jobs(&[job("j1", 10)]).await.unwrap();
+    assert_eq!(version().await, v4, "jobs are no settings");
+    assert!(s
+        .update_pool("p", &serde_json::json!({"name": "p", "x": 1}), 3)
+        .await
+        .unwrap());
+    assert!(version().await > v4);
 }
