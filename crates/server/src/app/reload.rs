@@ -8,11 +8,12 @@
 //! those that own a socket or a store), and the shared upstream client is replaced if its
 //! timeouts changed (`upstream::SharedClient`: calls in flight keep the one they started on).
 //!
-//! Four keys are accepted but apply only at the next restart, and are listed in the answer's
+//! Five keys are accepted but apply only at the next restart, and are listed in the answer's
 //! `restartPending`: `coordination_fail`, `expected_nodes`, `coordination_prefix` and
 //! `coordination_timeout_ms` set up the Redis coordination when it is opened at start (a
 //! prefix changed live would split every pool's slots, queue and RPM window across two key
-//! spaces); with in-process coordination they mean nothing.
+//! spaces); with in-process coordination they mean nothing. `store_claim_lease_ms` is read when
+//! the PostgreSQL store is opened.
 //!
 //! It owns the reload's sequence, its record (log, metrics) and the route; it must not change
 //! pools itself (the registry does) nor serve anything.
@@ -52,9 +53,9 @@ pub struct Reloaded {
     pub status: &'static str,
     /// What happened to the config file's pools, by name.
     pub pools: PoolChanges,
-    /// `[server]` keys that changed in the file but are read only when the coordination is
-    /// opened at start (`coordination_fail`, `expected_nodes`, `coordination_prefix`,
-    /// `coordination_timeout_ms`): they apply at the next restart.
+    /// `[server]` keys that changed in the file but are read only when the coordination or the
+    /// store is opened at start (`coordination_fail`, `expected_nodes`, `coordination_prefix`,
+    /// `coordination_timeout_ms`, `store_claim_lease_ms`): they apply at the next restart.
     #[serde(rename = "restartPending")]
     pub restart_pending: Vec<String>,
 }
@@ -108,6 +109,9 @@ fn pending_restart(old: &ServerSpec, new: &ServerSpec) -> Vec<String> {
     if old.expected_nodes != new.expected_nodes {
         keys.push("server.expected_nodes");
     }
+    if old.store_claim_lease_ms != new.store_claim_lease_ms {
+        keys.push("server.store_claim_lease_ms");
+    }
     keys.into_iter().map(String::from).collect()
 }
 
@@ -119,6 +123,7 @@ fn as_applied(running: &ServerSpec, new: ServerSpec) -> ServerSpec {
         expected_nodes: running.expected_nodes,
         coordination_prefix: running.coordination_prefix.clone(),
         coordination_timeout_ms: running.coordination_timeout_ms,
+        store_claim_lease_ms: running.store_claim_lease_ms,
         ..new
     }
 }
@@ -229,9 +234,9 @@ async fn reload_inner(state: &AppState) -> Result<Reloaded, ConfigError> {
         max_connections to the next connection accepted; max_destinations_per_pool to the next \
         destination added; access_log_keep to the next trim; shutdown_grace_ms to the next \
         shutdown; the `[server.tls]` certificates to the next handshake. coordination_fail, \
-        expected_nodes, coordination_prefix and coordination_timeout_ms are accepted but apply at \
-        the next restart (they set up the Redis coordination when it is opened): the answer lists \
-        them in `restartPending`. A file with anything wrong, or one that changes \
+        expected_nodes, coordination_prefix, coordination_timeout_ms and store_claim_lease_ms are \
+        accepted but apply at the next restart (they set up the Redis coordination or the store \
+        when it is opened): the answer lists them in `restartPending`. A file with anything wrong, or one that changes \
         `server.listen`, a pool's own `listen`, `data_dir`, `store`, `coordination` or turns \
         `[server.tls]` on or off (those need a restart), changes nothing: `400 invalid` naming \
         the key in `field` and the rule in `message`.",

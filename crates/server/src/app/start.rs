@@ -77,7 +77,7 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
     let clock = options
         .clock
         .unwrap_or_else(|| Arc::new(SystemClock::new()));
-    let (store, job_store) = open_store(&server).await?;
+    let (store, job_store, claim_lease_ms) = open_store(&server).await?;
     let shared = open_coordination(&server, clock.clone()).await?;
     let settings = ServerSettings::of(&server, addr.port()).map_err(StartError::Config)?;
     let live = Arc::new(LiveServer::new(settings, addr.port()));
@@ -101,8 +101,29 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
         crate::lock::leases::reserve_outstanding(&*state.store, &state.pools, now).await;
     }
     // Before serving: every unfinished job has its runner and its place in the backlog before a
-    // new job can be accepted (or picked up twice).
-    crate::jobs::resume(&state.jobs).await;
+    // new job can be accepted (or picked up twice). On a shared store, only the jobs no live
+    // node holds, by the first claim pass; then a pass every little while.
+    let shared_store = match claim_lease_ms {
+        None => {
+            crate::jobs::resume(&state.jobs).await;
+            None
+        }
+        Some(lease_ms) => {
+            match crate::jobs::claims::claim_pass(&state.jobs).await {
+                Ok(Some(taken)) if taken > 0 => {
+                    tracing::info!(jobs = taken, "resuming unfinished jobs no live node holds")
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "cannot claim unfinished jobs yet; retrying"),
+            }
+            let jobs = tokio::spawn(crate::jobs::claims::run_claims(
+                state.jobs.clone(),
+                lease_ms,
+            ));
+            let settings = tokio::spawn(crate::pools::sync::run(state.pools.clone()));
+            Some((jobs, settings))
+        }
+    };
     let background = tokio::spawn(crate::jobs::run_sweeper(state.jobs.clone()));
     // Ends when the jobs' `stopping` is cancelled; pending deliveries go out at the next start.
     let webhooks = tokio::spawn(crate::webhooks::run_dispatcher(state.webhooks.clone()));
@@ -118,6 +139,10 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
         // Unfinished jobs stay in the store and resume at the next start.
         background.abort();
         webhooks.abort();
+        if let Some((jobs, settings)) = shared_store {
+            jobs.abort();
+            settings.abort();
+        }
     });
     let pools = state.pools.snapshot().pools.len();
     tracing::info!(%addr, api_host = %state.pools.api_host(), pools, "nthbouncer listening");
@@ -177,6 +202,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         deliveries_pending,
         drain: crate::jobs::drain::Drain::new(),
         backlog: crate::jobs::backlog::Backlog::new(),
+        running: crate::jobs::claims::Running::new(),
     });
     let cache = Arc::new(Caches::new(pools.clone(), clock.clone()));
     let tls = listener_tls(&server, &pools)?;
@@ -294,10 +320,11 @@ async fn bind(server: &ServerSpec) -> Result<(TcpListener, SocketAddr), StartErr
 
 /// Opens the store `server.store` names: the embedded SQLite file (off the async runtime: SQLite
 /// blocks), or the PostgreSQL database, migrated to this build's schema. A database that does
-/// not answer at start stops the start (nothing durable could be promised).
+/// not answer at start stops the start (nothing durable could be promised). The third part is
+/// the claim lease of a store several nodes share (`None`: SQLite, one node).
 async fn open_store(
     server: &ServerSpec,
-) -> Result<(Arc<dyn Store>, Arc<dyn JobStore>), StartError> {
+) -> Result<(Arc<dyn Store>, Arc<dyn JobStore>, Option<u64>), StartError> {
     match server.store().map_err(StartError::Config)? {
         StoreSpec::Sqlite => {
             let dir = server.data_dir.clone();
@@ -307,19 +334,23 @@ async fn open_store(
             .await
             .map_err(|e| StartError::Store(e.to_string()))?
             .map_err(|e| StartError::Store(e.to_string()))?;
-            Ok((Arc::new(sqlite.clone()), Arc::new(sqlite)))
+            Ok((Arc::new(sqlite.clone()), Arc::new(sqlite), None))
         }
-        StoreSpec::Postgres { url } => {
+        StoreSpec::Postgres {
+            url,
+            claim_lease_ms,
+        } => {
             // The store's messages name the database without its password.
-            let pg = nthbouncer_store::postgres::PgStore::connect(&url)
+            let pg = nthbouncer_store::postgres::PgStore::connect_node(&url, claim_lease_ms)
                 .await
                 .map_err(|e| StartError::Store(format!("server.store: {e}")))?;
             tracing::info!(
                 database = pg.target(),
                 node = pg.node_id(),
+                claim_lease_ms,
                 "storing state in PostgreSQL"
             );
-            Ok((Arc::new(pg.clone()), Arc::new(pg)))
+            Ok((Arc::new(pg.clone()), Arc::new(pg), Some(claim_lease_ms)))
         }
     }
 }

@@ -6,7 +6,9 @@
 //! - [`runner`] runs one job through the pool's gate and the upstream layer, and writes the
 //!   result fenced by its attempt number. Jobs left unfinished by a crash are resumed at
 //!   start-up ([`sweep`]), which also expires overdue jobs and deletes retained ones. A store
-//!   call that fails is retried with [`backoff`] rather than leaving the job stranded.
+//!   call that fails is retried with [`backoff`] rather than leaving the job stranded. On a
+//!   store several nodes share, a node runs only the jobs it claimed, and takes over those of a
+//!   node that died ([`claims`]).
 //! - [`view`] is the poll (and webhook) body; [`routes`] the poll route and the admin reads.
 //! - [`drain::Drain`] counts the attempts in flight (job fetches and, shared with the webhooks
 //!   feature, webhook attempts): on SIGTERM none starts any more, and the shutdown waits for
@@ -16,6 +18,7 @@
 
 pub mod backlog;
 pub mod backoff;
+pub mod claims;
 pub mod drain;
 pub mod intake;
 pub mod routes;
@@ -67,6 +70,8 @@ pub struct Jobs {
     pub drain: Arc<drain::Drain>,
     /// Jobs pending per pool, held to `async.max_pending`.
     pub backlog: Arc<backlog::Backlog>,
+    /// The jobs with a runner in this process (on a shared store, the claims it renews).
+    pub running: Arc<claims::Running>,
 }
 
 impl Jobs {

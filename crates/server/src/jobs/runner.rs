@@ -34,9 +34,15 @@ const MAX_CONNECT_ATTEMPTS: u32 = 3;
 
 /// Runs a job to a terminal state in the background. `job` may come without its request body
 /// (it is loaded from the store for each attempt); `pending`, the job's place in its pool's
-/// backlog, is given back when the job is done.
+/// backlog, is given back when the job is done. A job that already has a runner here gets no
+/// second one.
 pub fn spawn_runner(state: Arc<Jobs>, job: StoredJob, pending: Pending) {
+    // One runner per job in this process: a claim pass may hand back a job already running.
+    let Some(entry) = state.running.enter(&job.id) else {
+        return;
+    };
     tokio::spawn(async move {
+        let _entry = entry;
         let _pending = pending;
         let stopping = state.stopping.clone();
         tokio::select! {

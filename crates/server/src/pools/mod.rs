@@ -2,7 +2,8 @@
 //! that change it ([`ops`]), and the guard of the API host's pool routes ([`guard`]).
 //!
 //! [`Pools`] is the one handle every feature gets to find a pool; only the admin API, the
-//! start-up and a configuration reload ([`reload`]) change the set, one change at a time.
+//! start-up, a configuration reload ([`reload`]) and, on a store several nodes share, another
+//! node's admin changes ([`sync`]) change the set, one change at a time.
 
 pub mod actions;
 pub mod counted;
@@ -11,6 +12,7 @@ pub mod listeners;
 pub mod ops;
 pub mod registry;
 pub mod reload;
+pub mod sync;
 
 use std::sync::Arc;
 

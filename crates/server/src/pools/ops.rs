@@ -339,7 +339,10 @@ impl Pools {
 
     /// A stored API pool's webhooks get their secrets back from their destinations (the stored
     /// body holds none); one whose destination is gone is dropped.
-    async fn restore_webhook_secrets(&self, spec: &mut PoolSpec) -> nthbouncer_store::Result<()> {
+    pub(super) async fn restore_webhook_secrets(
+        &self,
+        spec: &mut PoolSpec,
+    ) -> nthbouncer_store::Result<()> {
         if spec.webhooks.is_empty() {
             return Ok(());
         }
@@ -642,7 +645,7 @@ impl Pools {
 
     /// A stored pool's own listener, at start: one that cannot bind is logged, and the pool is
     /// served on its host names only.
-    fn listen_stored(&self, pool: &PoolRuntime) {
+    pub(super) fn listen_stored(&self, pool: &PoolRuntime) {
         let Some(addr) = pool.spec.listen.as_deref().and_then(|l| l.parse().ok()) else {
             return;
         };
