@@ -214,6 +214,10 @@ pub(crate) struct Shared {
     /// Fail open, back on Redis: until this monotonic ms, an admission must also fit this
     /// node's share (see [`Shared::recover`]).
     recover_until: AtomicU64,
+    /// The pool's generation in Redis as last seen (`""`: none yet). It changes when Redis lost
+    /// the pool's keys; sent with every call so the scripts see that this node comes from before
+    /// (see `lua/prelude.lua`).
+    generation: Mutex<String>,
 }
 
 /// One pool's gate on Redis. Dropping it (or [`PoolGate::close`]) stops its ticker.
@@ -279,6 +283,7 @@ impl RedisGate {
             adopted: Mutex::new(HashMap::new()),
             outage_seen: AtomicBool::new(false),
             recover_until: AtomicU64::new(0),
+            generation: Mutex::new(String::new()),
             node: Arc::clone(&node),
         });
         {
@@ -351,11 +356,13 @@ impl Shared {
 
     async fn call(&self, which: &::redis::Script, extra: &[String]) -> Result<Reply, CallError> {
         let settings = self.settings();
+        let generation = self.generation.lock().clone();
         let caller = Caller {
             node: &self.node.id,
             node_ttl_ms: u64::try_from(self.node.options.node_ttl.as_millis()).unwrap_or(u64::MAX),
             wake_prefix: &self.node.wake_prefix,
             pool: &self.pool,
+            generation: &generation,
         };
         let reply = script::call(
             &self.node.conn,
@@ -367,8 +374,15 @@ impl Shared {
             self.node.options.command_timeout,
         )
         .await;
-        if let Err(e) = &reply {
-            tracing::debug!(pool = %self.pool, error = %e, "redis gate call failed");
+        match &reply {
+            Ok(r) if r.1 != generation => {
+                if !generation.is_empty() {
+                    tracing::warn!(pool = %self.pool, "redis lost this pool's state; running calls re-assert their slots, nothing new is admitted for one lease term");
+                }
+                *self.generation.lock() = r.1.clone();
+            }
+            Ok(_) => {}
+            Err(e) => tracing::debug!(pool = %self.pool, error = %e, "redis gate call failed"),
         }
         reply
     }
@@ -800,6 +814,18 @@ impl Shared {
         let poll = u64::try_from(self.node.options.poll_interval.as_millis()).unwrap_or(500);
         let mut sleep: Option<u64> = None;
         let mut at_most = |ms: u64| sleep = Some(sleep.map_or(ms, |s: u64| s.min(ms)));
+
+        if self.generation.lock().is_empty() && !self.on_own() {
+            // Learn the pool's generation once at the start (a probe), so that if Redis loses
+            // the pool's keys before this node's first admission, this node's first call after
+            // that still counts as one from before (see `lua/prelude.lua`).
+            let settings = self.settings();
+            let probe = [
+                settings.lease_term_ms.to_string(),
+                crate::EXCHANGE_GRACE_MS.to_string(),
+            ];
+            let _ = self.call(&self.node.scripts.adopt, &probe).await;
+        }
 
         let tickets: Vec<String> = self.waiters.lock().keys().cloned().collect();
         let due = self.poll_at.load(Ordering::Acquire);
