@@ -182,6 +182,11 @@ pub(crate) struct Shared {
     settings: Mutex<PoolSettings>,
     /// Callers of this node parked in the shared queue, by ticket.
     waiters: Mutex<HashMap<String, oneshot::Sender<Granted>>>,
+    /// Acquires of this node whose script call is under way, by slot id, with the grant that
+    /// reached this node before the caller could park under its ticket (a slot freed by another
+    /// call of this node goes to its own waiters in that call's reply): the caller takes it
+    /// instead of parking. Locked after `waiters`.
+    early: Mutex<HashMap<u128, Option<Granted>>>,
     /// Exchange slots this node holds, by slot id.
     holds: Mutex<HashMap<u128, Hold>>,
     /// Monotonic ms at which the holds are next renewed.
@@ -269,6 +274,7 @@ impl RedisGate {
             }),
             settings: Mutex::new(settings),
             waiters: Mutex::new(HashMap::new()),
+            early: Mutex::new(HashMap::new()),
             holds: Mutex::new(HashMap::new()),
             renew_at: AtomicU64::new(0),
             poll_at: AtomicU64::new(0),
@@ -663,6 +669,29 @@ impl Shared {
         }
     }
 
+    /// The waiter of `ticket` on this gate with its grant (`Ok(Some)`), or the grant kept for
+    /// the caller whose acquire is still under way (`Ok(None)`), or the grant back (`Err`):
+    /// one step under the waiters' lock, so the caller cannot park in between.
+    #[allow(clippy::type_complexity)]
+    fn park_or_take(
+        &self,
+        ticket: &str,
+        g: Granted,
+    ) -> Result<Option<(oneshot::Sender<Granted>, Granted)>, Granted> {
+        let mut waiters = self.waiters.lock();
+        if let Some(tx) = waiters.remove(ticket) {
+            return Ok(Some((tx, g)));
+        }
+        let mut early = self.early.lock();
+        match early.get_mut(&g.slot.0) {
+            Some(slot @ None) => {
+                *slot = Some(g);
+                Ok(None)
+            }
+            _ => Err(g),
+        }
+    }
+
     /// Takes the waiter of `ticket` out of this gate, or out of another open gate of the same
     /// pool on this node (a pool reopened while the old gate still drains): grants are made
     /// per node, so any of its gates may collect one.
@@ -792,10 +821,13 @@ impl Shared {
             let ticket = reply.str(i)?;
             let g = Granted::parse(&reply.str(i + 1)?, server_now, mono)
                 .ok_or(CallError::Reply("malformed grant"))?;
-            let tx = self.take_waiter(&ticket);
-            let undelivered = match tx {
-                Some(tx) => tx.send(g).err(),
-                None => Some(g),
+            let undelivered = match self.park_or_take(&ticket, g) {
+                Ok(None) => None,
+                Ok(Some((tx, g))) => tx.send(g).err(),
+                Err(g) => match self.take_waiter(&ticket) {
+                    Some(tx) => tx.send(g).err(),
+                    None => Some(g),
+                },
             };
             if let Some(g) = undelivered {
                 orphans.push(g.slot);
@@ -1033,6 +1065,26 @@ impl Drop for PendingAcquire {
     }
 }
 
+/// Forgets an acquire's entry in `early` when the acquire ends; a grant parked there that no
+/// caller took (the acquire was dropped) is freed.
+struct EarlyGuard {
+    shared: Arc<Shared>,
+    slot: SlotId,
+}
+
+impl Drop for EarlyGuard {
+    fn drop(&mut self) {
+        let Some(g) = self.shared.early.lock().remove(&self.slot.0).flatten() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return; // No runtime to clean up on: the lease expires in Redis.
+        };
+        let shared = Arc::clone(&self.shared);
+        runtime.spawn(async move { shared.free(g.slot).await });
+    }
+}
+
 struct QueueGuard {
     shared: Arc<Shared>,
     ticket: String,
@@ -1136,6 +1188,11 @@ impl RedisGate {
             }
             .to_string(),
         ];
+        s.early.lock().insert(slot.0, None);
+        let _early = EarlyGuard {
+            shared: Arc::clone(s),
+            slot,
+        };
         let call = {
             let shared = Arc::clone(s);
             Box::pin(async move { shared.call(&shared.node.scripts.acquire, &extra).await })
@@ -1187,7 +1244,17 @@ impl RedisGate {
         };
 
         let (tx, rx) = oneshot::channel();
-        s.waiters.lock().insert(ticket.clone(), tx);
+        {
+            let mut waiters = s.waiters.lock();
+            let early = s.early.lock().remove(&slot.0).flatten();
+            if let Some(g) = early {
+                // Granted by a call of this node before we could park: no wait.
+                let queued_ms = s.mono().saturating_sub(start);
+                drop(waiters);
+                return Ok(s.grant(&g, kind, queued_ms));
+            }
+            waiters.insert(ticket.clone(), tx);
+        }
         // The ticker collects this node's grants: when woken by a grant's wake-up, at the
         // script's next wake-up time, and at least every poll interval while anyone waits.
         let poll = reply.opt(3).ok().flatten().unwrap_or(u64::MAX);
