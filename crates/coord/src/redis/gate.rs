@@ -182,6 +182,11 @@ pub(crate) struct Shared {
     settings: Mutex<PoolSettings>,
     /// Callers of this node parked in the shared queue, by ticket.
     waiters: Mutex<HashMap<String, oneshot::Sender<Granted>>>,
+    /// Acquires of this node whose script call is under way, by slot id, with the grant that
+    /// reached this node before the caller could park under its ticket (a slot freed by another
+    /// call of this node goes to its own waiters in that call's reply): the caller takes it
+    /// instead of parking. Locked after `waiters`.
+    early: Mutex<HashMap<u128, Option<Granted>>>,
     /// Exchange slots this node holds, by slot id.
     holds: Mutex<HashMap<u128, Hold>>,
     /// Monotonic ms at which the holds are next renewed.
@@ -214,6 +219,10 @@ pub(crate) struct Shared {
     /// Fail open, back on Redis: until this monotonic ms, an admission must also fit this
     /// node's share (see [`Shared::recover`]).
     recover_until: AtomicU64,
+    /// The pool's generation in Redis as last seen (`""`: none yet). It changes when Redis lost
+    /// the pool's keys; sent with every call so the scripts see that this node comes from before
+    /// (see `lua/prelude.lua`).
+    generation: Mutex<String>,
 }
 
 /// One pool's gate on Redis. Dropping it (or [`PoolGate::close`]) stops its ticker.
@@ -265,6 +274,7 @@ impl RedisGate {
             }),
             settings: Mutex::new(settings),
             waiters: Mutex::new(HashMap::new()),
+            early: Mutex::new(HashMap::new()),
             holds: Mutex::new(HashMap::new()),
             renew_at: AtomicU64::new(0),
             poll_at: AtomicU64::new(0),
@@ -279,6 +289,7 @@ impl RedisGate {
             adopted: Mutex::new(HashMap::new()),
             outage_seen: AtomicBool::new(false),
             recover_until: AtomicU64::new(0),
+            generation: Mutex::new(String::new()),
             node: Arc::clone(&node),
         });
         {
@@ -351,11 +362,13 @@ impl Shared {
 
     async fn call(&self, which: &::redis::Script, extra: &[String]) -> Result<Reply, CallError> {
         let settings = self.settings();
+        let generation = self.generation.lock().clone();
         let caller = Caller {
             node: &self.node.id,
             node_ttl_ms: u64::try_from(self.node.options.node_ttl.as_millis()).unwrap_or(u64::MAX),
             wake_prefix: &self.node.wake_prefix,
             pool: &self.pool,
+            generation: &generation,
         };
         let reply = script::call(
             &self.node.conn,
@@ -367,8 +380,15 @@ impl Shared {
             self.node.options.command_timeout,
         )
         .await;
-        if let Err(e) = &reply {
-            tracing::debug!(pool = %self.pool, error = %e, "redis gate call failed");
+        match &reply {
+            Ok(r) if r.1 != generation => {
+                if !generation.is_empty() {
+                    tracing::warn!(pool = %self.pool, "redis lost this pool's state; running calls re-assert their slots, nothing new is admitted for one lease term");
+                }
+                *self.generation.lock() = r.1.clone();
+            }
+            Ok(_) => {}
+            Err(e) => tracing::debug!(pool = %self.pool, error = %e, "redis gate call failed"),
         }
         reply
     }
@@ -649,6 +669,29 @@ impl Shared {
         }
     }
 
+    /// The waiter of `ticket` on this gate with its grant (`Ok(Some)`), or the grant kept for
+    /// the caller whose acquire is still under way (`Ok(None)`), or the grant back (`Err`):
+    /// one step under the waiters' lock, so the caller cannot park in between.
+    #[allow(clippy::type_complexity)]
+    fn park_or_take(
+        &self,
+        ticket: &str,
+        g: Granted,
+    ) -> Result<Option<(oneshot::Sender<Granted>, Granted)>, Granted> {
+        let mut waiters = self.waiters.lock();
+        if let Some(tx) = waiters.remove(ticket) {
+            return Ok(Some((tx, g)));
+        }
+        let mut early = self.early.lock();
+        match early.get_mut(&g.slot.0) {
+            Some(slot @ None) => {
+                *slot = Some(g);
+                Ok(None)
+            }
+            _ => Err(g),
+        }
+    }
+
     /// Takes the waiter of `ticket` out of this gate, or out of another open gate of the same
     /// pool on this node (a pool reopened while the old gate still drains): grants are made
     /// per node, so any of its gates may collect one.
@@ -778,10 +821,13 @@ impl Shared {
             let ticket = reply.str(i)?;
             let g = Granted::parse(&reply.str(i + 1)?, server_now, mono)
                 .ok_or(CallError::Reply("malformed grant"))?;
-            let tx = self.take_waiter(&ticket);
-            let undelivered = match tx {
-                Some(tx) => tx.send(g).err(),
-                None => Some(g),
+            let undelivered = match self.park_or_take(&ticket, g) {
+                Ok(None) => None,
+                Ok(Some((tx, g))) => tx.send(g).err(),
+                Err(g) => match self.take_waiter(&ticket) {
+                    Some(tx) => tx.send(g).err(),
+                    None => Some(g),
+                },
             };
             if let Some(g) = undelivered {
                 orphans.push(g.slot);
@@ -800,6 +846,18 @@ impl Shared {
         let poll = u64::try_from(self.node.options.poll_interval.as_millis()).unwrap_or(500);
         let mut sleep: Option<u64> = None;
         let mut at_most = |ms: u64| sleep = Some(sleep.map_or(ms, |s: u64| s.min(ms)));
+
+        if self.generation.lock().is_empty() && !self.on_own() {
+            // Learn the pool's generation once at the start (a probe), so that if Redis loses
+            // the pool's keys before this node's first admission, this node's first call after
+            // that still counts as one from before (see `lua/prelude.lua`).
+            let settings = self.settings();
+            let probe = [
+                settings.lease_term_ms.to_string(),
+                crate::EXCHANGE_GRACE_MS.to_string(),
+            ];
+            let _ = self.call(&self.node.scripts.adopt, &probe).await;
+        }
 
         let tickets: Vec<String> = self.waiters.lock().keys().cloned().collect();
         let due = self.poll_at.load(Ordering::Acquire);
@@ -1007,6 +1065,26 @@ impl Drop for PendingAcquire {
     }
 }
 
+/// Forgets an acquire's entry in `early` when the acquire ends; a grant parked there that no
+/// caller took (the acquire was dropped) is freed.
+struct EarlyGuard {
+    shared: Arc<Shared>,
+    slot: SlotId,
+}
+
+impl Drop for EarlyGuard {
+    fn drop(&mut self) {
+        let Some(g) = self.shared.early.lock().remove(&self.slot.0).flatten() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return; // No runtime to clean up on: the lease expires in Redis.
+        };
+        let shared = Arc::clone(&self.shared);
+        runtime.spawn(async move { shared.free(g.slot).await });
+    }
+}
+
 struct QueueGuard {
     shared: Arc<Shared>,
     ticket: String,
@@ -1110,6 +1188,11 @@ impl RedisGate {
             }
             .to_string(),
         ];
+        s.early.lock().insert(slot.0, None);
+        let _early = EarlyGuard {
+            shared: Arc::clone(s),
+            slot,
+        };
         let call = {
             let shared = Arc::clone(s);
             Box::pin(async move { shared.call(&shared.node.scripts.acquire, &extra).await })
@@ -1161,7 +1244,17 @@ impl RedisGate {
         };
 
         let (tx, rx) = oneshot::channel();
-        s.waiters.lock().insert(ticket.clone(), tx);
+        {
+            let mut waiters = s.waiters.lock();
+            let early = s.early.lock().remove(&slot.0).flatten();
+            if let Some(g) = early {
+                // Granted by a call of this node before we could park: no wait.
+                let queued_ms = s.mono().saturating_sub(start);
+                drop(waiters);
+                return Ok(s.grant(&g, kind, queued_ms));
+            }
+            waiters.insert(ticket.clone(), tx);
+        }
         // The ticker collects this node's grants: when woken by a grant's wake-up, at the
         // script's next wake-up time, and at least every poll interval while anyone waits.
         let poll = reply.opt(3).ok().flatten().unwrap_or(u64::MAX);

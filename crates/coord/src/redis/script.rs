@@ -38,8 +38,13 @@ pub(crate) struct Scripts {
     pub snapshot: Script,
 }
 
+/// The prelude, then the operation as a function whose reply gets the pool's generation
+/// appended (every operation returns an array).
 fn script(body: &str) -> Script {
-    Script::new(&format!("{PRELUDE}\n{body}"))
+    Script::new(&format!(
+        "{PRELUDE}\nlocal function operation()\n{body}\nend\nlocal reply = operation()\n\
+         table.insert(reply, gen_id)\nreturn reply\n"
+    ))
 }
 
 impl Scripts {
@@ -92,6 +97,8 @@ pub(crate) struct Caller<'a> {
     pub node_ttl_ms: u64,
     pub wake_prefix: &'a str,
     pub pool: &'a str,
+    /// The pool's generation as this caller last saw it (`""` for none).
+    pub generation: &'a str,
 }
 
 /// Runs `script` for one pool with the shared arguments, then `extra`, within `timeout`.
@@ -118,7 +125,8 @@ pub(crate) async fn call(
         .arg(caller.node)
         .arg(caller.node_ttl_ms)
         .arg(caller.wake_prefix)
-        .arg(caller.pool);
+        .arg(caller.pool)
+        .arg(caller.generation);
     for a in extra {
         inv.arg(a);
     }
@@ -127,15 +135,19 @@ pub(crate) async fn call(
     let value: Value = tokio::time::timeout(timeout, inv.invoke_async(&mut conn))
         .await
         .map_err(|_| CallError::Timeout(timeout))??;
-    match value {
-        Value::Array(items) => Ok(Reply(items)),
-        _ => Err(CallError::Reply("not an array")),
-    }
+    let Value::Array(mut items) = value else {
+        return Err(CallError::Reply("not an array"));
+    };
+    let generation = match items.pop() {
+        Some(Value::BulkString(b)) => String::from_utf8_lossy(&b).into_owned(),
+        _ => return Err(CallError::Reply("no generation")),
+    };
+    Ok(Reply(items, generation))
 }
 
-/// A script's reply: a flat array of integers and strings.
+/// A script's reply: a flat array of integers and strings, and the pool's generation.
 #[derive(Debug)]
-pub(crate) struct Reply(pub Vec<Value>);
+pub(crate) struct Reply(pub Vec<Value>, pub String);
 
 impl Reply {
     pub fn len(&self) -> usize {

@@ -432,3 +432,40 @@ async fn every_key_of_a_pool_carries_its_hash_tag() {
     }
     assert!(gate.release(held.slot_id, None).await);
 }
+
+/// Many callers of one node take turns on a small limit: a slot freed on this node goes to its
+/// own waiter in the reply of the release, which may come back before that waiter's own
+/// queueing reply has been read. The grant is kept for it, not freed as nobody's (before: the
+/// waiter lost its place and its grant, and waited out its whole budget), so every caller is
+/// served and every slot comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_that_beats_its_waiters_queueing_reply_is_kept_for_it() {
+    let space = Space::new();
+    let node = space.node();
+    let gate = node.open("race", limit(2));
+    let gate: Arc<dyn nthbouncer_coord::PoolGate> = gate;
+    let mut tasks = Vec::new();
+    for _ in 0..24 {
+        let gate = Arc::clone(&gate);
+        tasks.push(tokio::spawn(async move {
+            let mut failed = Vec::new();
+            for _ in 0..40 {
+                match gate.acquire(req(20_000, SlotKind::Lease)).await {
+                    Ok(g) => {
+                        tokio::task::yield_now().await;
+                        assert!(gate.release(g.slot_id, None).await, "held until released");
+                    }
+                    Err(refusal) => failed.push(format!("{refusal:?}")),
+                }
+            }
+            failed
+        }));
+    }
+    let mut failed = Vec::new();
+    for t in tasks {
+        failed.extend(t.await.unwrap());
+    }
+    assert!(failed.is_empty(), "callers not served: {failed:?}");
+    let snap = gate.snapshot().await;
+    assert_eq!((snap.in_flight, snap.queued), (0, 0));
+}

@@ -659,3 +659,118 @@ async fn fail_open_recovery_keeps_the_limit_at_the_origin() {
     assert_eq!(arrived(&origin, "flood"), 6);
     assert_eq!(origin.max_in_flight(), 6);
 }
+
+/// The machine's Redis at database `db` (a database of this test's own, since it is emptied
+/// whole): `NB_TEST_REDIS` with its database, if any, replaced.
+fn redis_db_url(db: u32) -> String {
+    let base = redis_url();
+    let root = base.trim_end_matches('/');
+    let root = match root.rsplit_once('/') {
+        Some((head, tail))
+            if !head.ends_with('/')
+                && !tail.is_empty()
+                && tail.bytes().all(|b| b.is_ascii_digit()) =>
+        {
+            head
+        }
+        _ => root,
+    };
+    format!("{root}/{db}")
+}
+
+fn flushdb(url: &str) {
+    let mut c = redis::Client::open(url)
+        .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(2)))
+        .expect("the machine's Redis answers");
+    let _: () = redis::cmd("FLUSHDB").query(&mut c).expect("FLUSHDB");
+}
+
+/// Redis emptied (`FLUSHDB`, as a restart without persistence leaves it) while the pool's whole
+/// limit runs at the origin, on two nodes, and a lock is held: the nodes re-assert the slots of
+/// their running calls and admit nothing new meanwhile, so the callers that come after the loss
+/// queue instead of reaching the origin past the limit (before: the emptied Redis granted the
+/// limit a second time, 8 at an origin of limit 4); the lock's holder renews it on another node
+/// and keeps it. Every call is served once the running ones end, never more than the limit at
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_emptied_mid_load_never_grants_a_slot_twice() {
+    let _serial = SERIAL.lock().await;
+    let url = redis_db_url(12);
+    flushdb(&url);
+    let origin = Upstream::start().await;
+    // A term long enough for every node to renew inside the quiet period on a busy machine.
+    let pools = pool_toml(
+        "e",
+        &origin.url(),
+        "limit = 4\nqueue_size = 100\nqueue_timeout_ms = 120000\nlease_term_ms = 10000\n\
+         renew_interval_ms = 300\nadaptive = false",
+    ) + &lock_pool_toml("l", "limit = 1");
+    let server = format!("coordination = \"{url}\"\n");
+    let nodes = Arc::new(nodes(3, &server, &pools).await);
+
+    let mut running = JoinSet::new();
+    for i in 0..4 {
+        let req = nodes[i % 2]
+            .pool_get("e", "/hold")
+            .header("x-seq", "before");
+        running.spawn(async move { req.send().await.unwrap().status().as_u16() });
+    }
+    let full = wait_until(1000, Duration::from_millis(10), async || {
+        origin.in_flight() == 4
+    })
+    .await;
+    assert!(full, "the limit never ran at the origin");
+    let (status, held) = lock(&nodes[0], "l", "acquire", json!({})).await;
+    assert_eq!(status, 200, "{held}");
+
+    flushdb(&url);
+
+    // Callers after the loss, on every node.
+    let mut after = JoinSet::new();
+    for i in 0..6 {
+        let req = nodes[i % 3].pool_get("e", "/hold").header("x-seq", "after");
+        after.spawn(async move { req.send().await.unwrap().status().as_u16() });
+    }
+    let mut last = Value::Null;
+    let settled = wait_until(1000, Duration::from_millis(20), async || {
+        last = state(&nodes[2], "e").await;
+        origin.in_flight() > 4 || (last["queued"] == 6 && last["inFlight"] == 4)
+    })
+    .await;
+    assert!(
+        origin.max_in_flight() <= 4,
+        "the origin saw {} at once after Redis was emptied",
+        origin.max_in_flight()
+    );
+    assert!(
+        settled,
+        "the running calls never counted again, or the new callers never queued: {last}"
+    );
+
+    // The lock: nobody else gets it; its holder renews it on another node and still holds it.
+    let (status, refused) = lock(&nodes[2], "l", "acquire", json!({})).await;
+    assert_eq!(status, 429, "{refused}");
+    let slot = held["slotId"].as_str().unwrap();
+    let (status, renewed) = lock(&nodes[1], "l", &format!("{slot}/renew"), json!({})).await;
+    assert_eq!(status, 200, "the lock's holder keeps it: {renewed}");
+    let (status, refused) = lock(&nodes[2], "l", "acquire", json!({})).await;
+    assert_eq!(status, 429, "{refused}");
+    let (status, released) = lock(&nodes[2], "l", &format!("{slot}/release"), json!({})).await;
+    assert_eq!((status, &released["released"]), (200, &json!(true)));
+
+    origin.release(100);
+    while let Some(s) = running.join_next().await {
+        assert_eq!(s.unwrap(), 200, "a call running through the loss finished");
+    }
+    while let Some(s) = after.join_next().await {
+        assert_eq!(s.unwrap(), 200, "a caller after the loss was served");
+    }
+    assert_eq!(arrived(&origin, "after"), 6);
+    assert_eq!(
+        origin.max_in_flight(),
+        4,
+        "never more than the limit at the origin"
+    );
+    nodes[0].wait_idle("e").await;
+    flushdb(&url);
+}

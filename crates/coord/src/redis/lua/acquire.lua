@@ -1,11 +1,11 @@
--- acquire: ARGV 12 slot, 13 fairness key, 14 class (1 high .. 3 low), 15 lease_ms, 16 may_wait,
--- 17 wait_ms, 18 grace_ms (a ticket's), 19 hold_grace_ms (a slot's, past its request deadline).
+-- acquire: ARGV 13 slot, 14 fairness key, 15 class (1 high .. 3 low), 16 lease_ms, 17 may_wait,
+-- 18 wait_ms, 19 grace_ms (a ticket's), 20 hold_grace_ms (a slot's, past its request deadline).
 -- Returns {'admitted', now, leaseDeadline, requestDeadline, remaining, effective, rpmRemaining}
 -- or {'queued', now, ticket, nextWakeupMs} or {'refused', now, reason, retryMs, remaining,
 -- effective, rpmRemaining}.
-local slot, fkey, class = ARGV[12], ARGV[13], tonumber(ARGV[14])
-local lease_ms, may_wait, wait_ms = tonumber(ARGV[15]), ARGV[16] == '1', tonumber(ARGV[17])
-local grace, hold_grace = tonumber(ARGV[18]), tonumber(ARGV[19])
+local slot, fkey, class = ARGV[13], ARGV[14], tonumber(ARGV[15])
+local lease_ms, may_wait, wait_ms = tonumber(ARGV[16]), ARGV[17] == '1', tonumber(ARGV[18])
+local grace, hold_grace = tonumber(ARGV[19]), tonumber(ARGV[20])
 
 settle()
 if redis.call('ZSCORE', K_LEASES, slot) then

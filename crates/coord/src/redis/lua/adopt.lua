@@ -1,4 +1,4 @@
--- adopt: ARGV 12 lease_ms, 13 hold_grace_ms, 14.. slots. Registers slots this node admitted on
+-- adopt: ARGV 13 lease_ms, 14 hold_grace_ms, 15.. slots. Registers slots this node admitted on
 -- its own while Redis was away (fail open) and that are still running, so that once Redis
 -- answers again they count against the shared limit until released: each is leased for one term
 -- (renewed by its node like an exchange slot) and held at most one request timeout plus
@@ -6,10 +6,10 @@
 -- admitted while they keep the pool full. A slot already leased is left as it is. With no
 -- slots, a probe.
 -- Returns {now, leaseDeadline, leaseDeadline, ...} (one per slot).
-local lease_ms = tonumber(ARGV[12])
+local lease_ms = tonumber(ARGV[13])
 local out = { now }
-local held_until = now + cfg_request_ms + tonumber(ARGV[13])
-for i = 14, #ARGV do
+local held_until = now + cfg_request_ms + tonumber(ARGV[14])
+for i = 15, #ARGV do
   local slot = ARGV[i]
   local d = tonumber(redis.call('ZSCORE', K_LEASES, slot))
   if not d then

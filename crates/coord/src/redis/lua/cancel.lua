@@ -1,8 +1,8 @@
--- cancel: ARGV 12 ticket, 13 release (0/1). Leaves the queue; a grant that raced in is handed
+-- cancel: ARGV 13 ticket, 14 release (0/1). Leaves the queue; a grant that raced in is handed
 -- over (release = 0: the caller takes it) or freed (release = 1: the caller is gone).
 -- Returns {'cancelled', remaining, effective, rpmRemaining} | {'granted', grant} | {'released'}
 -- | {'gone', remaining, effective, rpmRemaining}.
-local m, release = ARGV[12], ARGV[13] == '1'
+local m, release = ARGV[13], ARGV[14] == '1'
 heartbeat()
 local meta = redis.call('HGET', K_WAITERS, m)
 if meta then

@@ -1,6 +1,6 @@
--- peek: ARGV 12 slot. What a learner needs about a held slot before its outcome is learned.
+-- peek: ARGV 13 slot. What a learner needs about a held slot before its outcome is learned.
 -- Returns {now, held (0/1), grantedAt, bound (0/1): the limit bound while the slot was held}.
-local slot = ARGV[12]
+local slot = ARGV[13]
 local h = redis.call('HGET', K_HELD, slot)
 local d = tonumber(redis.call('ZSCORE', K_LEASES, slot))
 if not h or not d or d <= now then return { now, 0, 0, 0 } end

@@ -11,8 +11,9 @@
 -- ticket -> grant), 11 learned (hash), 12 rpm (zset slot -> admission time), 13 nodes (zset
 -- node -> alive until).
 -- ARGV: 1 limit, 2 queue_size, 3 rpm, 4 request_timeout_ms, 5 lease_term_ms, 6 min_limit,
--- 7 fair_share (0/1), 8 node, 9 node_ttl_ms, 10 wake channel prefix, 11 pool; the operation's
--- own arguments from 12.
+-- 7 fair_share (0/1), 8 node, 9 node_ttl_ms, 10 wake channel prefix, 11 pool, 12 the pool's
+-- generation as the caller last saw it ('' for none); the operation's own arguments from 13.
+-- Every reply ends with the pool's current generation (appended after the operation returns).
 
 local K_LEASES, K_HELD, K_WAITERS, K_DEADLINES = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local K_QUEUES = { KEYS[5], KEYS[6], KEYS[7] }
@@ -30,6 +31,7 @@ local node = ARGV[8]
 local node_ttl = tonumber(ARGV[9])
 local wake_prefix = ARGV[10]
 local pool = ARGV[11]
+local known_gen = ARGV[12]
 
 local WINDOW_MS = 60000
 
@@ -49,6 +51,32 @@ local function heartbeat()
   redis.call('ZADD', K_NODES, now + node_ttl, node)
 end
 
+-- The pool's generation: made by the first call that finds none, so it changes when Redis lost
+-- the pool's keys (FLUSHDB, a restart without persistence). A caller that saw an older one comes
+-- from before the loss: nodes may still run calls on leases Redis no longer has. The pool then
+-- grants nothing new for one lease term (`quiet_until`, enforced as a pause): every lease alive
+-- at the loss ends within a term of its last renewal, and a renewal in that time re-asserts its
+-- slot (see `renew`), so the running calls count again before anyone new gets in. A pool nobody
+-- has seen before (the caller has no generation) starts at once.
+local gen = redis.call('HMGET', K_META, 'gen', 'gen_at', 'quiet_until')
+local gen_id, quiet_until = gen[1], tonumber(gen[3]) or 0
+if not gen_id then
+  gen_id = clock[1] .. string.format('%06d', tonumber(clock[2]))
+  quiet_until = 0
+  if known_gen ~= '' then quiet_until = now + cfg_term_ms end
+  -- Tickets keep rising across the loss (a node may still wait on an old one of the same number).
+  redis.call('HSET', K_META, 'gen', gen_id, 'gen_at', fmt(now), 'quiet_until', fmt(quiet_until),
+    'seq', fmt(now * 1000))
+elseif known_gen ~= '' and known_gen ~= gen_id then
+  -- The first caller after the loss had not seen the pool before: the quiet period starts with
+  -- the first one that had (grants made in between could not be stopped).
+  local q = (tonumber(gen[2]) or now) + cfg_term_ms
+  if q > quiet_until and q > now then
+    quiet_until = q
+    redis.call('HSET', K_META, 'quiet_until', fmt(q))
+  end
+end
+
 local eff, l_limit, l_pace, l_rpm, rpm_limit, paused_until
 
 -- What learning imposes (written by the node that observed; see `apply_learned`).
@@ -62,6 +90,7 @@ local function load_learned()
     l_rpm = nil
   end
   paused_until = tonumber(l[5]) or 0
+  if quiet_until > paused_until then paused_until = quiet_until end
   eff = cfg_limit
   if l_limit and l_limit < eff then eff = l_limit end
   if eff < cfg_min then eff = cfg_min end

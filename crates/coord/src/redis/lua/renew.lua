@@ -1,15 +1,26 @@
--- renew: ARGV 12.. slots. Extends each lease by one term from now, never past its request
+-- renew: ARGV 13.. slots. Extends each lease by one term from now, never past its request
 -- deadline. An expired lease was reclaimed by `settle` first, so it is not found.
+-- In the quiet period after Redis lost the pool's keys (see the prelude), a slot it does not know
+-- is re-asserted instead, up to the limit: its holder was granted it before the loss and is
+-- still running (slot ids are random, so only a holder can name one). Its request deadline, lost
+-- with the keys, restarts from now.
 -- Returns {now, status, deadline, status, deadline, ...} with status 1 renewed, 2 capped (at
 -- its request deadline already), 0 not found.
 settle()
 local out = { now }
-for i = 12, #ARGV do
+for i = 13, #ARGV do
   local slot = ARGV[i]
   local d = tonumber(redis.call('ZSCORE', K_LEASES, slot))
   local h = redis.call('HGET', K_HELD, slot)
   local rd = h and tonumber(string.match(h, '^(%d+):'))
-  if not d or not rd then
+  if not d and not h and quiet_until > now and in_flight() < eff then
+    rd = now + cfg_request_ms
+    d = math.min(now + cfg_term_ms, rd)
+    redis.call('ZADD', K_LEASES, d, slot)
+    redis.call('HSET', K_HELD, slot, fmt(rd) .. ':' .. fmt(now))
+    table.insert(out, 1)
+    table.insert(out, d)
+  elseif not d or not rd then
     table.insert(out, 0)
     table.insert(out, 0)
   elseif d >= rd then

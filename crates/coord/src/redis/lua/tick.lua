@@ -1,4 +1,4 @@
--- tick: ARGV 12.. tickets this node waits on. Settles the pool and hands back the grants of
+-- tick: ARGV 13.. tickets this node waits on. Settles the pool and hands back the grants of
 -- those tickets (each collected once).
 -- Grants this call makes to this node's waiters are returned too (`collect_own`).
 -- Returns {now, nextWakeupMs, ticket, grant, ticket, grant, ...}.
@@ -6,7 +6,7 @@ heartbeat()
 collect_own = true
 settle(true)
 local out = { now, next_wakeup() }
-for i = 12, #ARGV do
+for i = 13, #ARGV do
   local g = redis.call('HGET', K_GRANTS, ARGV[i])
   if g then
     redis.call('HDEL', K_GRANTS, ARGV[i])
