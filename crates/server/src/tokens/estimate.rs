@@ -43,6 +43,15 @@ pub struct Estimate {
 }
 
 impl Estimate {
+    /// What a body we do not read, or cannot read as a request, costs.
+    pub fn fallback(defaults: Defaults) -> Estimate {
+        Estimate {
+            prompt: defaults.cost,
+            output: 0,
+            method: Method::Default,
+        }
+    }
+
     pub fn total(&self) -> u64 {
         self.prompt.saturating_add(self.output)
     }
@@ -59,11 +68,7 @@ pub struct Defaults {
 
 /// The estimate for a request with this JSON body.
 pub fn estimate(body: &[u8], defaults: Defaults) -> Estimate {
-    let fallback = Estimate {
-        prompt: defaults.cost,
-        output: 0,
-        method: Method::Default,
-    };
+    let fallback = Estimate::fallback(defaults);
     let Ok(Value::Object(req)) = serde_json::from_slice::<Value>(body) else {
         return fallback;
     };

@@ -4,8 +4,11 @@
 //! - `estimate`: a request's cost in tokens from its JSON body, and the usage an answer reports;
 //! - `gate`: the pool's [`TokenGate`] (the governor's pure `TokenBudget`, locked, with waiters
 //!   and a wake-up task), shared by every settings version of the pool;
-//! - here: reading a body far enough to estimate it ([`read_body`]), and the response body
-//!   wrapper that reconciles the charge with the usage the answer reports ([`UsageTap`]).
+//! - here: a call's [`Charge`] (taken against the budget for an estimate, taken back if the call
+//!   is not sent, settled by its answer) and its refusal as an API error, which proxied calls
+//!   and async jobs share; reading a body far enough to estimate it ([`read_body`]), and the
+//!   response body wrapper that reconciles the charge with the usage a streamed answer reports
+//!   ([`UsageTap`]).
 
 pub mod estimate;
 pub mod gate;
@@ -18,8 +21,10 @@ use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use nthbouncer_config::{ConcurrencySpec, TokensSpec};
-use nthbouncer_coord::Outcome;
+use nthbouncer_coord::{Outcome, Priority};
 use nthbouncer_governor::{TokenSettings, TokenWindow};
+
+use crate::core::error::{ApiError, ErrorCode};
 
 pub use estimate::{Defaults, Estimate, Method};
 pub use gate::{TokenGate, TokenRefusal};
@@ -63,6 +68,83 @@ pub fn window_of(outcome: &Outcome) -> Option<TokenWindow> {
         reset_ms: rate.token_reset_ms,
     };
     (w.limit.is_some() || w.remaining.is_some()).then_some(w)
+}
+
+/// The estimate of a whole request `body` for a pool with these `[pools.tokens]`: past its
+/// `max_body_bytes`, the pool's default cost.
+pub fn estimate_whole(body: &[u8], tokens: Option<&TokensSpec>) -> Estimate {
+    let max = tokens.cloned().unwrap_or_default().max_body_bytes;
+    if u64::try_from(body.len()).unwrap_or(u64::MAX) > max {
+        return Estimate::fallback(defaults(tokens));
+    }
+    estimate::estimate(body, defaults(tokens))
+}
+
+/// A call's charge against its pool's token budget.
+pub struct Charge {
+    pub id: u128,
+    pub gate: Arc<TokenGate>,
+}
+
+impl Charge {
+    /// Waits up to `wait_ms` for the budget to have room for `estimate`, and charges it.
+    pub async fn take(
+        gate: &Arc<TokenGate>,
+        estimate: &Estimate,
+        priority: Priority,
+        wait_ms: u64,
+    ) -> Result<Charge, TokenRefusal> {
+        let id = rand::random::<u128>();
+        gate.acquire(id, estimate.total(), priority, wait_ms)
+            .await?;
+        Ok(Charge {
+            id,
+            gate: gate.clone(),
+        })
+    }
+
+    /// The call was not sent: the charge is taken back whole.
+    pub fn refund(self) {
+        self.gate.refund(self.id);
+    }
+
+    /// The call was answered with this whole `body` (if any was read): its announcement
+    /// teaches the budget, and the usage it reports corrects the charge.
+    pub fn settle(self, outcome: Option<&Outcome>, body: Option<&[u8]>) {
+        if let Some(window) = outcome.and_then(window_of) {
+            self.gate.observe(Some(self.id), window);
+        }
+        self.gate.finish(self.id, body.and_then(reported_usage));
+    }
+}
+
+/// The answer to a call the budget refused (`estimate` says what it was charged for).
+pub fn refusal_error(estimate: &Estimate, refusal: TokenRefusal) -> ApiError {
+    match refusal {
+        TokenRefusal::Exceeds {
+            estimate: e,
+            budget,
+        } => ApiError::new(
+            ErrorCode::ExceedsTokenBudget,
+            format!(
+                "the request's estimated {e} tokens ({} prompt + {} output) exceed the pool's \
+                 whole token budget of {budget} tokens; it could never be admitted",
+                estimate.prompt, estimate.output
+            ),
+        ),
+        TokenRefusal::NoRoom { retry_after_ms } => {
+            let mut e = ApiError::new(
+                ErrorCode::TooManyRequests,
+                "the pool's token budget has no room for this request now",
+            );
+            e.retry_after_s = retry_after_ms.map(|ms| ms.div_ceil(1000).max(1));
+            e
+        }
+        TokenRefusal::Timeout => ApiError::new(
+            ErrorCode::QueueTimeout,
+            "the wait budget ran out before the pool's token budget had room",
+        ),
+    }
 }
 
 /// A request body read for its estimate: whole, or (past `max` bytes) the part read and the
