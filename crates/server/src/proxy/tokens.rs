@@ -106,7 +106,7 @@ pub(super) fn answered(
     let body = match charge {
         Some(c) => {
             let max = usize::try_from(max).unwrap_or(usize::MAX);
-            Body::new(UsageTap::new(body, c.gate, c.id, max))
+            Body::new(UsageTap::new(body, c, max))
         }
         None => body,
     };

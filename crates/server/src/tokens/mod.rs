@@ -80,10 +80,22 @@ pub fn estimate_whole(body: &[u8], tokens: Option<&TokensSpec>) -> Estimate {
     estimate::estimate(body, defaults(tokens))
 }
 
-/// A call's charge against its pool's token budget.
+/// A call's charge against its pool's token budget. Dropped without [`Charge::refund`] or
+/// [`Charge::settle`] (its caller went away while it waited for a slot or for the answer), the
+/// call is taken as ended with its estimate standing: never left in flight, where it would be
+/// taken off every later announcement.
 pub struct Charge {
     pub id: u128,
     pub gate: Arc<TokenGate>,
+    done: bool,
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        if !self.done {
+            self.gate.finish(self.id, None);
+        }
+    }
 }
 
 impl Charge {
@@ -100,17 +112,20 @@ impl Charge {
         Ok(Charge {
             id,
             gate: gate.clone(),
+            done: false,
         })
     }
 
     /// The call was not sent: the charge is taken back whole.
-    pub fn refund(self) {
+    pub fn refund(mut self) {
+        self.done = true;
         self.gate.refund(self.id);
     }
 
     /// The call was answered with this whole `body` (if any was read): its announcement
     /// teaches the budget, and the usage it reports corrects the charge.
-    pub fn settle(self, outcome: Option<&Outcome>, body: Option<&[u8]>) {
+    pub fn settle(mut self, outcome: Option<&Outcome>, body: Option<&[u8]>) {
+        self.done = true;
         if let Some(window) = outcome.and_then(window_of) {
             self.gate.observe(Some(self.id), window);
         }
@@ -177,23 +192,23 @@ pub struct UsageTap<B> {
     inner: B,
     kept: Option<BytesMut>,
     max: usize,
-    charge: Option<(Arc<TokenGate>, u128)>,
+    charge: Option<Charge>,
 }
 
 impl<B> UsageTap<B> {
-    pub fn new(inner: B, gate: Arc<TokenGate>, id: u128, max: usize) -> Self {
+    pub fn new(inner: B, charge: Charge, max: usize) -> Self {
         UsageTap {
             inner,
             kept: Some(BytesMut::new()),
             max,
-            charge: Some((gate, id)),
+            charge: Some(charge),
         }
     }
 
     fn finish(&mut self) {
-        if let Some((gate, id)) = self.charge.take() {
-            let usage = self.kept.take().and_then(|b| reported_usage(&b));
-            gate.finish(id, usage);
+        if let Some(charge) = self.charge.take() {
+            let kept = self.kept.take();
+            charge.settle(None, kept.as_deref());
         }
     }
 }
