@@ -36,10 +36,10 @@ use crate::stats::table;
 use crate::BoxError;
 
 /// Longest wait for one answer: the pool's queue timeout (30 s by default) plus the answer.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(90);
+pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// Longest a client honours a retry hint.
-const MAX_BACKOFF: Duration = Duration::from_secs(10);
+pub(crate) const MAX_BACKOFF: Duration = Duration::from_secs(10);
 
 /// Width of one timeline row.
 const BUCKET_S: u64 = 10;
@@ -92,7 +92,7 @@ pub struct ConvergeArgs {
 
 /// How one answer counts.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Class {
+pub(crate) enum Class {
     Ok,
     /// The origin refused it (the request reached the origin).
     Origin429,
@@ -163,13 +163,13 @@ impl Recorder {
 }
 
 /// One client's keep-alive connection to nthbouncer.
-struct Conn {
-    addr: SocketAddr,
-    sender: Option<SendRequest<Full<Bytes>>>,
+pub(crate) struct Conn {
+    pub(crate) addr: SocketAddr,
+    pub(crate) sender: Option<SendRequest<Full<Bytes>>>,
 }
 
 impl Conn {
-    async fn send(
+    pub(crate) async fn send(
         &mut self,
         req: Request<Full<Bytes>>,
     ) -> Result<(StatusCode, hyper::HeaderMap, Bytes), BoxError> {
@@ -193,18 +193,18 @@ impl Conn {
     }
 }
 
-fn header_u64(headers: &hyper::HeaderMap, name: &str) -> Option<u64> {
+pub(crate) fn header_u64(headers: &hyper::HeaderMap, name: &str) -> Option<u64> {
     headers.get(name)?.to_str().ok()?.trim().parse().ok()
 }
 
 /// The wait a 429 or 503 asks for: `retry-after-ms`, else `Retry-After` seconds.
-fn retry_hint(headers: &hyper::HeaderMap) -> Option<Duration> {
+pub(crate) fn retry_hint(headers: &hyper::HeaderMap) -> Option<Duration> {
     header_u64(headers, "retry-after-ms")
         .map(Duration::from_millis)
         .or_else(|| header_u64(headers, "retry-after").map(Duration::from_secs))
 }
 
-fn classify(status: StatusCode, body: &[u8]) -> Class {
+pub(crate) fn classify(status: StatusCode, body: &[u8]) -> Class {
     let text = String::from_utf8_lossy(body);
     if status.is_success() {
         Class::Ok

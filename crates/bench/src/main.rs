@@ -9,6 +9,8 @@
 //!   pairs against a Redis Lua semaphore (sorted set of leases, `EVALSHA`).
 //! - [`proxy`]: drives `wrk` against an upstream directly and through nthbouncer, nginx and
 //!   HAProxy, and compares throughput and latency.
+//! - [`converge`] / [`tokens`]: eager clients against sandboxes with hidden limits (requests
+//!   and concurrency / tokens per minute), learning or token admission on vs off.
 //! - [`upstream`]: the fast local origin the proxy benchmark puts behind every proxy.
 //! - [`hmac`]: admitted proxy requests per second with HMAC request signing on vs off.
 //! - [`cpu`]: CPU time of the server processes, from `/proc`.
@@ -32,6 +34,7 @@ mod lock;
 mod proxy;
 mod scale;
 mod stats;
+mod tokens;
 mod upstream;
 mod webhooks;
 
@@ -67,6 +70,9 @@ enum Command {
     Hmac(hmac::HmacArgs),
     /// Adaptive learning against a sandbox with hidden limits: goodput and origin 429s, on vs off.
     Converge(converge::ConvergeArgs),
+    /// Token-budget admission against a sandbox with a hidden tokens-per-minute limit: goodput
+    /// and origin 429s, on vs off.
+    Tokens(tokens::TokensArgs),
     /// Serve a small fixed body on HTTP/1.1 keep-alive (the proxy benchmark's origin).
     Upstream(upstream::UpstreamArgs),
     /// Async jobs accepted and completed per second vs the same requests sent synchronously.
@@ -107,6 +113,7 @@ fn main() -> ExitCode {
             Command::Proxy(args) => proxy::run(args).await,
             Command::Hmac(args) => hmac::run(args).await,
             Command::Converge(args) => converge::run(args).await,
+            Command::Tokens(args) => tokens::run(args).await,
             Command::Upstream(args) => upstream::run(args).await,
             Command::Webhooks(args) => webhooks::run(args).await,
             Command::Jobs(args) => jobs::run(args).await,

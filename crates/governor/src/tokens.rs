@@ -9,7 +9,13 @@
 //!   grows linearly from the announced `remaining` to `limit` at the reset. Charges admitted
 //!   after the request whose answer carried the announcement are not in it yet, and are taken
 //!   off it (in flight or done: the origin counted neither); so are those admitted before it
-//!   and still in flight then (they may have reached the origin after it).
+//!   whose answers had not come back when it was admitted: they may have reached the origin
+//!   after it, even if they are done by the time its answer comes back (requests overtake one
+//!   another on a busy machine). Only a charge whose answer came back before the request was
+//!   admitted is surely in its announcement. The announced figures are taken at their most
+//!   cautious: `remaining` as said (the origin rounds it down), the refill as starting when the
+//!   answer is seen, not when the origin wrote it, and reaching `limit` at the reset (rounded
+//!   up): the model is never ahead of a token bucket that refills linearly.
 //!
 //! Every admission charges its estimate; when the answer reports its real usage the charge is
 //! corrected by the difference ([`TokenBudget::finish`]), which moves what remains either way.
@@ -29,6 +35,12 @@ use crate::Priority;
 
 /// Default length of the configured budget's rolling window.
 pub const DEFAULT_TOKEN_WINDOW_MS: u64 = 60_000;
+/// How long after an announcement is seen its refill is taken to start. The origin wrote it
+/// earlier, but our clock counts whole milliseconds: without this the model could be up to a
+/// millisecond's refill ahead of the origin's bucket. With it, the model's line from `remaining`
+/// to `limit` starts no earlier and ends no earlier than the origin's, so it never promises a
+/// token the origin has not refilled yet.
+pub const REFILL_DELAY_MS: u64 = 1;
 /// Default longest time a waiter that does not fit lets others pass before the budget is held
 /// for it.
 pub const DEFAULT_TOKEN_HOLD_MS: u64 = 5_000;
@@ -119,22 +131,23 @@ struct Charge {
     seq: u64,
     at: u64,
     cost: u64,
-    finished: bool,
+    /// When its request ended: the sequence number of the last admission then.
+    finished_seq: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug)]
 struct Announced {
     limit: Option<u64>,
     remaining: Option<u64>,
-    /// When the announcement was observed.
+    /// When its refill starts: [`REFILL_DELAY_MS`] after the announcement was observed.
     at: u64,
     /// When the budget is full again (`None`: not said).
     full_at: Option<u64>,
     /// Charges with a larger sequence number are not in the announcement.
     basis: u64,
-    /// Charges admitted before the answered request and still in flight when the
-    /// announcement came: they may have reached the origin after it, so they are taken off
-    /// it too (at their estimate then).
+    /// Charges admitted before the answered request whose own answers had not come back when
+    /// it was admitted: they may have reached the origin after it, so they are taken off it too
+    /// (at their cost when the announcement came).
     in_flight_then: u64,
 }
 
@@ -320,8 +333,9 @@ impl TokenBudget {
     /// which corrects the charge by the difference. Returns the correction (actual - estimate).
     pub fn finish(&mut self, now: u64, id: u128, actual: Option<u64>) -> Option<i64> {
         self.tick(now);
+        let seq = self.seq;
         let c = self.ledger.iter_mut().rev().find(|c| c.id == id)?;
-        c.finished = true;
+        c.finished_seq.get_or_insert(seq);
         let actual = actual?;
         let delta =
             i64::try_from(actual).unwrap_or(i64::MAX) - i64::try_from(c.cost).unwrap_or(i64::MAX);
@@ -343,23 +357,31 @@ impl TokenBudget {
         if !self.settings.learn || (window.remaining.is_none() && window.limit.is_none()) {
             return;
         }
-        let basis = id
-            .and_then(|id| self.ledger.iter().rev().find(|c| c.id == id))
-            .map_or(self.seq, |c| c.seq);
+        let answered = id.and_then(|id| self.ledger.iter().rev().find(|c| c.id == id));
+        let basis = answered.map_or(self.seq, |c| c.seq);
+        // A charge whose answer came back before this one was admitted is surely in the
+        // announcement; any other may have reached the origin after it. Without the request,
+        // the charges still in flight now.
+        let settled_before = answered.map_or(self.seq.saturating_add(1), |c| c.seq);
         let in_flight_then = self
             .ledger
             .iter()
-            .filter(|c| c.seq <= basis && !c.finished && Some(c.id) != id)
+            .filter(|c| {
+                c.seq <= basis
+                    && Some(c.id) != id
+                    && c.finished_seq.is_none_or(|f| f >= settled_before)
+            })
             .map(|c| c.cost)
             .fold(0, u64::saturating_add);
         if self.announced.is_some_and(|a| a.basis > basis) {
             return;
         }
+        let at = now.saturating_add(REFILL_DELAY_MS);
         self.announced = Some(Announced {
             limit: window.limit,
             remaining: window.remaining,
-            at: now,
-            full_at: window.reset_ms.map(|r| now.saturating_add(r)),
+            at,
+            full_at: window.reset_ms.map(|r| at.saturating_add(r)),
             basis,
             in_flight_then,
         });
@@ -440,22 +462,23 @@ impl TokenBudget {
             seq: self.seq,
             at: now,
             cost,
-            finished: false,
+            finished_seq: None,
         });
         self.admitted_tokens = self.admitted_tokens.saturating_add(cost);
         self.prune(now);
         self.remaining(now)
     }
 
-    /// Drops charges that neither budget counts any more (out of the window, and in the
-    /// announcement or older than its reset), except those still in flight.
+    /// Drops charges that neither budget counts any more: out of the window, and answered
+    /// before the request of the announcement in force was admitted (so in it, and in any
+    /// later one), or, without an announcement, answered.
     fn prune(&mut self, now: u64) {
         let window = self.settings.window_ms;
         let basis = self.announced.map(|a| a.basis);
         while let Some(c) = self.ledger.front() {
             let out_of_window = c.at.saturating_add(window) <= now;
-            let in_announcement = basis.is_none_or(|b| c.seq <= b);
-            if out_of_window && in_announcement && c.finished {
+            let settled = c.finished_seq.is_some_and(|f| basis.is_none_or(|b| f < b));
+            if out_of_window && settled {
                 self.ledger.pop_front();
             } else {
                 break;
@@ -496,7 +519,7 @@ impl TokenBudget {
                     return Some(limit);
                 }
                 let span = u128::from(full_at - a.at);
-                let gained = u128::from(limit - r) * u128::from(now - a.at) / span;
+                let gained = u128::from(limit - r) * u128::from(now.saturating_sub(a.at)) / span;
                 Some(r.saturating_add(u64::try_from(gained).unwrap_or(u64::MAX)))
             }
             (Some(r), limit, Some(full_at)) => {
@@ -722,14 +745,15 @@ mod tests {
         assert_eq!(b.budget(10), Some(1_000));
         assert_eq!(b.remaining(10), Some(70));
         assert_eq!(b.source(10), Some(BudgetSource::Announced));
-        // It refills linearly: 900 over 60 s is 15 per second.
-        assert_eq!(b.remaining(2_010), Some(100));
+        // It refills linearly, from a millisecond after it was seen: 900 over 60 s is 15 per
+        // second.
+        assert_eq!(b.remaining(2_011), Some(100));
         // A waiter of 100 fits once 30 more have refilled.
         assert_eq!(admit(&mut b, 10, 3, 100), TokenAdmit::Queued);
         assert_eq!(b.next_wakeup(10), Some(1_010));
-        assert_eq!(b.next_wakeup(1_010), Some(10 + 2_000));
-        assert_eq!(b.dispatch(2_009), None);
-        assert_eq!(b.dispatch(2_010), Some((3, Some(0))));
+        assert_eq!(b.next_wakeup(1_010), Some(11 + 2_000));
+        assert_eq!(b.dispatch(2_010), None);
+        assert_eq!(b.dispatch(2_011), Some((3, Some(0))));
         // Reconciling a charge the announcement does not know moves it.
         let before = b.remaining(2_011).unwrap_or(0);
         b.finish(2_011, 3, Some(40));
@@ -745,6 +769,39 @@ mod tests {
         // (Requests 1 and 2, admitted before 3 and still in flight, may have reached the
         // origin after it: they are taken off too.)
         assert_eq!(b.remaining(2_012), Some(50 - 10 - 30));
+    }
+
+    #[test]
+    fn a_request_that_overtook_an_earlier_one_does_not_forget_it() {
+        let w = |remaining| TokenWindow {
+            limit: Some(3_000),
+            remaining: Some(remaining),
+            reset_ms: Some(60_000),
+        };
+        let mut b = budget(0);
+        admit(&mut b, 0, 1, 10);
+        b.observe(0, Some(1), w(2_990));
+        b.finish(0, 1, Some(10));
+        // A, then X, each 1000: X reaches the origin first (2990 -> 1990), then A (-> 990).
+        admit(&mut b, 0, 2, 1_000);
+        admit(&mut b, 0, 3, 1_000);
+        // A's answer comes back first and is relayed to its caller before X's is seen.
+        b.observe(0, Some(2), w(990));
+        b.finish(0, 2, Some(1_000));
+        // X's announcement does not know A, which was still on its way when X was admitted.
+        b.observe(0, Some(3), w(1_990));
+        assert_eq!(b.remaining(0), Some(990));
+        assert_eq!(
+            b.try_admit(0, 4, 1_500, Priority::Normal, false),
+            TokenAdmit::Refused {
+                retry_after_ms: Some(30_299)
+            }
+        );
+        // A charge answered before X was admitted is in X's announcement: not taken off again.
+        b.finish(0, 3, Some(1_000));
+        admit(&mut b, 0, 5, 100);
+        b.observe(0, Some(5), w(890));
+        assert_eq!(b.remaining(0), Some(890));
     }
 
     #[test]

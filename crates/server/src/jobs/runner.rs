@@ -10,6 +10,10 @@
 //! a store that is locked or down for a while delays a job but does not strand it. Starting an
 //! attempt gives the slot back while it waits; recording a result keeps the slot (and the
 //! attempt counted in flight) until the result is committed.
+//!
+//! In a pool with a token budget (SPEC §12) a job is charged like a proxied call, before it
+//! waits for a slot: its stored body estimated, the estimate admitted against the budget, the
+//! charge taken back if the attempt does not go out and settled by the answer's usage.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,6 +30,7 @@ use crate::jobs::backlog::Pending;
 use crate::jobs::backoff::{until_ok, Backoff};
 use crate::jobs::Jobs;
 use crate::pools::registry::PoolRuntime;
+use crate::tokens::{self, Charge, TokenRefusal};
 use crate::upstream::prepare::{self, Origin};
 use crate::upstream::{self, SlotGuard, UpstreamError};
 
@@ -127,17 +132,16 @@ async fn pass(state: &Arc<Jobs>, job: &StoredJob, priority: Priority, tries: &mu
             .max(1),
         kind: SlotKind::Exchange,
     };
+    let charge = match charge_tokens(state, &pool, job, priority, request.wait_ms).await {
+        Ok(charge) => charge,
+        Err(pass) => return pass,
+    };
     let grant = match pool.gate.acquire(request).await {
         Ok(g) => g,
-        // A stopping server closes every gate: that is no deleted pool.
-        Err(Refusal::PoolClosed) if state.drain.is_draining() => return Pass::Stopped,
-        Err(Refusal::PoolClosed) => {
-            finish_without_attempt(state, job, "the pool was deleted").await;
-            return Pass::Done;
+        Err(refusal) => {
+            give_back(charge);
+            return gate_refused(state, job, refusal).await;
         }
-        // Queue full, RPM spent, paused, or the wait ran out: the job keeps its place in the
-        // store and tries again.
-        Err(refusal) => return Pass::Again(retry_hint(&refusal)),
     };
     let guard = SlotGuard::new(pool.gate.clone(), grant.slot_id);
     if let Some(db) = pool.upstream.database() {
@@ -146,11 +150,75 @@ async fn pass(state: &Arc<Jobs>, job: &StoredJob, priority: Priority, tries: &mu
     // Counted in flight until its result is recorded: a stopping server waits for it. Once
     // stopping, the slot goes back unused and the job waits for the next start.
     let Some(entered) = state.drain.enter() else {
+        give_back(charge);
         return Pass::Stopped;
     };
-    let ran = attempt(state, &pool, job, guard, tries).await;
+    let ran = attempt(state, &pool, job, guard, charge, tries).await;
     drop(entered);
     ran
+}
+
+/// The charge (if any) of an attempt that did not go out is taken back whole.
+fn give_back(charge: Option<Charge>) {
+    if let Some(charge) = charge {
+        charge.refund();
+    }
+}
+
+/// The gate refused the job's pass.
+async fn gate_refused(state: &Arc<Jobs>, job: &StoredJob, refusal: Refusal) -> Pass {
+    match refusal {
+        // A stopping server closes every gate: that is no deleted pool.
+        Refusal::PoolClosed if state.drain.is_draining() => Pass::Stopped,
+        Refusal::PoolClosed => {
+            finish_without_attempt(state, job, "the pool was deleted").await;
+            Pass::Done
+        }
+        // Queue full, RPM spent, paused, or the wait ran out: the job keeps its place in the
+        // store and tries again.
+        refusal => Pass::Again(retry_hint(&refusal)),
+    }
+}
+
+/// The job's charge against its pool's token budget, when one is in force: its stored body
+/// estimated and waited for like a proxied request's (`Ok(None)` without a budget). A job
+/// larger than the whole budget fails (it could never run); one the budget has no room for
+/// yet tries again.
+async fn charge_tokens(
+    state: &Arc<Jobs>,
+    pool: &PoolRuntime,
+    job: &StoredJob,
+    priority: Priority,
+    wait_ms: u64,
+) -> Result<Option<Charge>, Pass> {
+    if !pool.tokens.active() {
+        return Ok(None);
+    }
+    let body = match state.store.job_request_body(&job.id).await {
+        Ok(Some(body)) => body,
+        Ok(None) => return Err(Pass::Done), // the job is gone
+        Err(e) => {
+            tracing::warn!(job = %job.id, error = %e, "cannot read a job's body for its token estimate; retrying");
+            return Err(Pass::Again(Duration::from_millis(250)));
+        }
+    };
+    let estimate = tokens::estimate_whole(&body, pool.spec.tokens.as_ref());
+    drop(body);
+    match Charge::take(&pool.tokens, &estimate, priority, wait_ms).await {
+        Ok(charge) => {
+            pool.metrics.admitted_tokens.increment(estimate.total());
+            Ok(Some(charge))
+        }
+        Err(refusal @ TokenRefusal::Exceeds { .. }) => {
+            let why = tokens::refusal_error(&estimate, refusal).message;
+            finish_without_attempt(state, job, &why).await;
+            Err(Pass::Done)
+        }
+        Err(TokenRefusal::NoRoom { retry_after_ms }) => Err(Pass::Again(Duration::from_millis(
+            retry_after_ms.unwrap_or(250).clamp(50, 5_000),
+        ))),
+        Err(TokenRefusal::Timeout) => Err(Pass::Again(Duration::from_millis(50))),
+    }
 }
 
 /// One attempt holding a slot: fetch, then record the result before the slot is freed.
@@ -159,6 +227,7 @@ async fn attempt(
     pool: &PoolRuntime,
     job: &StoredJob,
     guard: SlotGuard,
+    charge: Option<Charge>,
     tries: &mut Tries,
 ) -> Pass {
     let store = &state.store;
@@ -168,13 +237,20 @@ async fn attempt(
             .start_attempt(&job.id, state.now())
             .await
             .map(|a| a.map(|a| (a, body))),
-        Ok(None) => return Pass::Done, // the job is gone
+        Ok(None) => {
+            give_back(charge);
+            return Pass::Done; // the job is gone
+        }
         Err(e) => Err(e),
     };
     let (attempt, body) = match started {
         Ok(Some(started)) => started,
-        Ok(None) => return Pass::Done, // already terminal (expired meanwhile)
+        Ok(None) => {
+            give_back(charge);
+            return Pass::Done; // already terminal (expired meanwhile)
+        }
         Err(e) => {
+            give_back(charge);
             // Nothing went out: the slot goes back (with `guard`) while the store recovers, and
             // the job queues again.
             let wait = tries.store.next_delay();
@@ -184,7 +260,19 @@ async fn attempt(
         }
     };
     tries.store.reset();
-    let (finish, guard) = match fetch(state, pool, job, body, guard).await {
+    let fetched = fetch(state, pool, job, body, guard).await;
+    if let Some(charge) = charge {
+        match &fetched {
+            Ok((result, outcome, _)) => {
+                let whole = (!result.truncated).then_some(&result.body[..]);
+                charge.settle(Some(outcome), whole);
+            }
+            // Never sent: not spent. Sent and unanswered: the estimate stands.
+            Err(e) if e.retry_safe() => charge.refund(),
+            Err(_) => charge.settle(None, None),
+        }
+    }
+    let (finish, guard) = match fetched {
         Ok((result, outcome, mut guard)) => {
             guard.outcome = Some(outcome);
             (Finish::Completed(result), Some(guard))

@@ -17,14 +17,9 @@ use hyper::body::Incoming;
 
 use super::{Call, CallBody};
 use crate::core::admission::Plan;
-use crate::core::error::{ApiError, ErrorCode};
-use crate::tokens::{self, Estimate, ReadBody, TokenGate, TokenRefusal, UsageTap};
-
-/// A request's charge against its pool's token budget.
-pub(super) struct Charge {
-    pub id: u128,
-    pub gate: Arc<TokenGate>,
-}
+use crate::core::error::ApiError;
+pub(super) use crate::tokens::Charge;
+use crate::tokens::{self, Estimate, ReadBody, TokenGate, UsageTap};
 
 /// Estimates the request and waits for the budget. `Ok((body, None))` when the pool has no
 /// token budget in force (its body untouched).
@@ -46,7 +41,7 @@ pub(super) async fn admit(
             (CallBody::Whole(bytes), e)
         }
         CallBody::Streamed(incoming) if content_length(&call.parts.headers) > Some(max) => {
-            (CallBody::Streamed(incoming), fallback(defaults))
+            (CallBody::Streamed(incoming), Estimate::fallback(defaults))
         }
         CallBody::Streamed(incoming) => {
             match tokens::read_body(incoming, usize::try_from(max).unwrap_or(usize::MAX)).await {
@@ -55,7 +50,7 @@ pub(super) async fn admit(
                     (CallBody::Whole(bytes), e)
                 }
                 Ok(ReadBody::Partial(read, rest)) => {
-                    (CallBody::Partial(read, rest), fallback(defaults))
+                    (CallBody::Partial(read, rest), Estimate::fallback(defaults))
                 }
                 Err(_) => {
                     let e = ApiError::invalid("body", "the request body could not be read");
@@ -63,28 +58,19 @@ pub(super) async fn admit(
                 }
             }
         }
-        CallBody::Partial(read, rest) => (CallBody::Partial(read, rest), fallback(defaults)),
+        CallBody::Partial(read, rest) => {
+            (CallBody::Partial(read, rest), Estimate::fallback(defaults))
+        }
     };
-    let id = rand::random::<u128>();
-    let cost = estimate.total();
-    match gate.acquire(id, cost, plan.priority, plan.wait_ms).await {
-        Ok(_) => {
-            call.pool.metrics.admitted_tokens.increment(cost);
-            let charge = Charge {
-                id,
-                gate: gate.clone(),
-            };
+    match Charge::take(gate, &estimate, plan.priority, plan.wait_ms).await {
+        Ok(charge) => {
+            call.pool
+                .metrics
+                .admitted_tokens
+                .increment(estimate.total());
             Ok((body, Some(charge)))
         }
-        Err(refusal) => Err((body, refusal_error(&estimate, refusal))),
-    }
-}
-
-fn fallback(defaults: tokens::Defaults) -> Estimate {
-    Estimate {
-        prompt: defaults.cost,
-        output: 0,
-        method: tokens::Method::Default,
+        Err(refusal) => Err((body, tokens::refusal_error(&estimate, refusal))),
     }
 }
 
@@ -96,35 +82,6 @@ fn content_length(headers: &HeaderMap) -> Option<u64> {
         .trim()
         .parse()
         .ok()
-}
-
-/// The answer to a request the budget refused.
-fn refusal_error(estimate: &Estimate, refusal: TokenRefusal) -> ApiError {
-    match refusal {
-        TokenRefusal::Exceeds {
-            estimate: e,
-            budget,
-        } => ApiError::new(
-            ErrorCode::ExceedsTokenBudget,
-            format!(
-                "the request's estimated {e} tokens ({} prompt + {} output) exceed the pool's \
-                 whole token budget of {budget} tokens; it could never be admitted",
-                estimate.prompt, estimate.output
-            ),
-        ),
-        TokenRefusal::NoRoom { retry_after_ms } => {
-            let mut e = ApiError::new(
-                ErrorCode::TooManyRequests,
-                "the pool's token budget has no room for this request now",
-            );
-            e.retry_after_s = retry_after_ms.map(|ms| ms.div_ceil(1000).max(1));
-            e
-        }
-        TokenRefusal::Timeout => ApiError::new(
-            ErrorCode::QueueTimeout,
-            "the wait budget ran out before the pool's token budget had room",
-        ),
-    }
 }
 
 /// Sets `x-nthpool-tpm-remaining` when the pool has a token budget in force.
@@ -149,7 +106,7 @@ pub(super) fn answered(
     let body = match charge {
         Some(c) => {
             let max = usize::try_from(max).unwrap_or(usize::MAX);
-            Body::new(UsageTap::new(body, c.gate, c.id, max))
+            Body::new(UsageTap::new(body, c, max))
         }
         None => body,
     };

@@ -43,6 +43,15 @@ pub struct Estimate {
 }
 
 impl Estimate {
+    /// What a body we do not read, or cannot read as a request, costs.
+    pub fn fallback(defaults: Defaults) -> Estimate {
+        Estimate {
+            prompt: defaults.cost,
+            output: 0,
+            method: Method::Default,
+        }
+    }
+
     pub fn total(&self) -> u64 {
         self.prompt.saturating_add(self.output)
     }
@@ -59,11 +68,7 @@ pub struct Defaults {
 
 /// The estimate for a request with this JSON body.
 pub fn estimate(body: &[u8], defaults: Defaults) -> Estimate {
-    let fallback = Estimate {
-        prompt: defaults.cost,
-        output: 0,
-        method: Method::Default,
-    };
+    let fallback = Estimate::fallback(defaults);
     let Ok(Value::Object(req)) = serde_json::from_slice::<Value>(body) else {
         return fallback;
     };
@@ -308,10 +313,22 @@ mod calibration {
         "born":1815},{"id":2,"name":"Alan Turing","born":1912},{"id":3,"name":"Grace Hopper",
         "born":1906}]"#;
 
+    pub(super) const SPANISH: &str = "Resume el siguiente correo en dos frases y sugiere una \
+        respuesta amable. Hola, pedí unas zapatillas hace tres semanas y todavía no han llegado. \
+        ¿Podrían decirme dónde está el paquete o enviar uno nuevo?";
+    pub(super) const JAPANESE: &str = "次のメールを二文で要約し、丁寧な返信を提案してください。\
+        三週間前にランニングシューズを注文しましたが、まだ届いていません。";
+
     #[test]
     fn the_byte_estimate_stays_near_o200k_on_typical_prompts() {
         let bpe = tiktoken_rs::o200k_base_singleton();
-        for (what, text) in [("prose", PROSE), ("code", CODE), ("json", JSON_DATA)] {
+        for (what, text) in [
+            ("prose", PROSE),
+            ("code", CODE),
+            ("json", JSON_DATA),
+            ("spanish", SPANISH),
+            ("japanese", JAPANESE),
+        ] {
             let real = bpe.count_ordinary(text) as f64;
             let guess = by_bytes(text.len() as u64) as f64;
             let error = (guess - real) / real;

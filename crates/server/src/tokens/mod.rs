@@ -4,8 +4,11 @@
 //! - `estimate`: a request's cost in tokens from its JSON body, and the usage an answer reports;
 //! - `gate`: the pool's [`TokenGate`] (the governor's pure `TokenBudget`, locked, with waiters
 //!   and a wake-up task), shared by every settings version of the pool;
-//! - here: reading a body far enough to estimate it ([`read_body`]), and the response body
-//!   wrapper that reconciles the charge with the usage the answer reports ([`UsageTap`]).
+//! - here: a call's [`Charge`] (taken against the budget for an estimate, taken back if the call
+//!   is not sent, settled by its answer) and its refusal as an API error, which proxied calls
+//!   and async jobs share; reading a body far enough to estimate it ([`read_body`]), and the
+//!   response body wrapper that reconciles the charge with the usage a streamed answer reports
+//!   ([`UsageTap`]).
 
 pub mod estimate;
 pub mod gate;
@@ -18,8 +21,10 @@ use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use nthbouncer_config::{ConcurrencySpec, TokensSpec};
-use nthbouncer_coord::Outcome;
+use nthbouncer_coord::{Outcome, Priority};
 use nthbouncer_governor::{TokenSettings, TokenWindow};
+
+use crate::core::error::{ApiError, ErrorCode};
 
 pub use estimate::{Defaults, Estimate, Method};
 pub use gate::{TokenGate, TokenRefusal};
@@ -65,6 +70,98 @@ pub fn window_of(outcome: &Outcome) -> Option<TokenWindow> {
     (w.limit.is_some() || w.remaining.is_some()).then_some(w)
 }
 
+/// The estimate of a whole request `body` for a pool with these `[pools.tokens]`: past its
+/// `max_body_bytes`, the pool's default cost.
+pub fn estimate_whole(body: &[u8], tokens: Option<&TokensSpec>) -> Estimate {
+    let max = tokens.cloned().unwrap_or_default().max_body_bytes;
+    if u64::try_from(body.len()).unwrap_or(u64::MAX) > max {
+        return Estimate::fallback(defaults(tokens));
+    }
+    estimate::estimate(body, defaults(tokens))
+}
+
+/// A call's charge against its pool's token budget. Dropped without [`Charge::refund`] or
+/// [`Charge::settle`] (its caller went away while it waited for a slot or for the answer), the
+/// call is taken as ended with its estimate standing: never left in flight, where it would be
+/// taken off every later announcement.
+pub struct Charge {
+    pub id: u128,
+    pub gate: Arc<TokenGate>,
+    done: bool,
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        if !self.done {
+            self.gate.finish(self.id, None);
+        }
+    }
+}
+
+impl Charge {
+    /// Waits up to `wait_ms` for the budget to have room for `estimate`, and charges it.
+    pub async fn take(
+        gate: &Arc<TokenGate>,
+        estimate: &Estimate,
+        priority: Priority,
+        wait_ms: u64,
+    ) -> Result<Charge, TokenRefusal> {
+        let id = rand::random::<u128>();
+        gate.acquire(id, estimate.total(), priority, wait_ms)
+            .await?;
+        Ok(Charge {
+            id,
+            gate: gate.clone(),
+            done: false,
+        })
+    }
+
+    /// The call was not sent: the charge is taken back whole.
+    pub fn refund(mut self) {
+        self.done = true;
+        self.gate.refund(self.id);
+    }
+
+    /// The call was answered with this whole `body` (if any was read): its announcement
+    /// teaches the budget, and the usage it reports corrects the charge.
+    pub fn settle(mut self, outcome: Option<&Outcome>, body: Option<&[u8]>) {
+        self.done = true;
+        if let Some(window) = outcome.and_then(window_of) {
+            self.gate.observe(Some(self.id), window);
+        }
+        self.gate.finish(self.id, body.and_then(reported_usage));
+    }
+}
+
+/// The answer to a call the budget refused (`estimate` says what it was charged for).
+pub fn refusal_error(estimate: &Estimate, refusal: TokenRefusal) -> ApiError {
+    match refusal {
+        TokenRefusal::Exceeds {
+            estimate: e,
+            budget,
+        } => ApiError::new(
+            ErrorCode::ExceedsTokenBudget,
+            format!(
+                "the request's estimated {e} tokens ({} prompt + {} output) exceed the pool's \
+                 whole token budget of {budget} tokens; it could never be admitted",
+                estimate.prompt, estimate.output
+            ),
+        ),
+        TokenRefusal::NoRoom { retry_after_ms } => {
+            let mut e = ApiError::new(
+                ErrorCode::TooManyRequests,
+                "the pool's token budget has no room for this request now",
+            );
+            e.retry_after_s = retry_after_ms.map(|ms| ms.div_ceil(1000).max(1));
+            e
+        }
+        TokenRefusal::Timeout => ApiError::new(
+            ErrorCode::QueueTimeout,
+            "the wait budget ran out before the pool's token budget had room",
+        ),
+    }
+}
+
 /// A request body read for its estimate: whole, or (past `max` bytes) the part read and the
 /// rest still streaming.
 pub enum ReadBody<B> {
@@ -95,23 +192,23 @@ pub struct UsageTap<B> {
     inner: B,
     kept: Option<BytesMut>,
     max: usize,
-    charge: Option<(Arc<TokenGate>, u128)>,
+    charge: Option<Charge>,
 }
 
 impl<B> UsageTap<B> {
-    pub fn new(inner: B, gate: Arc<TokenGate>, id: u128, max: usize) -> Self {
+    pub fn new(inner: B, charge: Charge, max: usize) -> Self {
         UsageTap {
             inner,
             kept: Some(BytesMut::new()),
             max,
-            charge: Some((gate, id)),
+            charge: Some(charge),
         }
     }
 
     fn finish(&mut self) {
-        if let Some((gate, id)) = self.charge.take() {
-            let usage = self.kept.take().and_then(|b| reported_usage(&b));
-            gate.finish(id, usage);
+        if let Some(charge) = self.charge.take() {
+            let kept = self.kept.take();
+            charge.settle(None, kept.as_deref());
         }
     }
 }
