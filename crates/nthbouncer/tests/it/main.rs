@@ -10,6 +10,8 @@ mod jobs_sigterm;
 mod lock_cli;
 mod lock_restart;
 mod nonce_restart;
+mod pg_migrate;
+mod pg_outage;
 mod pg_store;
 mod reload;
 mod scale_out;

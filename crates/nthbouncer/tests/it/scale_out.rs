@@ -22,17 +22,17 @@ use crate::BIN;
 /// The three-node tests run one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-fn redis_url() -> String {
+pub(crate) fn redis_url() -> String {
     std::env::var("NB_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379/".to_owned())
 }
 
 /// One test's corner of Redis: a fresh key prefix, every key under it deleted on drop.
-struct Space {
-    prefix: String,
+pub(crate) struct Space {
+    pub(crate) prefix: String,
 }
 
 impl Space {
-    fn new() -> Space {
+    pub(crate) fn new() -> Space {
         let client = redis::Client::open(redis_url()).unwrap();
         let pong: Result<String, _> = client
             .get_connection_with_timeout(Duration::from_secs(2))
@@ -52,7 +52,7 @@ impl Space {
     }
 
     /// The `[server]` lines of a node coordinating through `url` under this space's prefix.
-    fn server_toml(&self, url: &str, extra: &str) -> String {
+    pub(crate) fn server_toml(&self, url: &str, extra: &str) -> String {
         format!(
             "coordination = \"{url}\"\ncoordination_prefix = \"{}\"\n{extra}",
             self.prefix
