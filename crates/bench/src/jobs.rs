@@ -11,6 +11,11 @@
 //!    jobs/s.
 //!
 //! Ratios: accepted/sync and completed/sync.
+//!
+//! `--store postgres://…` puts the jobs in PostgreSQL instead of SQLite; `--nodes N` starts N
+//! servers (in this process, each with its own listener, job runner and store connections) on
+//! that one database, sharing each pool through `--coordination redis://…`, and the client tasks
+//! spread over them (task `i` talks to node `i % N`, as a round-robin balancer would).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -40,6 +45,18 @@ pub struct JobsArgs {
     /// The pool's concurrency limit.
     #[arg(long, default_value_t = 64)]
     limit: u32,
+    /// `server.store`: where the jobs live (default: SQLite in a temporary data dir).
+    #[arg(long)]
+    store: Option<String>,
+    /// Servers started on the store (more than one needs a shared store and `--coordination`).
+    #[arg(long, default_value_t = 1)]
+    nodes: usize,
+    /// `server.coordination` for every node (`redis://…`).
+    #[arg(long)]
+    coordination: Option<String>,
+    /// `server.coordination_prefix` (keep runs apart in a shared Redis).
+    #[arg(long, default_value = "nthbouncer-bench-jobs")]
+    coordination_prefix: String,
 }
 
 /// An upstream that answers every request (and every webhook) with a small body, counting them.
@@ -73,7 +90,7 @@ async fn upstream(count: Arc<AtomicU64>) -> Result<SocketAddr, BoxError> {
 
 /// Sends `n` requests with `c` tasks; returns the elapsed time and how many got `expect`.
 async fn phase(
-    addr: SocketAddr,
+    addrs: &[SocketAddr],
     n: u64,
     c: u64,
     asynchronous: bool,
@@ -84,8 +101,9 @@ async fn phase(
     let good = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
     let mut tasks = Vec::new();
-    for _ in 0..c {
+    for i in 0..c {
         let (client, next, good) = (client.clone(), next.clone(), good.clone());
+        let addr = addrs[i as usize % addrs.len()];
         tasks.push(tokio::spawn(async move {
             while next.fetch_add(1, Ordering::Relaxed) < n {
                 let mut req = Request::post(format!("http://{addr}/work"))
@@ -120,22 +138,46 @@ fn rate(n: u64, d: Duration) -> f64 {
 pub async fn run(args: JobsArgs) -> Result<(), BoxError> {
     let served = Arc::new(AtomicU64::new(0));
     let up = upstream(served.clone()).await?;
-    let dir = std::env::temp_dir().join(format!("nthbouncer-bench-jobs-{}", std::process::id()));
-    let toml = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\ndata_dir = {:?}\nallow_private_webhooks = true\n\
-         [[pools]]\nname = \"p\"\nupstream = \"http://{up}\"\nkeys = [\"{KEY}\"]\n\
-         [pools.concurrency]\nlimit = {}\nqueue_size = 100000\n\
-         [pools.async]\nenabled = true\n\
-         [[pools.webhooks]]\nurl = \"http://{up}/hook\"\nsecret = \"{SECRET}\"\n",
-        dir.display().to_string(),
-        args.limit
-    );
-    let config = nthbouncer_config::Config::from_toml_str(&toml).map_err(|e| e.to_string())?;
-    let running = nthbouncer_server::start(config, nthbouncer_server::Options::default())
-        .await
-        .map_err(|e| e.to_string())?;
-    let addr = running.addr;
-
+    if args.nodes == 0 {
+        return Err("--nodes must be at least 1".into());
+    }
+    if args.nodes > 1 && (args.store.is_none() || args.coordination.is_none()) {
+        return Err("--nodes above 1 needs --store postgres://… and --coordination".into());
+    }
+    let mut store_lines = String::new();
+    if let Some(store) = &args.store {
+        store_lines.push_str(&format!("store = {store:?}\n"));
+    }
+    if let Some(coordination) = &args.coordination {
+        store_lines.push_str(&format!(
+            "coordination = {coordination:?}\ncoordination_prefix = {:?}\nexpected_nodes = {}\n",
+            args.coordination_prefix, args.nodes
+        ));
+    }
+    let mut dirs = Vec::new();
+    let mut nodes = Vec::new();
+    for n in 0..args.nodes {
+        let dir =
+            std::env::temp_dir().join(format!("nthbouncer-bench-jobs-{}-{n}", std::process::id()));
+        let toml = format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\ndata_dir = {:?}\nallow_private_webhooks = true\n\
+             {store_lines}\
+             [[pools]]\nname = \"p\"\nupstream = \"http://{up}\"\nkeys = [\"{KEY}\"]\n\
+             [pools.concurrency]\nlimit = {}\nqueue_size = 100000\n\
+             [pools.async]\nenabled = true\n\
+             [[pools.webhooks]]\nurl = \"http://{up}/hook\"\nsecret = \"{SECRET}\"\n",
+            dir.display().to_string(),
+            args.limit
+        );
+        let config = nthbouncer_config::Config::from_toml_str(&toml).map_err(|e| e.to_string())?;
+        let running = nthbouncer_server::start(config, nthbouncer_server::Options::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        dirs.push(dir);
+        nodes.push(running);
+    }
+    let addrs: Vec<SocketAddr> = nodes.iter().map(|r| r.addr).collect();
+    let addr = &addrs[..];
     let (sync_time, sync_ok) =
         phase(addr, args.requests, args.concurrency, false, StatusCode::OK).await?;
     let before = served.load(Ordering::Relaxed);
@@ -154,15 +196,24 @@ pub async fn run(args: JobsArgs) -> Result<(), BoxError> {
     }
     let complete_time = accept_start.elapsed();
     let completed = served.load(Ordering::Relaxed).saturating_sub(before);
-    running.shutdown().await;
-    let _ = std::fs::remove_dir_all(&dir);
+    for running in nodes {
+        running.shutdown().await;
+    }
+    for dir in dirs {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     let sync_rate = rate(sync_ok, sync_time);
     let accept_rate = rate(accepted, accept_time);
     let complete_rate = rate(completed, complete_time);
+    let store = match &args.store {
+        Some(url) if url.starts_with("postgres") => "PostgreSQL",
+        Some(_) => "given store",
+        None => "SQLite",
+    };
     println!(
-        "JOBS  {} requests per phase, {} client tasks, pool limit {}",
-        args.requests, args.concurrency, args.limit
+        "JOBS  {} requests per phase, {} client tasks, pool limit {}, {store}, {} node(s)",
+        args.requests, args.concurrency, args.limit, args.nodes
     );
     println!("phase                     ok        per second");
     println!("sync through the proxy    {sync_ok:>8}  {sync_rate:>12.0}");

@@ -16,7 +16,12 @@ use serde_json::{json, Value};
 
 use crate::BIN;
 
-async fn admin(node: &Server, method: Method, path: &str, body: Option<Value>) -> (u16, Value) {
+pub(crate) async fn admin(
+    node: &Server,
+    method: Method,
+    path: &str,
+    body: Option<Value>,
+) -> (u16, Value) {
     let mut req = node
         .client
         .request(method, node.url(path))
@@ -30,7 +35,7 @@ async fn admin(node: &Server, method: Method, path: &str, body: Option<Value>) -
 }
 
 /// A call on `pool`'s host with `key`.
-fn on_pool(
+pub(crate) fn on_pool(
     node: &Server,
     pool: &str,
     key: &str,
@@ -44,7 +49,7 @@ fn on_pool(
 }
 
 /// The job as its submitter polls it, once it has ended (bounded).
-async fn ended_job(node: &Server, pool: &str, key: &str, id: &str) -> Value {
+pub(crate) async fn ended_job(node: &Server, pool: &str, key: &str, id: &str) -> Value {
     let mut last = Value::Null;
     let ended = wait_until(1500, Duration::from_millis(20), async || {
         let r = node
@@ -278,101 +283,4 @@ async fn with_the_database_down_jobs_are_refused_and_proxying_goes_on() {
         .await
         .unwrap();
     assert_eq!(ready, serde_json::json!({ "status": "ready" }));
-}
-
-/// `migrate-store` moves a SQLite node's pools, keys and unfinished job into PostgreSQL: a node
-/// started on it serves the pool with the key and finishes the job. A second run into the now
-/// populated database is refused.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn migrate_store_moves_pools_keys_and_unfinished_jobs() {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    let db = TestDb::create().await;
-    // The first call hangs (the job is running when its node dies); later ones answer.
-    let first = std::sync::Arc::new(AtomicBool::new(true));
-    let hung = first.clone();
-    let up = serve_http(move |_req| {
-        let first = first.clone();
-        async move {
-            if first.swap(false, Ordering::SeqCst) {
-                tokio::time::sleep(Duration::from_secs(600)).await;
-            }
-            ok(b"done")
-        }
-    })
-    .await;
-    let extra = "allow_private_webhooks = true\n";
-    let mut old = Server::start(BIN, "warn", reqwest::Client::new(), extra).await;
-    let body = json!({
-        "name": "moved",
-        "upstream": format!("http://{up}"),
-        "async": {"enabled": true},
-        "webhooks": [{"url": "http://127.0.0.1:9/hook", "secret": WEBHOOK_SECRET}]
-    });
-    assert_eq!(
-        admin(&old, Method::POST, "/admin/pools", Some(body))
-            .await
-            .0,
-        201
-    );
-    let (_, key) = admin(&old, Method::POST, "/admin/pools/moved/keys", None).await;
-    let key = key["key"].as_str().unwrap().to_owned();
-    let r = on_pool(&old, "moved", &key, Method::POST, "/work")
-        .header("x-nthpool-async", "1")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 202);
-    let job = r.json::<Value>().await.unwrap()["jobId"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    // Killed once its job's call reached the origin.
-    let running = wait_until(1500, Duration::from_millis(20), async || {
-        !hung.load(Ordering::SeqCst)
-    })
-    .await;
-    assert!(running, "the job never reached the origin");
-    old.kill_9();
-
-    let migrate = |force: bool| {
-        let mut args = vec![
-            "migrate-store".to_owned(),
-            "--from".to_owned(),
-            old.data_dir().display().to_string(),
-            "--to".to_owned(),
-            db.url.clone(),
-        ];
-        if force {
-            args.push("--force".to_owned());
-        }
-        std::process::Command::new(BIN)
-            .args(&args)
-            .output()
-            .unwrap()
-    };
-    let out = migrate(false);
-    let said = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(
-        out.status.success(),
-        "{said}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        said.contains("moved 1 pools, 1 keys, 1 webhook destinations and 1 unfinished jobs"),
-        "{said}"
-    );
-    let again = migrate(false);
-    assert!(!again.status.success());
-    assert!(String::from_utf8_lossy(&again.stderr).contains("--force"));
-
-    let store = format!("store = \"{}\"\n{extra}", db.url);
-    let new = Server::start(BIN, "warn", reqwest::Client::new(), &store).await;
-    let r = on_pool(&new, "moved", &key, Method::GET, "/hello")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let ended = ended_job(&new, "moved", &key, &job).await;
-    assert_eq!(ended["status"], "completed", "{ended}");
-    assert_eq!(ended["result"]["body"], "done");
 }

@@ -28,7 +28,7 @@ pub(crate) fn redis_url() -> String {
 
 /// One test's corner of Redis: a fresh key prefix, every key under it deleted on drop.
 pub(crate) struct Space {
-    prefix: String,
+    pub(crate) prefix: String,
 }
 
 impl Space {
