@@ -32,6 +32,7 @@ use self::conn::{
 };
 use crate::app::state::AppState;
 use crate::core::error::{ApiError, ErrorCode};
+use crate::core::peer::Peer;
 use crate::core::request_id::{self, RequestId};
 use crate::pools::listeners::Opened;
 use crate::pools::registry::PoolRuntime;
@@ -90,7 +91,7 @@ impl Dispatcher {
     async fn dispatch(
         self: Arc<Self>,
         mut req: Request<Incoming>,
-        peer: SocketAddr,
+        peer: Peer,
         route: &Route,
     ) -> Response<Body> {
         let id = RequestId::assign(req.headers());
@@ -104,7 +105,7 @@ impl Dispatcher {
     async fn route(
         self: Arc<Self>,
         mut req: Request<Incoming>,
-        peer: SocketAddr,
+        peer: Peer,
         route: &Route,
     ) -> Response<Body> {
         if let Route::Pool(name) = route {
@@ -119,7 +120,7 @@ impl Dispatcher {
         };
         match self.state.pools.host_role(&host) {
             HostRole::Api => {
-                req.extensions_mut().insert(ConnectInfo(peer));
+                req.extensions_mut().insert(ConnectInfo(peer.addr()));
                 match self.api.clone().oneshot(req).await {
                     Ok(resp) => resp,
                     Err(never) => match never {},
@@ -140,7 +141,7 @@ impl Dispatcher {
         &self,
         pool: Arc<PoolRuntime>,
         req: Request<Incoming>,
-        peer: SocketAddr,
+        peer: Peer,
     ) -> Response<Body> {
         match pool.spec.kind {
             PoolKind::Proxy => {
@@ -150,7 +151,7 @@ impl Dispatcher {
             }
             PoolKind::Database => {
                 let database = self.state.database.clone();
-                crate::database::handle(database, pool, req, peer).await
+                crate::database::handle(database, pool, req, peer.addr()).await
             }
         }
     }
@@ -334,6 +335,8 @@ impl Serving {
         } = conn;
         let d = self.dispatcher.clone();
         let requests = activity.clone();
+        // Formatted once here, for every request's `X-Forwarded-For` and log line.
+        let client = Peer::new(peer);
         // Each request is in flight, for the watchdog, until its response body is done.
         let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
             let in_flight = requests.begin(req.version());
@@ -342,12 +345,13 @@ impl Serving {
             }
             let d = d.clone();
             let route = route.clone();
+            let client = client.clone();
             async move {
                 let resp = if refused {
                     let id = RequestId::assign(req.headers());
                     request_id::stamp(&id, overloaded(req.version())).await
                 } else {
-                    d.dispatch(req, peer, &route).await
+                    d.dispatch(req, client, &route).await
                 };
                 Ok::<_, Infallible>(resp.map(|body| TrackedBody::new(body, in_flight)))
             }

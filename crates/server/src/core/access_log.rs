@@ -317,6 +317,8 @@ pub struct LogLine<'a> {
     /// Epoch ms when the request arrived.
     pub at: u64,
     pub peer: SocketAddr,
+    /// `peer`'s address as text when the connection formatted it already (`core::peer`).
+    pub peer_text: Option<http::HeaderValue>,
     pub route: String,
     /// The request's id (`core::request_id`).
     pub request_id: Option<String>,
@@ -381,7 +383,10 @@ impl LogLine<'_> {
             pool: self.pool.to_string(),
             at: self.at,
             key_id: key_id.map(str::to_string),
-            client_addr: self.peer.ip().to_string(),
+            client_addr: match self.peer_text.as_ref().and_then(|t| t.to_str().ok()) {
+                Some(text) => text.to_string(),
+                None => self.peer.ip().to_string(),
+            },
             route: cut(self.route, MAX_ROUTE_BYTES),
             outcome: outcome.as_str().to_string(),
             reason: with_client_cert(reason, self.client_cert.as_deref())

@@ -12,6 +12,7 @@ pub mod live;
 pub mod metrics;
 pub mod netcheck;
 pub mod pagination;
+pub mod peer;
 pub mod request_id;
 pub mod time;
 

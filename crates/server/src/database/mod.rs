@@ -79,6 +79,7 @@ pub async fn handle(
         pool: &pool.name,
         at: state.now(),
         peer: SocketAddr::new(client, peer.port()),
+        peer_text: None,
         route: format!("sql {} {}", parts.method, parts.uri.path()),
         request_id: RequestId::of(&parts.extensions),
         client_cert: crate::tls::PeerTls::client_of(&parts.extensions),

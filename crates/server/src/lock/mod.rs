@@ -249,6 +249,7 @@ pub async fn acquire(
         pool: &pool.name,
         at: state.now(),
         peer,
+        peer_text: None,
         route: "lock acquire".into(),
         request_id: RequestId::in_header(&headers),
         // Refusals carry the client certificate (logged by the guard); admissions do not.

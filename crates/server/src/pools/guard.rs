@@ -87,6 +87,7 @@ pub async fn require(
         pool: &pool.name,
         at: guard.clock.now_ms(),
         peer: SocketAddr::new(client, peer.port()),
+        peer_text: None,
         route,
         request_id: RequestId::of(req.extensions()),
         client_cert: crate::tls::PeerTls::client_of(req.extensions()),

@@ -32,6 +32,7 @@ use crate::cache;
 use crate::core::access_log::{AccessLog, LogLine, LogOutcome, UpstreamSeen};
 use crate::core::admission::{self, Plan};
 use crate::core::error::{ApiError, ErrorCode};
+use crate::core::peer::Peer;
 use crate::core::request_id::RequestId;
 use crate::jobs::Jobs;
 use crate::pools::registry::PoolRuntime;
@@ -65,7 +66,7 @@ struct Call<'a> {
     pool: &'a Arc<PoolRuntime>,
     log: LogLine<'a>,
     parts: Parts,
-    peer: SocketAddr,
+    peer: Peer,
     original_host: Option<HeaderValue>,
     caller: Caller,
     /// A cache miss that leads: its answer is stored as it streams (see `cache`). Boxed: a
@@ -88,7 +89,7 @@ pub async fn handle(
     state: Arc<Proxy>,
     pool: Arc<PoolRuntime>,
     req: Request<Incoming>,
-    peer: SocketAddr,
+    peer: Peer,
     original_host: Option<HeaderValue>,
 ) -> Response<Body> {
     if pool.spec.cache.is_none() {
@@ -104,7 +105,7 @@ async fn serve(
     state: Arc<Proxy>,
     pool: Arc<PoolRuntime>,
     req: Request<Incoming>,
-    peer: SocketAddr,
+    peer: Peer,
     original_host: Option<HeaderValue>,
 ) -> Response<Body> {
     let (parts, body) = req.into_parts();
@@ -117,7 +118,8 @@ async fn serve(
         log: &state.access_log,
         pool: &pool.name,
         at: state.now(),
-        peer: SocketAddr::new(client, peer.port()),
+        peer: SocketAddr::new(client, peer.addr().port()),
+        peer_text: peer.text_of(client),
         route: route(&parts.method, parts.uri.path()),
         request_id: RequestId::of(&parts.extensions),
         client_cert: crate::tls::PeerTls::client_of(&parts.extensions),
@@ -457,9 +459,9 @@ fn consumed<'a>(call: &'a Call<'_>) -> Consumed<'a> {
     }
 }
 
-fn forwarded(call: &Call<'_>) -> Forwarded {
+fn forwarded<'a>(call: &'a Call<'_>) -> Forwarded<'a> {
     Forwarded {
-        peer: call.peer.ip(),
+        peer: &call.peer,
         host: call.original_host.clone(),
     }
 }

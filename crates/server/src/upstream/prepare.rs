@@ -10,14 +10,13 @@
 //!
 //! It must not decide admission nor read bodies.
 
-use std::net::IpAddr;
-
 use bytes::Bytes;
 use http::header::{self, HeaderName, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{HeaderMap, Method, Request, Version};
 
 use super::target::{PathRefused, Target};
+use crate::core::peer::Peer;
 
 /// Headers that belong to one connection (RFC 9110 §7.6.1) and never cross a proxy.
 static HOP_BY_HOP: [HeaderName; 8] = [
@@ -46,15 +45,29 @@ pub struct Consumed<'a> {
 }
 
 /// Who called, as the origin is told in `X-Forwarded-*`.
-pub struct Forwarded {
+pub struct Forwarded<'a> {
     /// The connection's peer address (`X-Forwarded-For` gets it appended).
-    pub peer: IpAddr,
+    pub peer: &'a Peer,
     /// The `Host` the caller sent (`X-Forwarded-Host`).
     pub host: Option<HeaderValue>,
 }
 
+/// A header that belongs to one connection: [`HOP_BY_HOP`] and `Upgrade`.
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    *name == header::UPGRADE || HOP_BY_HOP.contains(name)
+}
+
 /// Drops hop-by-hop headers, including every header the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // One walk over the names first: most maps have none, and a removal of an absent name
+    // still hashes and probes (nine of them per map).
+    if !headers.keys().any(is_hop_by_hop) {
+        return;
+    }
+    remove_hop_by_hop(headers);
+}
+
+fn remove_hop_by_hop(headers: &mut HeaderMap) {
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -68,42 +81,67 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     headers.remove(header::UPGRADE);
 }
 
-/// Drops every `X-Nthpool-*` header: our control headers never reach the upstream.
-fn strip_nthpool_headers(headers: &mut HeaderMap) {
-    let ours: Vec<HeaderName> = headers
-        .keys()
-        .filter(|k| k.as_str().starts_with("x-nthpool-"))
-        .cloned()
-        .collect();
-    for name in ours {
-        headers.remove(name);
-    }
+/// Our control headers (`X-Nthpool-*`) never reach the upstream.
+fn is_nthpool(name: &HeaderName) -> bool {
+    name.as_str().starts_with("x-nthpool-")
 }
 
-/// `X-Forwarded-For`: the caller's value, if any, with the peer appended.
-fn forwarded_for(prior: Option<&str>, peer: IpAddr) -> Option<HeaderValue> {
-    use std::fmt::Write as _;
-    let mut value = String::with_capacity(prior.map_or(0, |p| p.len() + 2) + 39);
-    if let Some(prior) = prior {
-        value.push_str(prior);
-        value.push_str(", ");
-    }
-    let _ = write!(value, "{peer}");
+/// `X-Forwarded-For`: the caller's value, if any, with the peer (its address as text, see
+/// `Peer`) appended.
+fn forwarded_for(prior: Option<&str>, peer: &HeaderValue) -> Option<HeaderValue> {
+    let Some(prior) = prior else {
+        return Some(peer.clone());
+    };
+    let peer = peer.as_bytes();
+    let mut value = Vec::with_capacity(prior.len() + 2 + peer.len());
+    value.extend_from_slice(prior.as_bytes());
+    value.extend_from_slice(b", ");
+    value.extend_from_slice(peer);
     HeaderValue::from_maybe_shared(Bytes::from(value)).ok()
 }
 
 /// Step 1: the caller's headers as the origin may see them.
-pub fn caller_headers(headers: &mut HeaderMap, consumed: &Consumed<'_>, forwarded: Forwarded) {
-    strip_hop_by_hop(headers);
-    strip_nthpool_headers(headers);
-    for h in consumed.credential_headers {
-        headers.remove(h);
+///
+/// One walk over the caller's names decides what goes; only names present are removed (a
+/// removal hashes and probes the map even for an absent name, and the hygiene checks a dozen).
+pub fn caller_headers(headers: &mut HeaderMap, consumed: &Consumed<'_>, forwarded: Forwarded<'_>) {
+    let (mut hop, mut ours, mut credentials, mut prior_for) = (false, false, false, false);
+    for name in headers.keys() {
+        if is_hop_by_hop(name) {
+            hop = true;
+        } else if is_nthpool(name) {
+            ours = true;
+        } else if *name == X_FORWARDED_FOR {
+            prior_for = true;
+        } else if (consumed.authorization && *name == header::AUTHORIZATION)
+            || consumed.credential_headers.contains(name)
+        {
+            credentials = true;
+        }
     }
-    if consumed.authorization {
-        headers.remove(header::AUTHORIZATION);
+    if hop {
+        remove_hop_by_hop(headers);
     }
-    let prior = headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok());
-    if let Some(v) = forwarded_for(prior, forwarded.peer) {
+    if ours {
+        let names: Vec<HeaderName> = headers.keys().filter(|k| is_nthpool(k)).cloned().collect();
+        for name in names {
+            headers.remove(name);
+        }
+    }
+    if credentials {
+        for h in consumed.credential_headers {
+            headers.remove(h);
+        }
+        if consumed.authorization {
+            headers.remove(header::AUTHORIZATION);
+        }
+    }
+    let prior = if prior_for {
+        headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok())
+    } else {
+        None
+    };
+    if let Some(v) = forwarded_for(prior, forwarded.peer.ip_text()) {
         headers.insert(X_FORWARDED_FOR.clone(), v);
     }
     headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
@@ -178,14 +216,15 @@ mod tests {
 
     #[test]
     fn forwarded_for_appends_the_peer() {
-        let peer: IpAddr = "10.1.2.3".parse().unwrap();
+        let peer = Peer::new("10.1.2.3:80".parse().unwrap());
+        let peer = peer.ip_text();
         assert_eq!(forwarded_for(None, peer).unwrap(), "10.1.2.3");
         assert_eq!(
             forwarded_for(Some("1.1.1.1"), peer).unwrap(),
             "1.1.1.1, 10.1.2.3"
         );
-        let v6: IpAddr = "::1".parse().unwrap();
-        assert_eq!(forwarded_for(None, v6).unwrap(), "::1");
+        let v6 = Peer::new("[::1]:80".parse().unwrap());
+        assert_eq!(forwarded_for(None, v6.ip_text()).unwrap(), "::1");
     }
 
     #[test]
@@ -204,7 +243,7 @@ mod tests {
                 authorization: true,
             },
             Forwarded {
-                peer: "10.0.0.1".parse().unwrap(),
+                peer: &Peer::new("10.0.0.1:80".parse().unwrap()),
                 host: Some(HeaderValue::from_static("p.localhost:8080")),
             },
         );
@@ -219,6 +258,52 @@ mod tests {
                 "x-other"
             ]
         );
+    }
+
+    #[test]
+    fn the_caller_side_strips_connection_named_headers_and_appends_to_a_prior_forwarded_for() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("x-hop"));
+        h.insert("x-hop", HeaderValue::from_static("1"));
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        h.insert("x-forwarded-for", HeaderValue::from_static("1.1.1.1"));
+        h.insert("authorization", HeaderValue::from_static("Bearer caller"));
+        caller_headers(
+            &mut h,
+            &Consumed {
+                credential_headers: &[],
+                authorization: false,
+            },
+            Forwarded {
+                peer: &Peer::new("10.0.0.2:80".parse().unwrap()),
+                host: None,
+            },
+        );
+        let mut names: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        names.sort_unstable();
+        assert_eq!(
+            names,
+            ["authorization", "x-forwarded-for", "x-forwarded-proto"]
+        );
+        assert_eq!(h["x-forwarded-for"], "1.1.1.1, 10.0.0.2");
+        // A forwarded-for the `Connection` header names is dropped, then set afresh.
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("x-forwarded-for"),
+        );
+        h.insert("x-forwarded-for", HeaderValue::from_static("1.1.1.1"));
+        let consumed = Consumed {
+            credential_headers: &[],
+            authorization: false,
+        };
+        let peer = Peer::new("10.0.0.2:80".parse().unwrap());
+        let forwarded = Forwarded {
+            peer: &peer,
+            host: None,
+        };
+        caller_headers(&mut h, &consumed, forwarded);
+        assert_eq!(h["x-forwarded-for"], "10.0.0.2");
     }
 
     #[test]
