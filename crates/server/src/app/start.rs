@@ -191,19 +191,14 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         nonces,
         live: live.clone(),
     }));
-    let jobs = Arc::new(Jobs {
-        intake: JobIntake::start(job_store.clone()),
-        store: job_store.clone(),
-        pools: pools.clone(),
-        client: client.clone(),
-        clock: clock.clone(),
-        live: live.clone(),
-        stopping: CancellationToken::new(),
+    let jobs = jobs_part(
+        &job_store,
+        &pools,
+        &client,
+        &clock,
+        &live,
         deliveries_pending,
-        drain: crate::jobs::drain::Drain::new(),
-        backlog: crate::jobs::backlog::Backlog::new(),
-        running: crate::jobs::claims::Running::new(),
-    });
+    );
     let cache = Arc::new(Caches::new(pools.clone(), clock.clone()));
     let tls = listener_tls(&server, &pools)?;
     Ok(Arc::new(AppState {
@@ -268,6 +263,30 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         reload: Default::default(),
         server,
     }))
+}
+
+/// The async jobs' part of the state: intake, runner bookkeeping and the deliveries' wake-up.
+fn jobs_part(
+    job_store: &Arc<dyn JobStore>,
+    pools: &Arc<Pools>,
+    client: &Arc<SharedClient>,
+    clock: &Arc<dyn Clock>,
+    live: &Arc<LiveServer>,
+    deliveries_pending: Arc<Notify>,
+) -> Arc<Jobs> {
+    Arc::new(Jobs {
+        intake: JobIntake::start(job_store.clone()),
+        store: job_store.clone(),
+        pools: pools.clone(),
+        client: client.clone(),
+        clock: clock.clone(),
+        live: live.clone(),
+        stopping: CancellationToken::new(),
+        deliveries_pending,
+        drain: crate::jobs::drain::Drain::new(),
+        backlog: crate::jobs::backlog::Backlog::new(),
+        running: crate::jobs::claims::Running::new(),
+    })
 }
 
 /// The gates, the nonce stores and the lease book, all in process or all on Redis.

@@ -153,28 +153,21 @@ impl Pools {
             changes += 1;
         }
         self.registry.store(Arc::new(next));
+        settle(settled, retired).await;
+        changes += self.sync_keys_and_destinations(&keys_of, &all_destinations);
+        Ok(changes)
+    }
 
-        for (previous, pool) in settled {
-            pool.gate
-                .reconfigure(PoolRuntime::gate_settings(&pool.concurrency))
-                .await;
-            pool.tokens
-                .reconfigure(PoolRuntime::token_settings(&pool.spec));
-            if !same_database(&previous.spec, &pool.spec) {
-                if let Some(db) = previous.upstream.database() {
-                    db.close();
-                }
-            }
-        }
-        for pool in retired {
-            pool.gate.close().await;
-            if let Some(db) = pool.upstream.database() {
-                db.close();
-            }
-        }
-
+    /// Publishes every pool's stored keys and destinations as the store holds them now;
+    /// returns how many pools' destinations changed.
+    fn sync_keys_and_destinations(
+        &self,
+        keys_of: &HashMap<&str, Vec<StoredKey>>,
+        all_destinations: &[StoredDestination],
+    ) -> usize {
+        let mut changes = 0;
         let mut destinations_of: HashMap<&str, Vec<StoredDestination>> = HashMap::new();
-        for d in &all_destinations {
+        for d in all_destinations {
             destinations_of
                 .entry(d.pool.as_str())
                 .or_default()
@@ -197,6 +190,33 @@ impl Pools {
         if destinations_moved {
             self.destinations_changed.notify_one();
         }
-        Ok(changes)
+        changes
+    }
+}
+
+/// Applies updated pools' gate and token settings (closing a database pool's old connections
+/// when its database changed) and closes the retired pools' gates, once the new registry is
+/// published.
+async fn settle(
+    settled: Vec<(Arc<PoolRuntime>, Arc<PoolRuntime>)>,
+    retired: Vec<Arc<PoolRuntime>>,
+) {
+    for (previous, pool) in settled {
+        pool.gate
+            .reconfigure(PoolRuntime::gate_settings(&pool.concurrency))
+            .await;
+        pool.tokens
+            .reconfigure(PoolRuntime::token_settings(&pool.spec));
+        if !same_database(&previous.spec, &pool.spec) {
+            if let Some(db) = previous.upstream.database() {
+                db.close();
+            }
+        }
+    }
+    for pool in retired {
+        pool.gate.close().await;
+        if let Some(db) = pool.upstream.database() {
+            db.close();
+        }
     }
 }
