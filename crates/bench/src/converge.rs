@@ -107,7 +107,7 @@ pub(crate) enum Class {
 const CLASSES: usize = 5;
 
 impl Class {
-    fn index(self) -> usize {
+    pub(crate) fn index(self) -> usize {
         match self {
             Class::Ok => 0,
             Class::Origin429 => 1,

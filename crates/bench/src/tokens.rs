@@ -108,7 +108,7 @@ struct Counts {
 
 impl Counts {
     fn get(&self, class: Class) -> u64 {
-        self.by_class[class_index(class)].load(Ordering::Relaxed)
+        self.by_class[class.index()].load(Ordering::Relaxed)
     }
 
     fn origin_requests(&self) -> u64 {
@@ -117,16 +117,6 @@ impl Counts {
 
     fn origin_429_share(&self) -> f64 {
         self.get(Class::Origin429) as f64 / self.origin_requests().max(1) as f64
-    }
-}
-
-fn class_index(class: Class) -> usize {
-    match class {
-        Class::Ok => 0,
-        Class::Origin429 => 1,
-        Class::Gateway => 2,
-        Class::OtherOrigin => 3,
-        Class::Failed => 4,
     }
 }
 
@@ -145,7 +135,7 @@ impl Recorder {
             &[&self.whole]
         };
         for c in sets {
-            c.by_class[class_index(class)].fetch_add(1, Ordering::Relaxed);
+            c.by_class[class.index()].fetch_add(1, Ordering::Relaxed);
             c.used_tokens.fetch_add(used, Ordering::Relaxed);
         }
     }

@@ -18,13 +18,12 @@ use std::time::Duration;
 
 use nthbouncer_testkit::binary::Server;
 use nthbouncer_testkit::pg::{admin_client, TestDb};
-use nthbouncer_testkit::{
-    ok, pool_toml, serve_http, wait_until, Upstream, ADMIN_TOKEN, API_HOST, WEBHOOK_SECRET,
-};
+use nthbouncer_testkit::{ok, pool_toml, serve_http, wait_until, Upstream, WEBHOOK_SECRET};
 use reqwest::Method;
 use serde_json::{json, Value};
 use tokio::task::JoinSet;
 
+use crate::pg_store::admin;
 use crate::scale_out::{redis_url, Space, SERIAL};
 use crate::BIN;
 
@@ -50,19 +49,6 @@ async fn webhook_receiver() -> (std::net::SocketAddr, Received) {
     })
     .await;
     (addr, received)
-}
-
-async fn admin(node: &Server, method: Method, path: &str, body: Option<Value>) -> (u16, Value) {
-    let mut req = node
-        .client
-        .request(method, node.url(path))
-        .header("host", API_HOST)
-        .bearer_auth(ADMIN_TOKEN);
-    if let Some(body) = body {
-        req = req.json(&body);
-    }
-    let r = req.send().await.unwrap();
-    (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
 }
 
 /// A call on `pool`'s host with `key`; its status (0 if the node did not answer).
