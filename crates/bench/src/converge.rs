@@ -39,7 +39,7 @@ use crate::BoxError;
 pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// Longest a client honours a retry hint.
-pub(crate) const MAX_BACKOFF: Duration = Duration::from_secs(10);
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
 
 /// Width of one timeline row.
 const BUCKET_S: u64 = 10;
@@ -107,6 +107,18 @@ pub(crate) enum Class {
 const CLASSES: usize = 5;
 
 impl Class {
+    /// How long an eager client waits after an answer of this class before its next request:
+    /// not at all after a success, what a refusal asks (capped), a moment otherwise.
+    pub(crate) fn wait_before_next(self, headers: &hyper::HeaderMap) -> Duration {
+        match self {
+            Class::Ok => Duration::ZERO,
+            Class::Origin429 | Class::Gateway => retry_hint(headers)
+                .unwrap_or(Duration::from_millis(100))
+                .min(MAX_BACKOFF),
+            Class::OtherOrigin | Class::Failed => Duration::from_millis(100),
+        }
+    }
+
     pub(crate) fn index(self) -> usize {
         match self {
             Class::Ok => 0,
@@ -198,7 +210,7 @@ pub(crate) fn header_u64(headers: &hyper::HeaderMap, name: &str) -> Option<u64> 
 }
 
 /// The wait a 429 or 503 asks for: `retry-after-ms`, else `Retry-After` seconds.
-pub(crate) fn retry_hint(headers: &hyper::HeaderMap) -> Option<Duration> {
+fn retry_hint(headers: &hyper::HeaderMap) -> Option<Duration> {
     header_u64(headers, "retry-after-ms")
         .map(Duration::from_millis)
         .or_else(|| header_u64(headers, "retry-after").map(Duration::from_secs))
@@ -239,13 +251,7 @@ async fn client(args: Arc<ConvergeArgs>, pool: String, rec: Arc<Recorder>, until
                 let limit = header_u64(&headers, "x-nthpool-effective-limit")
                     .and_then(|l| u32::try_from(l).ok());
                 rec.record(class, limit);
-                match class {
-                    Class::Ok => Duration::ZERO,
-                    Class::Origin429 | Class::Gateway => retry_hint(&headers)
-                        .unwrap_or(Duration::from_millis(100))
-                        .min(MAX_BACKOFF),
-                    Class::OtherOrigin | Class::Failed => Duration::from_millis(100),
-                }
+                class.wait_before_next(&headers)
             }
             Ok(Err(_)) | Err(_) => {
                 rec.record(Class::Failed, None);

@@ -29,7 +29,7 @@ use http_body_util::Full;
 use hyper::header::{CONTENT_TYPE, HOST};
 use hyper::Request;
 
-use crate::converge::{classify, retry_hint, Class, Conn, MAX_BACKOFF, REQUEST_TIMEOUT};
+use crate::converge::{classify, Class, Conn, REQUEST_TIMEOUT};
 use crate::stats::table;
 use crate::BoxError;
 
@@ -212,13 +212,7 @@ async fn client(
                     0
                 };
                 rec.record(class, used);
-                match class {
-                    Class::Ok => Duration::ZERO,
-                    Class::Origin429 | Class::Gateway => retry_hint(&headers)
-                        .unwrap_or(Duration::from_millis(100))
-                        .min(MAX_BACKOFF),
-                    Class::OtherOrigin | Class::Failed => Duration::from_millis(100),
-                }
+                class.wait_before_next(&headers)
             }
             Ok(Err(_)) | Err(_) => {
                 rec.record(Class::Failed, 0);
