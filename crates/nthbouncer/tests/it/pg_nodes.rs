@@ -117,11 +117,18 @@ async fn three_nodes_on_postgres_run_every_job_once_through_a_kill_and_share_adm
         key["id"].as_str().unwrap().to_owned(),
         key["key"].as_str().unwrap().to_owned(),
     );
+    let last = std::sync::atomic::AtomicU16::new(0);
     let served = wait_until(1000, Duration::from_millis(20), async || {
-        pool_status(&nodes[2], "made", &key).await == 200
+        let status = pool_status(&nodes[2], "made", &key).await;
+        last.store(status, std::sync::atomic::Ordering::Relaxed);
+        status == 200
     })
     .await;
-    assert!(served, "the pool made on node A never served on node C");
+    assert!(
+        served,
+        "the pool made on node A never served on node C (last answer {})",
+        last.into_inner()
+    );
     let (status, revoked) = admin(
         &nodes[2],
         Method::DELETE,
