@@ -45,6 +45,22 @@ pub fn spawn(bin: &str, args: &[&str], rust_log: Option<&str>) -> Proc {
     Proc(cmd.spawn().unwrap())
 }
 
+/// [`spawn`] with the child's stdout and stderr appended to `log` (kept across restarts), so a
+/// failing test can say what the process printed ([`Server::log_tail`]).
+pub fn spawn_logged(bin: &str, args: &[&str], rust_log: &str, log: &Path) -> Proc {
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .unwrap();
+    let mut cmd = Command::new(bin);
+    cmd.args(args)
+        .stdout(file.try_clone().unwrap())
+        .stderr(file)
+        .env("RUST_LOG", rust_log);
+    Proc(cmd.spawn().unwrap())
+}
+
 /// Writes `text` as `nthbouncer.toml` in `dir` and returns its path.
 pub fn write_config(dir: &Path, text: &str) -> PathBuf {
     let path = dir.join("nthbouncer.toml");
@@ -88,6 +104,9 @@ pub async fn wait_ready(client: &reqwest::Client, port: u16) {
     assert!(ready, "the server on port {port} never became ready");
 }
 
+/// Where a [`Server`] writes what its process prints, in its tempdir.
+const LOG: &str = "nthbouncer.log";
+
 /// `nthbouncer serve` on a free loopback port, from a config written in its own tempdir, with
 /// the test admin token; its pools take the test key.
 pub struct Server {
@@ -122,10 +141,11 @@ impl Server {
         );
         let server = Server {
             bin,
-            proc: spawn(
+            proc: spawn_logged(
                 bin,
                 &["serve", "--config", config.to_str().unwrap()],
-                Some(rust_log),
+                rust_log,
+                &dir.path().join(LOG),
             ),
             port,
             client,
@@ -165,10 +185,11 @@ impl Server {
     /// is ready.
     pub async fn restart(&mut self) {
         let config = self.config.to_str().unwrap();
-        self.proc = spawn(
+        self.proc = spawn_logged(
             self.bin,
             &["serve", "--config", config],
-            Some(self.rust_log),
+            self.rust_log,
+            &self._dir.path().join(LOG),
         );
         wait_ready(&self.client, self.port).await;
     }
@@ -215,6 +236,14 @@ impl Server {
             .await
             .unwrap();
         (r.status().as_u16(), r.json().await.unwrap())
+    }
+
+    /// The last `bytes` of what the process printed (every run of it, restarts included), for
+    /// an assertion's message.
+    pub fn log_tail(&self, bytes: usize) -> String {
+        let text = std::fs::read(self._dir.path().join(LOG)).unwrap_or_default();
+        let from = text.len().saturating_sub(bytes);
+        String::from_utf8_lossy(&text[from..]).into_owned()
     }
 
     /// The node's `data_dir` (its SQLite store, when it runs on one).

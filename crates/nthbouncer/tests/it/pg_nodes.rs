@@ -51,12 +51,13 @@ async fn webhook_receiver() -> (std::net::SocketAddr, Received) {
     (addr, received)
 }
 
-/// A call on `pool`'s host with `key`; its status (0 if the node did not answer).
+/// A call on `pool`'s host with `key`; its status (0 if the node did not answer within 5 s).
 async fn pool_status(node: &Server, pool: &str, key: &str) -> u16 {
     node.client
         .get(node.url("/hello"))
         .header("host", format!("{pool}.localhost"))
         .header("x-nthpool-key", key)
+        .timeout(Duration::from_secs(5))
         .send()
         .await
         .map_or(0, |r| r.status().as_u16())
@@ -97,7 +98,7 @@ async fn three_nodes_on_postgres_run_every_job_once_through_a_kill_and_share_adm
             .pool_max_idle_per_host(32)
             .build()
             .unwrap();
-        nodes.push(Server::start(BIN, "warn", client, &format!("{server}{pools}")).await);
+        nodes.push(Server::start(BIN, "info", client, &format!("{server}{pools}")).await);
     }
 
     // A pool and a key made through node A's admin API serve on node C, without a restart;
@@ -126,8 +127,11 @@ async fn three_nodes_on_postgres_run_every_job_once_through_a_kill_and_share_adm
     .await;
     assert!(
         served,
-        "the pool made on node A never served on node C (last answer {})",
-        last.into_inner()
+        "the pool made on node A never served on node C (last answer {})\n\
+         node A's log:\n{}\nnode C's log:\n{}",
+        last.into_inner(),
+        nodes[0].log_tail(8_000),
+        nodes[2].log_tail(8_000)
     );
     let (status, revoked) = admin(
         &nodes[2],
