@@ -267,6 +267,71 @@ async fn a_killed_nodes_slots_come_back_to_the_other_nodes_waiters() {
     origin.release(1);
 }
 
+/// A node `kill -9`ed while its callers wait in the pool's queue, with a lease term (60 s) longer
+/// than the other callers will wait (30 s): the slot granted to the dead node's first waiter
+/// (the node still counts as alive for up to 5 s) is leased only until collected, so it comes
+/// back within the node timeout, and the other nodes' waiters are served in their turn (before:
+/// it stayed leased for the whole term and they timed out with 504).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_nodes_queued_waiters_hold_no_slot_for_a_lease_term() {
+    let _serial = SERIAL.lock().await;
+    let space = Space::new();
+    let origin = Upstream::start().await;
+    let pools = pool_toml(
+        "w",
+        &origin.url(),
+        "limit = 1\nlease_term_ms = 60000\nqueue_timeout_ms = 30000\nadaptive = false",
+    );
+    let mut nodes = nodes(3, &space.server_toml(&redis_url(), ""), &pools).await;
+
+    let holder = nodes[1].pool_get("w", "/hold");
+    let holder = tokio::spawn(async move { holder.send().await.map(|r| r.status().as_u16()) });
+    let held = wait_until(1000, Duration::from_millis(10), async || {
+        origin.in_flight() == 1
+    })
+    .await;
+    assert!(held, "node B never held the slot");
+
+    let mut dying = JoinSet::new();
+    let mut waiters = JoinSet::new();
+    for i in 0..4u64 {
+        let node = if i < 2 { 0 } else { 2 };
+        let req = nodes[node]
+            .pool_get("w", "/")
+            .header("x-seq", i.to_string());
+        let send = async move { req.send().await.map(|r| r.status().as_u16()) };
+        if i < 2 {
+            dying.spawn(send);
+        } else {
+            waiters.spawn(send);
+        }
+        wait_queued(&nodes[1], "w", i + 1).await;
+    }
+
+    nodes[0].kill_9();
+    origin.release(1);
+    assert_eq!(holder.await.unwrap().unwrap(), 200);
+    while let Some(s) = dying.join_next().await {
+        assert!(
+            s.unwrap().is_err(),
+            "node A's waiters lost their connections"
+        );
+    }
+    while let Some(s) = waiters.join_next().await {
+        assert_eq!(
+            s.unwrap().unwrap(),
+            200,
+            "node C's waiter was served, not left behind a slot granted to the dead node"
+        );
+    }
+    assert_eq!(
+        origin.arrivals(),
+        ["2", "3"],
+        "only node C's waiters, in order"
+    );
+    assert_eq!(origin.max_in_flight(), 1);
+}
+
 /// A `redis-server` of the test's own on a free loopback port, which the test kills (`kill -9`)
 /// mid-load and starts again on the same port: Redis going away and coming back without any
 /// node restarting. Never the machine's shared Redis, which other tests use.

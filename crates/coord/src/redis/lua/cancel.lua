@@ -10,13 +10,11 @@ if meta then
   local h = headers()
   return { 'cancelled', h[1], h[2], h[3] }
 end
-local g = redis.call('HGET', K_GRANTS, m)
+local g = collect_grant(m)
 if not g then
   local h = headers()
   return { 'gone', h[1], h[2], h[3] }
 end
-redis.call('HDEL', K_GRANTS, m)
-redis.call('ZREM', K_DEADLINES, m)
 if not release then return { 'granted', g } end
 local slot = string.match(g, '^(%x+):')
 if slot then free(slot) end

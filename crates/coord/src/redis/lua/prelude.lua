@@ -260,20 +260,39 @@ local function dispatch()
       local alive = tonumber(redis.call('ZSCORE', K_NODES, wnode))
       if slot and alive and alive >= now then
         local g = admit(slot, lease_ms, hold_grace or 0)
-        local grant = slot .. ':' .. fmt(g[1]) .. ':' .. fmt(g[2]) .. ':' .. fmt(g[3]) .. ':'
-          .. fmt(g[4]) .. ':' .. fmt(g[5])
+        local rest = ':' .. fmt(g[2]) .. ':' .. fmt(g[3]) .. ':' .. fmt(g[4]) .. ':' .. fmt(g[5])
         if collect_own and wnode == node then
           table.insert(own_grants, m)
-          table.insert(own_grants, grant)
+          table.insert(own_grants, slot .. ':' .. fmt(g[1]) .. rest)
         else
-          redis.call('HSET', K_GRANTS, m, grant)
+          -- Until its node collects it (within a poll: the node is woken, and polls while it
+          -- has waiters), the slot is leased for at most `node_ttl`, after which a silent node
+          -- counts as dead: a grant to a node that died with waiters queued comes back within
+          -- that, not a lease term later. Collecting extends the lease (`collect_grant`).
+          local uncollected = math.min(g[1], now + node_ttl)
+          redis.call('ZADD', K_LEASES, uncollected, slot)
+          redis.call('HSET', K_GRANTS, m, slot .. ':' .. fmt(uncollected) .. rest .. '|' .. fmt(g[1]))
           -- An uncollected grant is forgotten with its lease (the slot itself expires then too).
-          redis.call('ZADD', K_DEADLINES, g[1], m)
+          redis.call('ZADD', K_DEADLINES, uncollected, m)
           woken[wnode] = true
         end
       end
     end
   end
+end
+
+-- Takes the grant recorded for ticket `m` (nil if none): its slot's lease becomes the one
+-- `admit` gave (`dispatch` leased it only until collected). A grant still recorded has its
+-- slot still leased: the two expire together, and `settle` reclaims both at once.
+local function collect_grant(m)
+  local g = redis.call('HGET', K_GRANTS, m)
+  if not g then return nil end
+  redis.call('HDEL', K_GRANTS, m)
+  redis.call('ZREM', K_DEADLINES, m)
+  local slot, rest, leased = string.match(g, '^(%x+):%d+(:[^|]*)|(%d+)$')
+  if not slot then return g end
+  redis.call('ZADD', K_LEASES, 'XX', leased, slot)
+  return slot .. ':' .. leased .. rest
 end
 
 -- Reclaims expired leases, forgets stale tickets, admits whoever can go. `full` (the periodic

@@ -7,10 +7,8 @@ collect_own = true
 settle(true)
 local out = { now, next_wakeup() }
 for i = 13, #ARGV do
-  local g = redis.call('HGET', K_GRANTS, ARGV[i])
+  local g = collect_grant(ARGV[i])
   if g then
-    redis.call('HDEL', K_GRANTS, ARGV[i])
-    redis.call('ZREM', K_DEADLINES, ARGV[i])
     table.insert(out, ARGV[i])
     table.insert(out, g)
   end
