@@ -91,8 +91,12 @@ pub struct ScaleArgs {
     /// Appends the pid of every server started, one a line.
     #[arg(long)]
     pid_file: Option<PathBuf>,
-    /// Skip the scenarios whose names are given (gate, h1-idle, proxy-h1, proxy-h2, lock-h1,
-    /// lock-h2, pools), comma-separated.
+    /// nginx's binary: adds its row for the same idle keep-alive connections as `h1-idle`, the
+    /// peer of nthbouncer's per-connection memory (skip it as `nginx-idle`).
+    #[arg(long)]
+    nginx: Option<PathBuf>,
+    /// Skip the scenarios whose names are given (gate, h1-idle, nginx-idle, proxy-h1, proxy-h2,
+    /// lock-h1, lock-h2, pools), comma-separated.
     #[arg(long, value_delimiter = ',')]
     skip: Vec<String>,
 }
@@ -138,6 +142,8 @@ fn open_files_limit() -> Option<u64> {
         .parse()
         .ok()
 }
+
+mod nginx;
 
 // --- HTTP ---------------------------------------------------------------------------------------
 
@@ -502,6 +508,42 @@ impl Failures {
     }
 }
 
+/// Opens `n` HTTP/1.1 connections to `addr` (at most `concurrency` being opened at once), sends
+/// `req` once on each (it must answer 200) and returns them, idle and kept alive.
+async fn open_idle_connections(
+    addr: SocketAddr,
+    n: usize,
+    concurrency: usize,
+    req: Req<'static>,
+) -> Result<Vec<Conn>, BoxError> {
+    let req = Arc::new(req);
+    let sem = Arc::new(Semaphore::new(concurrency.max(1)));
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    for _ in 0..n {
+        let permit = sem.clone().acquire_owned().await?;
+        let (tx, req) = (tx.clone(), req.clone());
+        tokio::spawn(async move {
+            let r = async {
+                let conn = Conn::H1(Arc::new(tokio::sync::Mutex::new(h1_connect(addr).await?)));
+                let (status, _) = conn.send(&req).await?;
+                if status != StatusCode::OK {
+                    return Err::<Conn, BoxError>(format!("{}: {status}", req.path).into());
+                }
+                Ok(conn)
+            }
+            .await;
+            drop(permit);
+            let _ = tx.send(r);
+        });
+    }
+    drop(tx);
+    let mut kept = Vec::with_capacity(n);
+    while let Some(r) = rx.recv().await {
+        kept.push(r?);
+    }
+    Ok(kept)
+}
+
 // --- scenarios ------------------------------------------------------------------------------------
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -612,39 +654,15 @@ async fn run_waiters(
     let parking = Instant::now();
     match (waiter, transport) {
         (Waiter::IdleConnection, _) => {
-            let sem = Arc::new(Semaphore::new(args.connect_concurrency.max(1)));
-            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-            for _ in 0..n {
-                let permit = sem.clone().acquire_owned().await?;
-                let addr = server.addr;
-                let tx = tx.clone();
-                tokio::spawn(async move {
-                    let r = async {
-                        let conn =
-                            Conn::H1(Arc::new(tokio::sync::Mutex::new(h1_connect(addr).await?)));
-                        let healthz = Req {
-                            method: Method::GET,
-                            host: API_HOST,
-                            path: "/healthz",
-                            key: None,
-                            bearer: None,
-                            body: Bytes::new(),
-                        };
-                        let (status, _) = conn.send(&healthz).await?;
-                        if status != StatusCode::OK {
-                            return Err::<Conn, BoxError>(format!("/healthz: {status}").into());
-                        }
-                        Ok(conn)
-                    }
-                    .await;
-                    drop(permit);
-                    let _ = tx.send(r);
-                });
-            }
-            drop(tx);
-            while let Some(r) = rx.recv().await {
-                kept.push(r?);
-            }
+            let healthz = Req {
+                method: Method::GET,
+                host: API_HOST,
+                path: "/healthz",
+                key: None,
+                bearer: None,
+                body: Bytes::new(),
+            };
+            kept = open_idle_connections(server.addr, n, args.connect_concurrency, healthz).await?;
         }
         (_, Transport::H1) => {
             let sem = Arc::new(Semaphore::new(args.connect_concurrency.max(1)));
@@ -1005,6 +1023,12 @@ pub async fn run(args: ScaleArgs) -> Result<(), BoxError> {
         }
         eprintln!("== scale: {name}, {} waiters", count(n as f64));
         rows.push(waiter_scenario(&args, upstream, name, waiter, transport).await?);
+        if let (Some(nginx), "h1-idle", false) = (&args.nginx, name, skip("nginx-idle")) {
+            eprintln!("== scale: nginx-idle, {} connections", count(n as f64));
+            let settle = Duration::from_millis(args.settle_ms);
+            let row = nginx::idle_row(nginx, &args.dir, n, args.connect_concurrency, settle);
+            rows.push(row.await?);
+        }
     }
     let pools = if skip("pools") {
         None
@@ -1127,6 +1151,19 @@ fn report(args: &ScaleArgs, rows: &[Row], pools: Option<&PoolsResult>) -> String
             best.what,
             best.transport,
             mark(worst.per_waiter() < GOAL_WAITER_BYTES)
+        ));
+    }
+    let idle_conn = |prefix: &str| rows.iter().find(|r| r.what.starts_with(prefix));
+    if let (Some(ours), Some(peer)) = (
+        idle_conn("none: idle keep-alive"),
+        idle_conn("nginx (1 worker)"),
+    ) {
+        out.push_str(&format!(
+            "per idle HTTP/1.1 keep-alive connection: nthbouncer {} bytes, nginx {} bytes \
+             (nthbouncer/nginx {:.2})\n",
+            count(ours.per_waiter()),
+            count(peer.per_waiter()),
+            ours.per_waiter() / peer.per_waiter().max(1.0)
         ));
     }
     if let Some(p) = pools {
