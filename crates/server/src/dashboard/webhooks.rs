@@ -15,7 +15,7 @@ use serde::Deserialize;
 
 use super::form::Problems;
 use super::pages::{self, esc, time, url_segment, Flash};
-use super::{html, DashRef, Dashboard};
+use super::{html, Answer, DashRef, Dashboard};
 use crate::core::error::ApiError;
 use crate::core::extract::Path;
 use crate::core::pagination;
@@ -48,11 +48,8 @@ pub async fn page(
     headers: HeaderMap,
     Path(name): Path<String>,
     Query(q): Query<Params>,
-) -> Response {
-    let (open, pool) = match d.open_pool(&headers, &name) {
-        Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
+) -> Answer {
+    let (open, pool) = d.open_pool(&headers, &name)?;
     let flash = match q.done.as_deref() {
         Some("enabled") => Flash::Done("Destination re-enabled.".into()),
         Some("disabled") => Flash::Done("Destination deactivated.".into()),
@@ -63,15 +60,8 @@ pub async fn page(
         flash,
         ..Extra::default()
     };
-    respond(
-        &d,
-        &pool,
-        &open.csrf,
-        q.cursor.as_deref(),
-        StatusCode::OK,
-        extra,
-    )
-    .await
+    let cursor = q.cursor.as_deref();
+    Ok(respond(&d, &pool, &open.csrf, cursor, StatusCode::OK, extra).await)
 }
 
 async fn respond(
@@ -263,11 +253,8 @@ pub async fn create(
     headers: HeaderMap,
     Path(name): Path<String>,
     body: Bytes,
-) -> Response {
-    let (open, form, pool) = match d.post_pool(&headers, &body, &name) {
-        Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
+) -> Answer {
+    let (open, form, pool) = d.post_pool(&headers, &body, &name)?;
     let after = form.optional("deactivate_after");
     let parsed = match after.as_deref().map(str::parse::<u32>).transpose() {
         Ok(n) => Ok(n),
@@ -284,7 +271,7 @@ pub async fn create(
         }
         Err(e) => Err(e),
     };
-    match made {
+    Ok(match made {
         Ok(dest) => {
             let pool = d.pools.get(&pool.name).unwrap_or(pool);
             let extra = Extra {
@@ -301,7 +288,7 @@ pub async fn create(
             };
             respond(&d, &pool, &open.csrf, None, e.status, extra).await
         }
-    }
+    })
 }
 
 /// `POST /dashboard/pools/{pool}/webhooks/{id}/active`: `active=true` re-enables (and clears
@@ -311,17 +298,15 @@ pub async fn set_active(
     headers: HeaderMap,
     Path((name, id)): Path<(String, String)>,
     body: Bytes,
-) -> Response {
-    let (open, form, pool) = match d.post_pool(&headers, &body, &name) {
-        Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
+) -> Answer {
+    let (open, form, pool) = d.post_pool(&headers, &body, &name)?;
     let active = form.text("active") == "true";
     let change = DestinationChange {
         active: Some(active),
         ..DestinationChange::default()
     };
-    match d.pools.change_destination(&pool.name, &id, change).await {
+    let changed = d.pools.change_destination(&pool.name, &id, change).await;
+    Ok(match changed {
         Ok(_) => Redirect::to(&format!(
             "/dashboard/pools/{}/webhooks?done={}",
             url_segment(&pool.name),
@@ -329,7 +314,7 @@ pub async fn set_active(
         ))
         .into_response(),
         Err(e) => failed(&d, &pool, &open.csrf, e).await,
-    }
+    })
 }
 
 /// `POST /dashboard/pools/{pool}/webhooks/{id}/rotate`: a new secret (shown once); the
@@ -339,16 +324,10 @@ pub async fn rotate(
     headers: HeaderMap,
     Path((name, id)): Path<(String, String)>,
     body: Bytes,
-) -> Response {
-    let (open, _, pool) = match d.post_pool(&headers, &body, &name) {
-        Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
-    match d
-        .pools
-        .rotate_destination_secret(&pool.name, &id, None)
-        .await
-    {
+) -> Answer {
+    let (open, _, pool) = d.post_pool(&headers, &body, &name)?;
+    let rotated = d.pools.rotate_destination_secret(&pool.name, &id, None);
+    Ok(match rotated.await {
         Ok(rotated) => {
             let pool = d.pools.get(&pool.name).unwrap_or(pool);
             let until = rotated
@@ -363,7 +342,7 @@ pub async fn rotate(
             respond(&d, &pool, &open.csrf, None, StatusCode::OK, extra).await
         }
         Err(e) => failed(&d, &pool, &open.csrf, e).await,
-    }
+    })
 }
 
 /// `POST /dashboard/pools/{pool}/jobs/{job}/redeliver`: a new delivery round; back to the
@@ -373,13 +352,10 @@ pub async fn redeliver(
     headers: HeaderMap,
     Path((name, job)): Path<(String, String)>,
     body: Bytes,
-) -> Response {
-    let (open, form, pool) = match d.post_pool(&headers, &body, &name) {
-        Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
+) -> Answer {
+    let (open, form, pool) = d.post_pool(&headers, &body, &name)?;
     let pool_path = format!("/dashboard/pools/{}", url_segment(&pool.name));
-    match d.pools.redeliver(&pool.name, &job).await {
+    Ok(match d.pools.redeliver(&pool.name, &job).await {
         Ok(_) if form.text("back") == "webhooks" => {
             Redirect::to(&format!("{pool_path}/webhooks?done=redelivered")).into_response()
         }
@@ -389,7 +365,7 @@ pub async fn redeliver(
         ))
         .into_response(),
         Err(e) => failed(&d, &pool, &open.csrf, e).await,
-    }
+    })
 }
 
 /// The Webhooks page with a refusal's message.
