@@ -94,11 +94,8 @@ pub async fn handle(
         &state.http,
         &pool.access,
         client,
-        &parts.method,
-        &parts.uri,
-        &parts.headers,
+        &parts,
         body_state,
-        crate::tls::PeerTls::of_request(&parts.extensions),
         log.at,
     ))
     .await;

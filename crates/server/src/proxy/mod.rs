@@ -217,18 +217,7 @@ async fn authorize(
     } else {
         access::BodyState::Streamed
     };
-    access::authorize(
-        &state.client,
-        &pool.access,
-        client,
-        &parts.method,
-        &parts.uri,
-        &parts.headers,
-        body_state,
-        crate::tls::PeerTls::of_request(&parts.extensions),
-        now,
-    )
-    .await
+    access::authorize(&state.client, &pool.access, client, parts, body_state, now).await
 }
 
 /// Why a signed body was refused.
