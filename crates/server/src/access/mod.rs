@@ -432,18 +432,17 @@ pub fn refuse(
     key_id: Option<&str>,
     failure: Failure,
 ) -> Response {
-    count_refusal(metrics, failure);
-    let e = failure.error();
-    log.write_auth_refusal(key_id, &failure.reason(), e.status);
-    e.into_response()
+    log.write_auth_refusal(key_id, &failure.reason(), failure.error().status);
+    refuse_unlogged(metrics, failure)
 }
 
-/// Counts a refusal in the pool's metrics.
-pub fn count_refusal(metrics: &PoolMetrics, failure: Failure) {
+/// Counts a refusal in the pool's metrics and answers it, writing no access-log row.
+pub fn refuse_unlogged(metrics: &PoolMetrics, failure: Failure) -> Response {
     match failure {
         Failure::Throttled { .. } => metrics.refused_429.increment(1),
         _ => metrics.unauthorized.increment(1),
     }
+    failure.error().into_response()
 }
 
 #[cfg(test)]

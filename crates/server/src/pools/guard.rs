@@ -123,10 +123,7 @@ pub async fn require(
     let caller = match checked {
         Ok(authorized) => authorized.caller,
         Err(failure) if logged => return access::refuse(&pool.metrics, log, None, failure),
-        Err(failure) => {
-            access::count_refusal(&pool.metrics, failure);
-            return failure.error().into_response();
-        }
+        Err(failure) => return access::refuse_unlogged(&pool.metrics, failure),
     };
     let mut req = Request::from_parts(parts, body);
     req.extensions_mut().insert(PoolCaller { pool, caller });
