@@ -122,6 +122,12 @@ pub async fn json_of(r: reqwest::Response) -> Value {
     r.json().await.unwrap()
 }
 
+/// The id of a job accepted from `r` (202 asserted).
+pub async fn accepted_id(r: reqwest::Response) -> String {
+    assert_eq!(r.status(), 202);
+    json_of(r).await["jobId"].as_str().unwrap().to_string()
+}
+
 /// Sends a request: its status and JSON body (`Null` when the body is empty or not JSON).
 pub async fn call(rb: reqwest::RequestBuilder) -> (u16, Value) {
     let r = send(rb).await;

@@ -688,22 +688,12 @@ fn first_destination(page: &str) -> String {
 async fn webhooks_and_jobs_pages_show_deliveries_results_and_act_on_them() {
     let up = Upstream::start().await;
     let hook = nthbouncer_testkit::access::Recorder::start().await;
-    let toml = format!(
-        "[server]\nallow_private_webhooks = true\n{}[pools.async]\nenabled = true\n{}",
-        pool_toml("p", &up.url(), ""),
-        webhook_toml(&format!("{}/hook", hook.url())),
-    );
-    let gw = gateway(&toml).await;
+    let pool = pool_toml("p", &up.url(), "");
+    let gw = gateway(&async_pool_toml(&pool, "", &format!("{}/hook", hook.url()))).await;
     let d = Dash::signed_in(&gw).await;
 
-    let r = gw
-        .pool("p", Method::POST, "/echo")
-        .header("x-nthpool-key", KEY)
-        .header("x-nthpool-async", "1")
-        .body("{\"prompt\":\"hi\"}");
-    let (status, accepted) = call(r).await;
-    assert_eq!(status, 202, "{accepted}");
-    let job = accepted["jobId"].as_str().unwrap().to_string();
+    let r = gw.post_async("p", "/echo").body("{\"prompt\":\"hi\"}");
+    let job = accepted_id(send(r).await).await;
     eventually("the job's delivery attempt", async || {
         let page = gw.admin_json("/admin/pools/p/deliveries").await;
         (!page["items"].as_array()?.is_empty()).then_some(())
