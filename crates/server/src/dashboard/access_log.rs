@@ -4,7 +4,7 @@
 use std::fmt::Write;
 
 use axum::extract::{Query, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use nthbouncer_store::{AccessLogEntry, AccessLogQuery};
 use serde::Deserialize;
 
@@ -21,15 +21,10 @@ const PAGE: u32 = 50;
 
 #[derive(Deserialize, Default)]
 pub struct Filters {
-    #[serde(default)]
     outcome: Option<String>,
-    #[serde(default)]
     key_id: Option<String>,
-    #[serde(default)]
     since: Option<String>,
-    #[serde(default)]
     until: Option<String>,
-    #[serde(default)]
     cursor: Option<String>,
 }
 
@@ -57,14 +52,8 @@ pub async fn page(
     Query(f): Query<Filters>,
 ) -> Answer {
     let (open, pool) = d.open_pool(&headers, &name)?;
-    let (status, problems, rows) = match read(&d, &pool, &f).await {
-        Ok(rows) => (StatusCode::OK, Problems::default(), rows),
-        Err(e) => (
-            e.status,
-            Problems::from_error(&e, &["since", "until"]),
-            (Vec::new(), None),
-        ),
-    };
+    let (status, problems, rows) =
+        Problems::of_read(read(&d, &pool, &f).await, &["since", "until"]);
     let mut body = filters(&pool, &f, &problems);
     body.push_str(&table(&pool, &f, &rows));
     let page = pool_html(status, &pool, "/access-log", &open, Flash::None, &body);

@@ -25,9 +25,7 @@ const PAGE: u32 = 50;
 
 #[derive(Deserialize, Default)]
 pub struct Params {
-    #[serde(default)]
     status: Option<String>,
-    #[serde(default)]
     cursor: Option<String>,
 }
 
@@ -40,14 +38,8 @@ pub async fn list(
 ) -> Answer {
     let (open, pool) = d.open_pool(&headers, &name)?;
     let wanted = q.status.as_deref().filter(|s| !s.is_empty());
-    let (status, problems, page) = match read(&d, &pool, wanted, q.cursor.as_deref()).await {
-        Ok(page) => (StatusCode::OK, Problems::default(), page),
-        Err(e) => (
-            e.status,
-            Problems::from_error(&e, &["status"]),
-            (Vec::new(), None),
-        ),
-    };
+    let read = read(&d, &pool, wanted, q.cursor.as_deref()).await;
+    let (status, problems, page) = Problems::of_read(read, &["status"]);
     let body = render(&d, &pool, wanted.unwrap_or(""), &problems, &page);
     let page = pool_html(status, &pool, "/jobs", &open, Flash::None, &body);
     Ok(page)
@@ -141,7 +133,6 @@ fn render(
 
 #[derive(Deserialize, Default)]
 pub struct JobParams {
-    #[serde(default)]
     redelivered: Option<String>,
 }
 

@@ -21,7 +21,6 @@ use crate::pools::registry::PoolRuntime;
 
 #[derive(Deserialize, Default)]
 pub struct Done {
-    #[serde(default)]
     revoked: Option<String>,
 }
 

@@ -90,7 +90,6 @@ pub async fn create(State(d): DashRef, headers: HeaderMap, body: Bytes) -> Answe
 
 #[derive(Deserialize, Default)]
 pub struct Saved {
-    #[serde(default)]
     saved: Option<String>,
 }
 

@@ -15,7 +15,7 @@ use serde::Deserialize;
 
 use super::form::Problems;
 use super::pages::{self, esc, time, url_segment, Flash};
-use super::{html, Answer, DashRef, Dashboard};
+use super::{html, pool_html, session::Open, Answer, DashRef, Dashboard};
 use crate::core::error::ApiError;
 use crate::core::extract::Path;
 use crate::core::pagination;
@@ -27,9 +27,7 @@ const PAGE: u32 = 50;
 
 #[derive(Deserialize, Default)]
 pub struct Params {
-    #[serde(default)]
     cursor: Option<String>,
-    #[serde(default)]
     done: Option<String>,
 }
 
@@ -61,13 +59,13 @@ pub async fn page(
         ..Extra::default()
     };
     let cursor = q.cursor.as_deref();
-    Ok(respond(&d, &pool, &open.csrf, cursor, StatusCode::OK, extra).await)
+    Ok(respond(&d, &pool, &open, cursor, StatusCode::OK, extra).await)
 }
 
 async fn respond(
     d: &Dashboard,
     pool: &PoolRuntime,
-    csrf: &str,
+    open: &Open,
     cursor: Option<&str>,
     status: StatusCode,
     extra: Extra,
@@ -88,13 +86,10 @@ async fn respond(
             esc(secret)
         );
     }
-    body.push_str(&destinations(pool, csrf));
-    body.push_str(&add_form(pool, csrf, &extra.url, &extra.problems));
-    body.push_str(&attempt_table(pool, csrf, &attempts));
-    html(
-        status,
-        pages::pool_page(&pool.name, "/webhooks", csrf, &extra.flash, &body),
-    )
+    body.push_str(&destinations(pool, &open.csrf));
+    body.push_str(&add_form(pool, &open.csrf, &extra.url, &extra.problems));
+    body.push_str(&attempt_table(pool, &open.csrf, &attempts));
+    pool_html(status, pool, "/webhooks", open, extra.flash, &body)
 }
 
 async fn attempts(
@@ -256,20 +251,13 @@ pub async fn create(
 ) -> Answer {
     let (open, form, pool) = d.post_pool(&headers, &body, &name)?;
     let after = form.optional("deactivate_after");
-    let parsed = match after.as_deref().map(str::parse::<u32>).transpose() {
-        Ok(n) => Ok(n),
+    let url = form.text("url").to_string();
+    let made = match after.as_deref().map(str::parse::<u32>).transpose() {
+        Ok(n) => d.pools.create_destination(&pool.name, url, None, n).await,
         Err(_) => Err(ApiError::invalid(
             "deactivateAfter",
             "deactivateAfter must be a whole number of at least 1",
         )),
-    };
-    let made = match parsed {
-        Ok(n) => {
-            d.pools
-                .create_destination(&pool.name, form.text("url").to_string(), None, n)
-                .await
-        }
-        Err(e) => Err(e),
     };
     Ok(match made {
         Ok(dest) => {
@@ -278,7 +266,7 @@ pub async fn create(
                 secret: Some((dest.id, dest.secret)),
                 ..Extra::default()
             };
-            respond(&d, &pool, &open.csrf, None, StatusCode::CREATED, extra).await
+            respond(&d, &pool, &open, None, StatusCode::CREATED, extra).await
         }
         Err(e) => {
             let extra = Extra {
@@ -286,7 +274,7 @@ pub async fn create(
                 problems: Problems::from_error(&e, &["url", "deactivate_after"]),
                 ..Extra::default()
             };
-            respond(&d, &pool, &open.csrf, None, e.status, extra).await
+            respond(&d, &pool, &open, None, e.status, extra).await
         }
     })
 }
@@ -313,7 +301,7 @@ pub async fn set_active(
             if active { "enabled" } else { "disabled" }
         ))
         .into_response(),
-        Err(e) => failed(&d, &pool, &open.csrf, e).await,
+        Err(e) => failed(&d, &pool, &open, e).await,
     })
 }
 
@@ -339,9 +327,9 @@ pub async fn rotate(
                 flash: Flash::Done(format!("Secret rotated.{until}")),
                 ..Extra::default()
             };
-            respond(&d, &pool, &open.csrf, None, StatusCode::OK, extra).await
+            respond(&d, &pool, &open, None, StatusCode::OK, extra).await
         }
-        Err(e) => failed(&d, &pool, &open.csrf, e).await,
+        Err(e) => failed(&d, &pool, &open, e).await,
     })
 }
 
@@ -364,15 +352,15 @@ pub async fn redeliver(
             url_segment(&job)
         ))
         .into_response(),
-        Err(e) => failed(&d, &pool, &open.csrf, e).await,
+        Err(e) => failed(&d, &pool, &open, e).await,
     })
 }
 
 /// The Webhooks page with a refusal's message.
-async fn failed(d: &Dashboard, pool: &PoolRuntime, csrf: &str, e: ApiError) -> Response {
+async fn failed(d: &Dashboard, pool: &PoolRuntime, open: &Open, e: ApiError) -> Response {
     let extra = Extra {
         flash: Flash::Failed(e.message.to_string()),
         ..Extra::default()
     };
-    respond(d, pool, csrf, None, e.status, extra).await
+    respond(d, pool, open, None, e.status, extra).await
 }
