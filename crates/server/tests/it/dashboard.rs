@@ -404,8 +404,7 @@ fn csrf_of(page: &str) -> String {
 
 /// The `id` of the item of a list answer whose `field` is `value`.
 fn id_where(list: &Value, field: &str, value: &str) -> String {
-    let items = list["items"].as_array().unwrap();
-    let item = items.iter().find(|i| i[field] == value).unwrap();
+    let item = item_where(list, field, value);
     item["id"].as_str().unwrap().to_string()
 }
 
@@ -880,13 +879,7 @@ async fn the_access_log_page_filters_and_pages() {
 async fn live_row(d: &Dash<'_>, name: &str) -> Value {
     let (status, live) = call(d.get("/dashboard/api/pools")).await;
     assert_eq!(status, 200);
-    live["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["name"] == name)
-        .cloned()
-        .unwrap()
+    item_where(&live, "name", name)
 }
 
 #[tokio::test]
