@@ -125,6 +125,13 @@ impl Gateway {
         self.get(pool, path).header("x-nthpool-async", "1")
     }
 
+    /// A POST through pool `pool` with the test key that asks to run as an async job.
+    pub fn post_async(&self, pool: &str, path: &str) -> reqwest::RequestBuilder {
+        self.pool(pool, reqwest::Method::POST, path)
+            .header("x-nthpool-key", KEY)
+            .header("x-nthpool-async", "1")
+    }
+
     /// A job's poll: `GET /pools/{pool}/jobs/{job}` on the API host with the test key.
     pub fn poll_job(&self, pool: &str, job: &str) -> reqwest::RequestBuilder {
         self.api_anon(reqwest::Method::GET, &format!("/pools/{pool}/jobs/{job}"))

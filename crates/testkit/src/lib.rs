@@ -21,7 +21,8 @@ pub mod wait;
 
 pub use gateway::{clocked, clocked_at, gateway, gateway_with, Gateway};
 pub use loopback::{
-    call, expect_error, header, json_of, ok, read_body, send, serve_http, spawn_send,
+    accepted_id, call, expect_error, header, item_where, json_of, ok, read_body, send, serve_http,
+    spawn_send,
 };
 pub use upstream::{Seen, Upstream};
 pub use wait::{bounded, eventually, poll, until, wait_until};
@@ -89,6 +90,18 @@ pub fn lock_pool_toml(name: &str, concurrency: &str) -> String {
 /// A `[[pools.webhooks]]` destination at `url`, signed with [`WEBHOOK_SECRET`].
 pub fn webhook_toml(url: &str) -> String {
     format!("[[pools.webhooks]]\nurl = \"{url}\"\nsecret = \"{WEBHOOK_SECRET}\"\n")
+}
+
+/// Where an async pool's destination points when no test listens: nothing answers there.
+pub const NO_WEBHOOK: &str = "http://127.0.0.1:9/hook";
+
+/// `pool` (a `[[pools]]` entry) with async jobs on (`async_extra`: more `[pools.async]` lines)
+/// and one destination at `webhook`, on a gateway that may deliver to private addresses.
+pub fn async_pool_toml(pool: &str, async_extra: &str, webhook: &str) -> String {
+    format!(
+        "[server]\nallow_private_webhooks = true\n{pool}[pools.async]\nenabled = true\n{async_extra}\n{}",
+        webhook_toml(webhook)
+    )
 }
 
 /// An HTTP client that keeps no idle connections, so the server sees every request as a new

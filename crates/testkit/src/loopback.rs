@@ -122,6 +122,21 @@ pub async fn json_of(r: reqwest::Response) -> Value {
     r.json().await.unwrap()
 }
 
+/// The id of a job accepted from `r` (202 asserted).
+pub async fn accepted_id(r: reqwest::Response) -> String {
+    assert_eq!(r.status(), 202);
+    json_of(r).await["jobId"].as_str().unwrap().to_string()
+}
+
+/// The item of a list answer (`{"items": […]}`) whose `field` is `value`; none fails the test.
+pub fn item_where(list: &Value, field: &str, value: &str) -> Value {
+    let items = list["items"].as_array().unwrap();
+    let found = items.iter().find(|i| i[field] == value);
+    found
+        .unwrap_or_else(|| panic!("no item with {field} {value}: {list}"))
+        .clone()
+}
+
 /// Sends a request: its status and JSON body (`Null` when the body is empty or not JSON).
 pub async fn call(rb: reqwest::RequestBuilder) -> (u16, Value) {
     let r = send(rb).await;

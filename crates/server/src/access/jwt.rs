@@ -482,46 +482,31 @@ mod tests {
         assert!(raw_header(&format!("{}.x.y", enc("[1]"))).is_none());
     }
 
+    /// The config key a `JwtPolicy::build` of `algorithm` with `jwks` and `keys` refuses.
+    fn refused_key(algorithm: &str, jwks: Option<&str>, keys: &[&str]) -> String {
+        let keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+        let built = JwtPolicy::build(
+            "jwt",
+            "i".into(),
+            "a".into(),
+            &[algorithm.into()],
+            60,
+            jwks,
+            &keys,
+        );
+        built.err().unwrap().key
+    }
+
     #[test]
     fn hmac_algorithms_and_bad_keys_are_refused_at_build() {
-        let e = JwtPolicy::build(
-            "jwt",
-            "i".into(),
-            "a".into(),
-            &["HS256".into()],
-            60,
-            Some("https://x/jwks"),
-            &[],
-        )
-        .err()
-        .unwrap();
-        assert_eq!(e.key, "jwt.algorithms[0]");
-        let e = JwtPolicy::build(
-            "jwt",
-            "i".into(),
-            "a".into(),
-            &["RS256".into()],
-            60,
-            None,
-            &["-----BEGIN PUBLIC KEY-----\nnope\n-----END PUBLIC KEY-----".into()],
-        )
-        .err()
-        .unwrap();
-        assert_eq!(e.key, "jwt.public_keys[0]");
+        let key = refused_key("HS256", Some("https://x/jwks"), &[]);
+        assert_eq!(key, "jwt.algorithms[0]");
+        let pem = "-----BEGIN PUBLIC KEY-----\nnope\n-----END PUBLIC KEY-----";
+        assert_eq!(refused_key("RS256", None, &[pem]), "jwt.public_keys[0]");
         let oct = r#"{"kty":"oct","k":"c2VjcmV0LXNlY3JldC1zZWNyZXQ","kid":"h"}"#;
-        let e = JwtPolicy::build(
-            "jwt",
-            "i".into(),
-            "a".into(),
-            &["RS256".into()],
-            60,
-            None,
-            &[oct.into()],
-        )
-        .err()
-        .unwrap();
         assert_eq!(
-            e.key, "jwt.public_keys[0]",
+            refused_key("RS256", None, &[oct]),
+            "jwt.public_keys[0]",
             "a symmetric JWK is never a public key"
         );
     }

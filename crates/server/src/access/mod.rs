@@ -320,19 +320,17 @@ pub struct Authorized {
     pub pending: Option<Pending>,
 }
 
-/// Checks a request against the pool key and the pool's access policies at `now` (epoch ms).
-#[allow(clippy::too_many_arguments)]
+/// Checks a request (its head `parts`, from `client`) against the pool key and the pool's
+/// access policies at `now` (epoch ms).
 pub async fn authorize(
     http: &SharedClient,
     policy: &AccessPolicy,
     client: IpAddr,
-    method: &Method,
-    uri: &Uri,
-    headers: &HeaderMap,
+    parts: &http::request::Parts,
     body: BodyState<'_>,
-    tls: Option<&PeerTls>,
     now: u64,
 ) -> Result<Authorized, Failure> {
+    let tls = PeerTls::of_request(&parts.extensions);
     if !policy.ip_allow.is_empty() && !policy.ip_allow.iter().any(|n| n.contains(&client)) {
         return Err(Failure::IpNotAllowed);
     }
@@ -354,6 +352,7 @@ pub async fn authorize(
         }
         None => None,
     };
+    let (method, uri, headers) = (&parts.method, &parts.uri, &parts.headers);
     let result = credentials(http, policy, method, uri, headers, body, now)
         .await
         .map(|mut a| {
@@ -433,18 +432,17 @@ pub fn refuse(
     key_id: Option<&str>,
     failure: Failure,
 ) -> Response {
-    count_refusal(metrics, failure);
-    let e = failure.error();
-    log.write_auth_refusal(key_id, &failure.reason(), e.status);
-    e.into_response()
+    log.write_auth_refusal(key_id, &failure.reason(), failure.error().status);
+    refuse_unlogged(metrics, failure)
 }
 
-/// Counts a refusal in the pool's metrics.
-pub fn count_refusal(metrics: &PoolMetrics, failure: Failure) {
+/// Counts a refusal in the pool's metrics and answers it, writing no access-log row.
+pub fn refuse_unlogged(metrics: &PoolMetrics, failure: Failure) -> Response {
     match failure {
         Failure::Throttled { .. } => metrics.refused_429.increment(1),
         _ => metrics.unauthorized.increment(1),
     }
+    failure.error().into_response()
 }
 
 #[cfg(test)]

@@ -9,6 +9,8 @@ use http::header::{
 use http::{HeaderMap, Method, StatusCode, Uri};
 use nthbouncer_config::CacheSpec;
 
+use crate::core::extract::content_length;
+
 /// Why a request does not use the cache at all.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BypassReason {
@@ -228,16 +230,6 @@ pub fn vary_matches(recorded: &[(HeaderName, Vec<u8>)], request: &HeaderMap) -> 
     recorded
         .iter()
         .all(|(name, value)| joined(request, name) == *value)
-}
-
-pub fn content_length(headers: &HeaderMap) -> Option<u64> {
-    headers
-        .get(http::header::CONTENT_LENGTH)?
-        .to_str()
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
 }
 
 /// The `Cache-Control` directives the cache reads; malformed values are ignored.

@@ -4,14 +4,13 @@
 use std::fmt::Write;
 
 use axum::extract::{Query, State};
-use axum::http::{HeaderMap, StatusCode};
-use axum::response::Response;
+use axum::http::HeaderMap;
 use nthbouncer_store::{AccessLogEntry, AccessLogQuery};
 use serde::Deserialize;
 
 use super::form::Problems;
 use super::pages::{self, esc, time, url_segment, Flash};
-use super::{html, DashRef, Dashboard};
+use super::{pool_html, Answer, DashRef, Dashboard};
 use crate::core::error::ApiError;
 use crate::core::extract::{epoch_ms, Path};
 use crate::core::pagination;
@@ -22,15 +21,10 @@ const PAGE: u32 = 50;
 
 #[derive(Deserialize, Default)]
 pub struct Filters {
-    #[serde(default)]
     outcome: Option<String>,
-    #[serde(default)]
     key_id: Option<String>,
-    #[serde(default)]
     since: Option<String>,
-    #[serde(default)]
     until: Option<String>,
-    #[serde(default)]
     cursor: Option<String>,
 }
 
@@ -56,25 +50,14 @@ pub async fn page(
     headers: HeaderMap,
     Path(name): Path<String>,
     Query(f): Query<Filters>,
-) -> Response {
-    let (open, pool) = match d.open_pool(&headers, &name) {
-        Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
-    let (status, problems, rows) = match read(&d, &pool, &f).await {
-        Ok(rows) => (StatusCode::OK, Problems::default(), rows),
-        Err(e) => (
-            e.status,
-            Problems::from_error(&e, &["since", "until"]),
-            (Vec::new(), None),
-        ),
-    };
+) -> Answer {
+    let (open, pool) = d.open_pool(&headers, &name)?;
+    let (status, problems, rows) =
+        Problems::of_read(read(&d, &pool, &f).await, &["since", "until"]);
     let mut body = filters(&pool, &f, &problems);
     body.push_str(&table(&pool, &f, &rows));
-    html(
-        status,
-        pages::pool_page(&pool.name, "/access-log", &open.csrf, &Flash::None, &body),
-    )
+    let page = pool_html(status, &pool, "/access-log", &open, Flash::None, &body);
+    Ok(page)
 }
 
 async fn read(

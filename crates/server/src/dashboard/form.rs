@@ -52,6 +52,18 @@ impl Problems {
             .map(|(_, m)| m.as_str())
     }
 
+    /// A page's rows as read, or none and the read's refusal put next to `fields`: the
+    /// status, the problems and the rows a filtered page shows.
+    pub fn of_read<T: Default>(
+        read: Result<T, ApiError>,
+        fields: &[&str],
+    ) -> (http::StatusCode, Problems, T) {
+        match read {
+            Ok(rows) => (http::StatusCode::OK, Problems::default(), rows),
+            Err(e) => (e.status, Problems::from_error(&e, fields), T::default()),
+        }
+    }
+
     /// A refusal, its message put next to the form field it names: the API's field (say
     /// `concurrency.limit` or `deactivateAfter`) is matched to one of `fields` by its last
     /// segment, ignoring case and `_`; a refusal without such a field is the form's.

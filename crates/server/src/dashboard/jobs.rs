@@ -6,7 +6,6 @@ use std::fmt::Write;
 
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::Response;
 use base64::prelude::*;
 use nthbouncer_store::jobs::status;
 use nthbouncer_store::StoredJob;
@@ -14,7 +13,7 @@ use serde::Deserialize;
 
 use super::form::Problems;
 use super::pages::{self, esc, time, url_segment, Flash};
-use super::{html, DashRef, Dashboard};
+use super::{html, pool_html, Answer, DashRef, Dashboard};
 use crate::core::error::ApiError;
 use crate::core::extract::Path;
 use crate::core::pagination;
@@ -26,9 +25,7 @@ const PAGE: u32 = 50;
 
 #[derive(Deserialize, Default)]
 pub struct Params {
-    #[serde(default)]
     status: Option<String>,
-    #[serde(default)]
     cursor: Option<String>,
 }
 
@@ -38,25 +35,14 @@ pub async fn list(
     headers: HeaderMap,
     Path(name): Path<String>,
     Query(q): Query<Params>,
-) -> Response {
-    let (open, pool) = match d.open_pool(&headers, &name) {
-        Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
+) -> Answer {
+    let (open, pool) = d.open_pool(&headers, &name)?;
     let wanted = q.status.as_deref().filter(|s| !s.is_empty());
-    let (status, problems, page) = match read(&d, &pool, wanted, q.cursor.as_deref()).await {
-        Ok(page) => (StatusCode::OK, Problems::default(), page),
-        Err(e) => (
-            e.status,
-            Problems::from_error(&e, &["status"]),
-            (Vec::new(), None),
-        ),
-    };
+    let read = read(&d, &pool, wanted, q.cursor.as_deref()).await;
+    let (status, problems, page) = Problems::of_read(read, &["status"]);
     let body = render(&d, &pool, wanted.unwrap_or(""), &problems, &page);
-    html(
-        status,
-        pages::pool_page(&pool.name, "/jobs", &open.csrf, &Flash::None, &body),
-    )
+    let page = pool_html(status, &pool, "/jobs", &open, Flash::None, &body);
+    Ok(page)
 }
 
 async fn read(
@@ -147,7 +133,6 @@ fn render(
 
 #[derive(Deserialize, Default)]
 pub struct JobParams {
-    #[serde(default)]
     redelivered: Option<String>,
 }
 
@@ -157,24 +142,18 @@ pub async fn one(
     headers: HeaderMap,
     Path((name, job_id)): Path<(String, String)>,
     Query(q): Query<JobParams>,
-) -> Response {
-    let (open, pool) = match d.open_pool(&headers, &name) {
-        Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
-    match job_body(&d, &pool, &job_id, &open.csrf).await {
+) -> Answer {
+    let (open, pool) = d.open_pool(&headers, &name)?;
+    Ok(match job_body(&d, &pool, &job_id, &open.csrf).await {
         Ok(body) => {
             let flash = match q.redelivered {
                 Some(_) => Flash::Done("Redelivery queued.".into()),
                 None => Flash::None,
             };
-            html(
-                StatusCode::OK,
-                pages::pool_page(&pool.name, "/jobs", &open.csrf, &flash, &body),
-            )
+            pool_html(StatusCode::OK, &pool, "/jobs", &open, flash, &body)
         }
         Err(e) => html(e.status, pages::failure("Job", &e.message)),
-    }
+    })
 }
 
 async fn job_body(

@@ -7,13 +7,13 @@ use std::fmt::Write;
 
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Redirect, Response};
+use axum::response::{IntoResponse, Redirect};
 use bytes::Bytes;
 use serde::Deserialize;
 
 use super::form::Problems;
 use super::pages::{self, esc, time, url_segment, Flash};
-use super::{html, DashRef};
+use super::{pool_html, Answer, DashRef};
 use crate::core::extract::Path;
 use crate::core::ManagedBy;
 use crate::pools::actions::MadeKey;
@@ -21,7 +21,6 @@ use crate::pools::registry::PoolRuntime;
 
 #[derive(Deserialize, Default)]
 pub struct Done {
-    #[serde(default)]
     revoked: Option<String>,
 }
 
@@ -31,20 +30,15 @@ pub async fn page(
     headers: HeaderMap,
     Path(name): Path<String>,
     Query(q): Query<Done>,
-) -> Response {
-    let (open, pool) = match d.open_pool(&headers, &name) {
-        Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
+) -> Answer {
+    let (open, pool) = d.open_pool(&headers, &name)?;
     let flash = match q.revoked {
         Some(id) => Flash::Done(format!("Key {id} revoked.")),
         None => Flash::None,
     };
     let body = render(&pool, &open.csrf, None, "", &Problems::default());
-    html(
-        StatusCode::OK,
-        pages::pool_page(&pool.name, "/keys", &open.csrf, &flash, &body),
-    )
+    let page = pool_html(StatusCode::OK, &pool, "/keys", &open, flash, &body);
+    Ok(page)
 }
 
 /// `POST /dashboard/pools/{pool}/keys`: makes a key (`label` optional) and shows it once.
@@ -53,31 +47,29 @@ pub async fn create(
     headers: HeaderMap,
     Path(name): Path<String>,
     body: Bytes,
-) -> Response {
-    let (open, form, pool) = match d.post_pool(&headers, &body, &name) {
-        Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
+) -> Answer {
+    let (open, form, pool) = d.post_pool(&headers, &body, &name)?;
     let label = form.optional("label");
-    match d.pools.create_key(&pool.name, label, None).await {
+    Ok(match d.pools.create_key(&pool.name, label, None).await {
         Ok(made) => {
             // Read again: the index now holds the new key.
             let pool = d.pools.get(&pool.name).unwrap_or(pool);
             let body = render(&pool, &open.csrf, Some(&made), "", &Problems::default());
-            html(
+            pool_html(
                 StatusCode::CREATED,
-                pages::pool_page(&pool.name, "/keys", &open.csrf, &Flash::None, &body),
+                &pool,
+                "/keys",
+                &open,
+                Flash::None,
+                &body,
             )
         }
         Err(e) => {
             let problems = Problems::from_error(&e, &["label"]);
             let body = render(&pool, &open.csrf, None, form.text("label"), &problems);
-            html(
-                e.status,
-                pages::pool_page(&pool.name, "/keys", &open.csrf, &Flash::None, &body),
-            )
+            pool_html(e.status, &pool, "/keys", &open, Flash::None, &body)
         }
-    }
+    })
 }
 
 /// `POST /dashboard/pools/{pool}/keys/{id}/revoke`.
@@ -86,12 +78,9 @@ pub async fn revoke(
     headers: HeaderMap,
     Path((name, id)): Path<(String, String)>,
     body: Bytes,
-) -> Response {
-    let (open, _, pool) = match d.post_pool(&headers, &body, &name) {
-        Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
-    match d.pools.revoke_key(&pool.name, &id).await {
+) -> Answer {
+    let (open, _, pool) = d.post_pool(&headers, &body, &name)?;
+    Ok(match d.pools.revoke_key(&pool.name, &id).await {
         Ok(()) => Redirect::to(&format!(
             "/dashboard/pools/{}/keys?revoked={}",
             url_segment(&pool.name),
@@ -100,18 +89,10 @@ pub async fn revoke(
         .into_response(),
         Err(e) => {
             let body = render(&pool, &open.csrf, None, "", &Problems::default());
-            html(
-                e.status,
-                pages::pool_page(
-                    &pool.name,
-                    "/keys",
-                    &open.csrf,
-                    &Flash::Failed(e.message.to_string()),
-                    &body,
-                ),
-            )
+            let flash = Flash::Failed(e.message.to_string());
+            pool_html(e.status, &pool, "/keys", &open, flash, &body)
         }
-    }
+    })
 }
 
 fn render(

@@ -60,6 +60,40 @@ pub struct Dashboard {
 
 type DashRef = State<Arc<Dashboard>>;
 
+/// An answer given before a handler's own work: the login redirect, the 403 page or the "No
+/// such pool" page. Boxed: it is the `Err` of every page's checks, and large.
+pub struct Early(Box<Response>);
+
+impl From<Response> for Early {
+    fn from(answer: Response) -> Self {
+        Early(Box::new(answer))
+    }
+}
+
+impl IntoResponse for Early {
+    fn into_response(self) -> Response {
+        *self.0
+    }
+}
+
+/// What a page handler answers: its page, or the [`Early`] answer of its checks.
+type Answer = Result<Response, Early>;
+
+/// `body` as tab `tab` of `pool`'s pages, for the session `open`.
+fn pool_html(
+    status: StatusCode,
+    pool: &PoolRuntime,
+    tab: &str,
+    open: &Open,
+    flash: pages::Flash,
+    body: &str,
+) -> Response {
+    html(
+        status,
+        pages::pool_page(&pool.name, tab, &open.csrf, &flash, body),
+    )
+}
+
 impl Dashboard {
     pub fn new(
         pools: Arc<Pools>,
@@ -93,28 +127,28 @@ impl Dashboard {
     }
 
     /// The request's live session, or the redirect to the login form.
-    fn open(&self, headers: &HeaderMap) -> Result<Open, Box<Response>> {
+    fn open(&self, headers: &HeaderMap) -> Result<Open, Early> {
         self.session(headers)
             .map(|(_, open)| open)
-            .ok_or_else(|| Box::new(Redirect::to(LOGIN_PATH).into_response()))
+            .ok_or_else(|| Early::from(Redirect::to(LOGIN_PATH).into_response()))
     }
 
     /// A POST's session and form: refused unless the session is live and the form's `csrf`
     /// field is its token.
-    fn post(&self, headers: &HeaderMap, body: &Bytes) -> Result<(Open, Form), Box<Response>> {
+    fn post(&self, headers: &HeaderMap, body: &Bytes) -> Result<(Open, Form), Early> {
         let open = self.open(headers)?;
         let form = Form::parse(body);
         if !open.csrf_matches(form.text("csrf")) {
-            return Err(Box::new(html(StatusCode::FORBIDDEN, pages::forbidden())));
+            return Err(html(StatusCode::FORBIDDEN, pages::forbidden()).into());
         }
         Ok((open, form))
     }
 
     /// The pool named `name`, or the "No such pool" page.
-    fn pool(&self, name: &str) -> Result<Arc<PoolRuntime>, Box<Response>> {
+    fn pool(&self, name: &str) -> Result<Arc<PoolRuntime>, Early> {
         self.pools
             .get(name)
-            .ok_or_else(|| Box::new(html(StatusCode::NOT_FOUND, pages::no_such_pool())))
+            .ok_or_else(|| html(StatusCode::NOT_FOUND, pages::no_such_pool()).into())
     }
 
     /// A page of the pool named `name`: the session (else the login form), then the pool (else
@@ -123,7 +157,7 @@ impl Dashboard {
         &self,
         headers: &HeaderMap,
         name: &str,
-    ) -> Result<(Open, Arc<PoolRuntime>), Box<Response>> {
+    ) -> Result<(Open, Arc<PoolRuntime>), Early> {
         let open = self.open(headers)?;
         Ok((open, self.pool(name)?))
     }
@@ -134,7 +168,7 @@ impl Dashboard {
         headers: &HeaderMap,
         body: &Bytes,
         name: &str,
-    ) -> Result<(Open, Form, Arc<PoolRuntime>), Box<Response>> {
+    ) -> Result<(Open, Form, Arc<PoolRuntime>), Early> {
         let (open, form) = self.post(headers, body)?;
         Ok((open, form, self.pool(name)?))
     }
@@ -336,14 +370,11 @@ async fn row_of(pool: &PoolRuntime) -> PoolRow {
 }
 
 /// `GET /dashboard`: the pool list, or the login page for a browser with no session.
-async fn overview(State(d): DashRef, headers: HeaderMap) -> Response {
-    let Some((_, open)) = d.session(&headers) else {
-        return Redirect::to(LOGIN_PATH).into_response();
-    };
-    html(
-        StatusCode::OK,
-        pages::overview(&rows(&d).await, &open.csrf, &pages::NewPoolForm::default()),
-    )
+async fn overview(State(d): DashRef, headers: HeaderMap) -> Answer {
+    let open = d.open(&headers)?;
+    let new_pool = pages::NewPoolForm::default();
+    let page = pages::overview(&rows(&d).await, &open.csrf, &new_pool);
+    Ok(html(StatusCode::OK, page))
 }
 
 /// `GET /dashboard/pools/{pool}`: the pool's Overview with its Examples.
@@ -351,11 +382,8 @@ async fn pool_overview(
     State(d): DashRef,
     headers: HeaderMap,
     crate::core::extract::Path(name): crate::core::extract::Path<String>,
-) -> Response {
-    let (open, pool) = match d.open_pool(&headers, &name) {
-        Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
+) -> Answer {
+    let (open, pool) = d.open_pool(&headers, &name)?;
     let live = d.live.load();
     let examples = examples::for_pool(&pool, &live);
     let chart = chart::figure(&pool.history.last(d.clock.now_ms()));
@@ -364,10 +392,8 @@ async fn pool_overview(
         .then_some(
             "The async call needs [pools.async] enabled = true and an active webhook destination.",
         );
-    html(
-        StatusCode::OK,
-        pages::pool(&pool.name, &chart, note, &examples, &open.csrf),
-    )
+    let page = pages::pool(&pool.name, &chart, note, &examples, &open.csrf);
+    Ok(html(StatusCode::OK, page))
 }
 
 /// `GET /dashboard/api/pools/{pool}/history`: the admin route's answer, for the session.

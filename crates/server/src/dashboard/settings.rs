@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Redirect, Response};
+use axum::response::{IntoResponse, Redirect};
 use bytes::Bytes;
 use nthbouncer_config::PoolSpec;
 use serde::Deserialize;
@@ -16,7 +16,7 @@ use serde_json::{json, Map, Value};
 
 use super::form::{Form, Problems};
 use super::pages::{self, Flash, NewPoolForm};
-use super::{html, row_of, rows, DashRef, Dashboard};
+use super::{html, pool_html, row_of, rows, Answer, DashRef, Dashboard};
 use crate::core::error::ApiError;
 use crate::core::extract::{parse_json, Path};
 use crate::core::ManagedBy;
@@ -54,11 +54,8 @@ fn number(raw: &str) -> Value {
 }
 
 /// `POST /dashboard/pools`: creates a pool from the form's name, kind, upstream and limit.
-pub async fn create(State(d): DashRef, headers: HeaderMap, body: Bytes) -> Response {
-    let (open, form) = match d.post(&headers, &body) {
-        Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
+pub async fn create(State(d): DashRef, headers: HeaderMap, body: Bytes) -> Answer {
+    let (open, form) = d.post(&headers, &body)?;
     let body = json!({
         "name": form.text("name"),
         "kind": form.text("kind"),
@@ -69,7 +66,7 @@ pub async fn create(State(d): DashRef, headers: HeaderMap, body: Bytes) -> Respo
         Ok(spec) => d.pools.create_pool(spec).await,
         Err(e) => Err(e),
     };
-    match created {
+    Ok(match created {
         Ok(pool) => Redirect::to(&format!(
             "/dashboard/pools/{}",
             pages::url_segment(&pool.name)
@@ -88,12 +85,11 @@ pub async fn create(State(d): DashRef, headers: HeaderMap, body: Bytes) -> Respo
                 pages::overview(&rows(&d).await, &open.csrf, &typed),
             )
         }
-    }
+    })
 }
 
 #[derive(Deserialize, Default)]
 pub struct Saved {
-    #[serde(default)]
     saved: Option<String>,
 }
 
@@ -103,21 +99,16 @@ pub async fn page(
     headers: HeaderMap,
     Path(name): Path<String>,
     Query(q): Query<Saved>,
-) -> Response {
-    let (open, pool) = match d.open_pool(&headers, &name) {
-        Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
+) -> Answer {
+    let (open, pool) = d.open_pool(&headers, &name)?;
     let flash = match q.saved {
         Some(_) => Flash::Done("Saved: the new settings apply now.".into()),
         None => Flash::None,
     };
     let values = current(&pool);
     let body = render(&pool, &open.csrf, &values, &Problems::default()).await;
-    html(
-        StatusCode::OK,
-        pages::pool_page(&pool.name, "/concurrency", &open.csrf, &flash, &body),
-    )
+    let page = pool_html(StatusCode::OK, &pool, "/concurrency", &open, flash, &body);
+    Ok(page)
 }
 
 /// `POST /dashboard/pools/{pool}/concurrency`: applies the form through `Pools::update_pool`.
@@ -126,12 +117,9 @@ pub async fn save(
     headers: HeaderMap,
     Path(name): Path<String>,
     body: Bytes,
-) -> Response {
-    let (open, form, pool) = match d.post_pool(&headers, &body, &name) {
-        Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
-    match apply(&d, &pool, &form).await {
+) -> Answer {
+    let (open, form, pool) = d.post_pool(&headers, &body, &name)?;
+    Ok(match apply(&d, &pool, &form).await {
         Ok(()) => Redirect::to(&format!(
             "/dashboard/pools/{}/concurrency?saved=1",
             pages::url_segment(&pool.name)
@@ -143,12 +131,9 @@ pub async fn save(
             let problems = Problems::from_error(&e, &fields);
             let values = typed(&form);
             let body = render(&pool, &open.csrf, &values, &problems).await;
-            html(
-                e.status,
-                pages::pool_page(&pool.name, "/concurrency", &open.csrf, &Flash::None, &body),
-            )
+            pool_html(e.status, &pool, "/concurrency", &open, Flash::None, &body)
         }
-    }
+    })
 }
 
 /// The pool's body as the admin API's GET shows it, its concurrency replaced by the form's,

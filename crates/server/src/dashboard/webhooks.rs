@@ -15,7 +15,7 @@ use serde::Deserialize;
 
 use super::form::Problems;
 use super::pages::{self, esc, time, url_segment, Flash};
-use super::{html, DashRef, Dashboard};
+use super::{html, pool_html, session::Open, Answer, DashRef, Dashboard};
 use crate::core::error::ApiError;
 use crate::core::extract::Path;
 use crate::core::pagination;
@@ -27,9 +27,7 @@ const PAGE: u32 = 50;
 
 #[derive(Deserialize, Default)]
 pub struct Params {
-    #[serde(default)]
     cursor: Option<String>,
-    #[serde(default)]
     done: Option<String>,
 }
 
@@ -48,11 +46,8 @@ pub async fn page(
     headers: HeaderMap,
     Path(name): Path<String>,
     Query(q): Query<Params>,
-) -> Response {
-    let (open, pool) = match d.open_pool(&headers, &name) {
-        Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
+) -> Answer {
+    let (open, pool) = d.open_pool(&headers, &name)?;
     let flash = match q.done.as_deref() {
         Some("enabled") => Flash::Done("Destination re-enabled.".into()),
         Some("disabled") => Flash::Done("Destination deactivated.".into()),
@@ -63,21 +58,14 @@ pub async fn page(
         flash,
         ..Extra::default()
     };
-    respond(
-        &d,
-        &pool,
-        &open.csrf,
-        q.cursor.as_deref(),
-        StatusCode::OK,
-        extra,
-    )
-    .await
+    let cursor = q.cursor.as_deref();
+    Ok(respond(&d, &pool, &open, cursor, StatusCode::OK, extra).await)
 }
 
 async fn respond(
     d: &Dashboard,
     pool: &PoolRuntime,
-    csrf: &str,
+    open: &Open,
     cursor: Option<&str>,
     status: StatusCode,
     extra: Extra,
@@ -98,13 +86,10 @@ async fn respond(
             esc(secret)
         );
     }
-    body.push_str(&destinations(pool, csrf));
-    body.push_str(&add_form(pool, csrf, &extra.url, &extra.problems));
-    body.push_str(&attempt_table(pool, csrf, &attempts));
-    html(
-        status,
-        pages::pool_page(&pool.name, "/webhooks", csrf, &extra.flash, &body),
-    )
+    body.push_str(&destinations(pool, &open.csrf));
+    body.push_str(&add_form(pool, &open.csrf, &extra.url, &extra.problems));
+    body.push_str(&attempt_table(pool, &open.csrf, &attempts));
+    pool_html(status, pool, "/webhooks", open, extra.flash, &body)
 }
 
 async fn attempts(
@@ -263,35 +248,25 @@ pub async fn create(
     headers: HeaderMap,
     Path(name): Path<String>,
     body: Bytes,
-) -> Response {
-    let (open, form, pool) = match d.post_pool(&headers, &body, &name) {
-        Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
+) -> Answer {
+    let (open, form, pool) = d.post_pool(&headers, &body, &name)?;
     let after = form.optional("deactivate_after");
-    let parsed = match after.as_deref().map(str::parse::<u32>).transpose() {
-        Ok(n) => Ok(n),
+    let url = form.text("url").to_string();
+    let made = match after.as_deref().map(str::parse::<u32>).transpose() {
+        Ok(n) => d.pools.create_destination(&pool.name, url, None, n).await,
         Err(_) => Err(ApiError::invalid(
             "deactivateAfter",
             "deactivateAfter must be a whole number of at least 1",
         )),
     };
-    let made = match parsed {
-        Ok(n) => {
-            d.pools
-                .create_destination(&pool.name, form.text("url").to_string(), None, n)
-                .await
-        }
-        Err(e) => Err(e),
-    };
-    match made {
+    Ok(match made {
         Ok(dest) => {
             let pool = d.pools.get(&pool.name).unwrap_or(pool);
             let extra = Extra {
                 secret: Some((dest.id, dest.secret)),
                 ..Extra::default()
             };
-            respond(&d, &pool, &open.csrf, None, StatusCode::CREATED, extra).await
+            respond(&d, &pool, &open, None, StatusCode::CREATED, extra).await
         }
         Err(e) => {
             let extra = Extra {
@@ -299,9 +274,9 @@ pub async fn create(
                 problems: Problems::from_error(&e, &["url", "deactivate_after"]),
                 ..Extra::default()
             };
-            respond(&d, &pool, &open.csrf, None, e.status, extra).await
+            respond(&d, &pool, &open, None, e.status, extra).await
         }
-    }
+    })
 }
 
 /// `POST /dashboard/pools/{pool}/webhooks/{id}/active`: `active=true` re-enables (and clears
@@ -311,25 +286,23 @@ pub async fn set_active(
     headers: HeaderMap,
     Path((name, id)): Path<(String, String)>,
     body: Bytes,
-) -> Response {
-    let (open, form, pool) = match d.post_pool(&headers, &body, &name) {
-        Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
+) -> Answer {
+    let (open, form, pool) = d.post_pool(&headers, &body, &name)?;
     let active = form.text("active") == "true";
     let change = DestinationChange {
         active: Some(active),
         ..DestinationChange::default()
     };
-    match d.pools.change_destination(&pool.name, &id, change).await {
+    let changed = d.pools.change_destination(&pool.name, &id, change).await;
+    Ok(match changed {
         Ok(_) => Redirect::to(&format!(
             "/dashboard/pools/{}/webhooks?done={}",
             url_segment(&pool.name),
             if active { "enabled" } else { "disabled" }
         ))
         .into_response(),
-        Err(e) => failed(&d, &pool, &open.csrf, e).await,
-    }
+        Err(e) => failed(&d, &pool, &open, e).await,
+    })
 }
 
 /// `POST /dashboard/pools/{pool}/webhooks/{id}/rotate`: a new secret (shown once); the
@@ -339,16 +312,10 @@ pub async fn rotate(
     headers: HeaderMap,
     Path((name, id)): Path<(String, String)>,
     body: Bytes,
-) -> Response {
-    let (open, _, pool) = match d.post_pool(&headers, &body, &name) {
-        Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
-    match d
-        .pools
-        .rotate_destination_secret(&pool.name, &id, None)
-        .await
-    {
+) -> Answer {
+    let (open, _, pool) = d.post_pool(&headers, &body, &name)?;
+    let rotated = d.pools.rotate_destination_secret(&pool.name, &id, None);
+    Ok(match rotated.await {
         Ok(rotated) => {
             let pool = d.pools.get(&pool.name).unwrap_or(pool);
             let until = rotated
@@ -360,10 +327,10 @@ pub async fn rotate(
                 flash: Flash::Done(format!("Secret rotated.{until}")),
                 ..Extra::default()
             };
-            respond(&d, &pool, &open.csrf, None, StatusCode::OK, extra).await
+            respond(&d, &pool, &open, None, StatusCode::OK, extra).await
         }
-        Err(e) => failed(&d, &pool, &open.csrf, e).await,
-    }
+        Err(e) => failed(&d, &pool, &open, e).await,
+    })
 }
 
 /// `POST /dashboard/pools/{pool}/jobs/{job}/redeliver`: a new delivery round; back to the
@@ -373,13 +340,10 @@ pub async fn redeliver(
     headers: HeaderMap,
     Path((name, job)): Path<(String, String)>,
     body: Bytes,
-) -> Response {
-    let (open, form, pool) = match d.post_pool(&headers, &body, &name) {
-        Ok(ok) => ok,
-        Err(answer) => return *answer,
-    };
+) -> Answer {
+    let (open, form, pool) = d.post_pool(&headers, &body, &name)?;
     let pool_path = format!("/dashboard/pools/{}", url_segment(&pool.name));
-    match d.pools.redeliver(&pool.name, &job).await {
+    Ok(match d.pools.redeliver(&pool.name, &job).await {
         Ok(_) if form.text("back") == "webhooks" => {
             Redirect::to(&format!("{pool_path}/webhooks?done=redelivered")).into_response()
         }
@@ -388,15 +352,15 @@ pub async fn redeliver(
             url_segment(&job)
         ))
         .into_response(),
-        Err(e) => failed(&d, &pool, &open.csrf, e).await,
-    }
+        Err(e) => failed(&d, &pool, &open, e).await,
+    })
 }
 
 /// The Webhooks page with a refusal's message.
-async fn failed(d: &Dashboard, pool: &PoolRuntime, csrf: &str, e: ApiError) -> Response {
+async fn failed(d: &Dashboard, pool: &PoolRuntime, open: &Open, e: ApiError) -> Response {
     let extra = Extra {
         flash: Flash::Failed(e.message.to_string()),
         ..Extra::default()
     };
-    respond(d, pool, csrf, None, e.status, extra).await
+    respond(d, pool, open, None, e.status, extra).await
 }

@@ -94,11 +94,8 @@ pub async fn handle(
         &state.http,
         &pool.access,
         client,
-        &parts.method,
-        &parts.uri,
-        &parts.headers,
+        &parts,
         body_state,
-        crate::tls::PeerTls::of_request(&parts.extensions),
         log.at,
     ))
     .await;
@@ -114,10 +111,7 @@ pub async fn handle(
             Ok(_) => crate::jobs::routes::poll_job(&state.jobs, &pool, &job_id, &parts.method)
                 .await
                 .unwrap_or_else(IntoResponse::into_response),
-            Err(failure) => {
-                access::count_refusal(&pool.metrics, failure);
-                failure.error().into_response()
-            }
+            Err(failure) => access::refuse_unlogged(&pool.metrics, failure),
         },
     }
 }

@@ -115,21 +115,15 @@ pub async fn require(
         &guard.http,
         &pool.access,
         client,
-        &parts.method,
-        &parts.uri,
-        &parts.headers,
+        &parts,
         body_state,
-        crate::tls::PeerTls::of_request(&parts.extensions),
         log.at,
     ))
     .await;
     let caller = match checked {
         Ok(authorized) => authorized.caller,
         Err(failure) if logged => return access::refuse(&pool.metrics, log, None, failure),
-        Err(failure) => {
-            access::count_refusal(&pool.metrics, failure);
-            return failure.error().into_response();
-        }
+        Err(failure) => return access::refuse_unlogged(&pool.metrics, failure),
     };
     let mut req = Request::from_parts(parts, body);
     req.extensions_mut().insert(PoolCaller { pool, caller });

@@ -32,6 +32,7 @@ use crate::cache;
 use crate::core::access_log::{AccessLog, LogLine, LogOutcome, UpstreamSeen};
 use crate::core::admission::{self, Plan};
 use crate::core::error::{ApiError, ErrorCode};
+use crate::core::extract::content_length;
 use crate::core::peer::Peer;
 use crate::core::request_id::RequestId;
 use crate::jobs::Jobs;
@@ -217,18 +218,7 @@ async fn authorize(
     } else {
         access::BodyState::Streamed
     };
-    access::authorize(
-        &state.client,
-        &pool.access,
-        client,
-        &parts.method,
-        &parts.uri,
-        &parts.headers,
-        body_state,
-        crate::tls::PeerTls::of_request(&parts.extensions),
-        now,
-    )
-    .await
+    access::authorize(&state.client, &pool.access, client, parts, body_state, now).await
 }
 
 /// Why a signed body was refused.
@@ -519,16 +509,6 @@ fn upstream_failure(
         upstream,
     );
     e.into_response()
-}
-
-fn content_length(headers: &HeaderMap) -> Option<u64> {
-    headers
-        .get(http::header::CONTENT_LENGTH)?
-        .to_str()
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
 }
 
 /// The access log's route of a proxied request: `proxy METHOD PATH`.

@@ -840,10 +840,7 @@ impl ClockExt for ManualClock {
 #[tokio::test]
 async fn hmac_signed_async_jobs_verify_the_body() {
     let up = Recorder::start().await;
-    let toml = format!(
-        "[server]\nallow_private_webhooks = true\n{}[pools.async]\nenabled = true\n[[pools.webhooks]]\nurl = \"http://127.0.0.1:9/hook\"\nsecret = \"{WEBHOOK_SECRET}\"\n",
-        hmac_pool(&up.url())
-    );
+    let toml = async_pool_toml(&hmac_pool(&up.url()), "", NO_WEBHOOK);
     let (gw, clock) = start(&toml).await;
     let now = clock.now_s();
     let body = br#"{"job":"real"}"#;

@@ -337,12 +337,8 @@ async fn purge_by_path_prefix_through_the_admin_api() {
 #[tokio::test]
 async fn async_requests_bypass_the_cache() {
     let up = Upstream::start().await;
-    let toml = format!(
-        "[server]\nallow_private_webhooks = true\n{}[pools.async]\nenabled = true\n{}",
-        cache_pool("p", &up.url(), "", ""),
-        webhook_toml("http://127.0.0.1:9/hook"),
-    );
-    let gw = gateway(&toml).await;
+    let pool = cache_pool("p", &up.url(), "", "");
+    let gw = gateway(&async_pool_toml(&pool, "", NO_WEBHOOK)).await;
     assert_eq!(fetch(gw.get("p", "/respond")).await.1, "miss");
     assert_eq!(fetch(gw.get("p", "/respond")).await.1, "hit");
     let (status, mark, _, _) = fetch(gw.get_async("p", "/respond")).await;

@@ -76,9 +76,33 @@ fn browser() -> reqwest::Client {
 struct Dash<'a> {
     gw: &'a Gateway,
     http: reqwest::Client,
+    /// The signed-in session's `name=value` cookie pair and CSRF token (empty before).
+    cookie: String,
+    csrf: String,
 }
 
-impl Dash<'_> {
+impl<'a> Dash<'a> {
+    /// A browser that has not signed in.
+    fn new(gw: &'a Gateway) -> Self {
+        let (cookie, csrf) = (String::new(), String::new());
+        let http = browser();
+        Dash {
+            gw,
+            http,
+            cookie,
+            csrf,
+        }
+    }
+
+    /// A browser that logged in and read its session's CSRF token.
+    async fn signed_in(gw: &'a Gateway) -> Self {
+        let mut d = Dash::new(gw);
+        d.cookie = d.login().await.0;
+        let (_, page) = d.page("/dashboard").await;
+        d.csrf = csrf_of(&page);
+        d
+    }
+
     fn req(&self, method: Method, path: &str, cookie: Option<&str>) -> reqwest::RequestBuilder {
         let rb = self
             .http
@@ -88,6 +112,11 @@ impl Dash<'_> {
             Some(c) => rb.header(h::COOKIE, c),
             None => rb,
         }
+    }
+
+    /// A GET with the session's cookie.
+    fn get(&self, path: &str) -> reqwest::RequestBuilder {
+        self.req(Method::GET, path, Some(&self.cookie))
     }
 
     async fn post_form(&self, path: &str, cookie: Option<&str>, form: &str) -> reqwest::Response {
@@ -121,10 +150,7 @@ async fn login_session_csrf_and_logout() {
     let up = Upstream::start().await;
     let gw =
         gateway(&(pool_toml("alpha", &up.url(), "") + &pool_toml("beta", &up.url(), ""))).await;
-    let d = Dash {
-        gw: &gw,
-        http: browser(),
-    };
+    let d = Dash::new(&gw);
 
     // No session: the dashboard sends the browser to the login form.
     let r = send(d.req(Method::GET, "/dashboard", None)).await;
@@ -176,12 +202,7 @@ async fn login_session_csrf_and_logout() {
     expect_error(r, 401, "unauthorized").await;
 
     // Logout needs the session's CSRF token.
-    let csrf = page
-        .split("name=\"csrf\" value=\"")
-        .nth(1)
-        .and_then(|rest| rest.split('"').next())
-        .unwrap()
-        .to_string();
+    let csrf = csrf_of(&page);
     assert_eq!(csrf.len(), 64);
     let r = d.post_form("/dashboard/logout", Some(&cookie), "").await;
     assert_eq!(r.status(), 403);
@@ -218,10 +239,7 @@ async fn login_session_csrf_and_logout() {
 async fn assets_are_embedded_and_cacheable() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("p", &up.url(), "")).await;
-    let d = Dash {
-        gw: &gw,
-        http: browser(),
-    };
+    let d = Dash::new(&gw);
     for (path, kind) in [
         ("/dashboard/assets/dashboard.js", "text/javascript"),
         ("/dashboard/assets/dashboard.css", "text/css"),
@@ -244,19 +262,15 @@ async fn assets_are_embedded_and_cacheable() {
 async fn a_pools_overview_has_examples_for_its_own_host() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("alpha", &up.url(), "")).await;
-    let d = Dash {
-        gw: &gw,
-        http: browser(),
-    };
+    let d = Dash::new(&gw);
     let r = send(d.req(Method::GET, "/dashboard/pools/alpha", None)).await;
     assert_eq!(
         (r.status(), location(&r)),
         (StatusCode::SEE_OTHER, "/dashboard/login")
     );
-    let (cookie, _) = d.login().await;
-    let page = send(d.req(Method::GET, "/dashboard/pools/alpha", Some(&cookie))).await;
-    assert_eq!(page.status(), 200);
-    let page = page.text().await.unwrap();
+    let d = Dash::signed_in(&gw).await;
+    let (status, page) = d.page("/dashboard/pools/alpha").await;
+    assert_eq!(status, 200);
     let port = gw.running.addr.port();
     for expected in [
         format!("http://api.localhost:{port}/pools/alpha/lock/acquire"),
@@ -275,26 +289,16 @@ async fn a_pools_overview_has_examples_for_its_own_host() {
 
     // The chart's data, for the session (the admin route takes the Bearer token only).
     assert_eq!(send(gw.get("alpha", "/echo")).await.status(), 200);
-    let (status, history) = call(d.req(
-        Method::GET,
-        "/dashboard/api/pools/alpha/history",
-        Some(&cookie),
-    ))
-    .await;
+    let (status, history) = call(d.get("/dashboard/api/pools/alpha/history")).await;
     assert_eq!(status, 200);
     assert_eq!(totals(&history)[0], 1, "{history}");
     let r = send(d.req(Method::GET, "/dashboard/api/pools/alpha/history", None)).await;
     expect_error(r, 401, "unauthorized").await;
-    let r = send(d.req(
-        Method::GET,
-        "/dashboard/api/pools/nope/history",
-        Some(&cookie),
-    ))
-    .await;
+    let r = send(d.get("/dashboard/api/pools/nope/history")).await;
     expect_error(r, 404, "pool_not_found").await;
-    let r = send(d.req(Method::GET, "/admin/pools/alpha/history", Some(&cookie))).await;
+    let r = send(d.get("/admin/pools/alpha/history")).await;
     expect_error(r, 401, "unauthorized").await;
-    let r = send(d.req(Method::GET, "/dashboard/pools/nope", Some(&cookie))).await;
+    let r = send(d.get("/dashboard/pools/nope")).await;
     assert_eq!(r.status(), 404);
 }
 
@@ -349,16 +353,8 @@ async fn the_signed_example_is_accepted_as_written() {
     let toml = pool_toml("signed", &up.url(), "")
         + &format!("[pools.access.hmac]\nsecrets = [\"{SECRET}\"]\n");
     let gw = gateway(&toml).await;
-    let d = Dash {
-        gw: &gw,
-        http: browser(),
-    };
-    let (cookie, _) = d.login().await;
-    let page = send(d.req(Method::GET, "/dashboard/pools/signed", Some(&cookie)))
-        .await
-        .text()
-        .await
-        .unwrap();
+    let d = Dash::signed_in(&gw).await;
+    let (_, page) = d.page("/dashboard/pools/signed").await;
     let shell = example(&page, "A signed call (access.hmac)").replace("YOUR_POOL_KEY", KEY);
     let host = format!("signed.localhost:{}", gw.running.addr.port());
     assert!(shell.contains(&format!("'{host}'")), "{shell}");
@@ -376,16 +372,8 @@ async fn a_database_pools_overview_has_a_query_example() {
                 upstream = \"postgres://app:s3cret-pw@127.0.0.1:5432/app\"\n"
         .to_string();
     let gw = gateway(&toml).await;
-    let d = Dash {
-        gw: &gw,
-        http: browser(),
-    };
-    let (cookie, _) = d.login().await;
-    let page = send(d.req(Method::GET, "/dashboard/pools/db", Some(&cookie)))
-        .await
-        .text()
-        .await
-        .unwrap();
+    let d = Dash::signed_in(&gw).await;
+    let (_, page) = d.page("/dashboard/pools/db").await;
     let port = gw.running.addr.port();
     let sql = example(&page, "A SQL query");
     assert!(
@@ -400,13 +388,24 @@ async fn a_database_pools_overview_has_a_query_example() {
     );
 }
 
+/// The text of `page` from just after `start` up to the next `end`.
+fn between(page: &str, start: &str, end: char) -> String {
+    let rest = page.split(start).nth(1);
+    let found = rest.and_then(|rest| rest.split(end).next());
+    found
+        .unwrap_or_else(|| panic!("no {start}: {page}"))
+        .to_string()
+}
+
 /// The session's CSRF token, from any signed-in page.
 fn csrf_of(page: &str) -> String {
-    page.split("name=\"csrf\" value=\"")
-        .nth(1)
-        .and_then(|rest| rest.split('"').next())
-        .unwrap()
-        .to_string()
+    between(page, "name=\"csrf\" value=\"", '"')
+}
+
+/// The `id` of the item of a list answer whose `field` is `value`.
+fn id_where(list: &Value, field: &str, value: &str) -> String {
+    let item = item_where(list, field, value);
+    item["id"].as_str().unwrap().to_string()
 }
 
 /// A form body of `pairs`, encoded.
@@ -416,36 +415,22 @@ fn form(pairs: &[(&str, &str)]) -> String {
 
 impl Dash<'_> {
     /// A signed-in page's status and text.
-    async fn page(&self, path: &str, cookie: &str) -> (u16, String) {
-        let r = send(self.req(Method::GET, path, Some(cookie))).await;
+    async fn page(&self, path: &str) -> (u16, String) {
+        let r = send(self.get(path)).await;
         (r.status().as_u16(), r.text().await.unwrap())
     }
 
     /// A signed-in POST of `pairs` (the CSRF token added): the status, `Location` and text.
-    async fn submit(
-        &self,
-        path: &str,
-        cookie: &str,
-        csrf: &str,
-        pairs: &[(&str, &str)],
-    ) -> (u16, String, String) {
-        let mut all = vec![("csrf", csrf)];
+    async fn submit(&self, path: &str, pairs: &[(&str, &str)]) -> (u16, String, String) {
+        let mut all = vec![("csrf", self.csrf.as_str())];
         all.extend_from_slice(pairs);
-        let r = self.post_form(path, Some(cookie), &form(&all)).await;
+        let r = self.post_form(path, Some(&self.cookie), &form(&all)).await;
         let location = r
             .headers()
             .get(h::LOCATION)
             .map(|l| l.to_str().unwrap().to_string())
             .unwrap_or_default();
         (r.status().as_u16(), location, r.text().await.unwrap())
-    }
-
-    /// Logs in and reads the session's CSRF token.
-    async fn sign_in(&self) -> (String, String) {
-        let (cookie, _) = self.login().await;
-        let (_, page) = self.page("/dashboard", &cookie).await;
-        let csrf = csrf_of(&page);
-        (cookie, csrf)
     }
 }
 
@@ -471,12 +456,8 @@ fn concurrency_fields(limit: &str) -> Vec<(&str, &str)> {
 async fn a_pool_is_created_and_its_limit_changed_live_from_the_dashboard() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("owned", &up.url(), "")).await;
-    let d = Dash {
-        gw: &gw,
-        http: browser(),
-    };
-    let (cookie, csrf) = d.sign_in().await;
-    let (_, list) = d.page("/dashboard", &cookie).await;
+    let d = Dash::signed_in(&gw).await;
+    let (_, list) = d.page("/dashboard").await;
     for markup in [
         "<h1 id=\"pools-title\">Pools</h1>",
         "data-testid=\"create-pool\"",
@@ -491,7 +472,7 @@ async fn a_pool_is_created_and_its_limit_changed_live_from_the_dashboard() {
     let r = d
         .post_form(
             "/dashboard/pools",
-            Some(&cookie),
+            Some(&d.cookie),
             &form(&[("name", "fresh")]),
         )
         .await;
@@ -502,8 +483,6 @@ async fn a_pool_is_created_and_its_limit_changed_live_from_the_dashboard() {
     let (status, _, page) = d
         .submit(
             "/dashboard/pools",
-            &cookie,
-            &csrf,
             &[
                 ("name", "Bad Name!"),
                 ("kind", "proxy"),
@@ -519,8 +498,6 @@ async fn a_pool_is_created_and_its_limit_changed_live_from_the_dashboard() {
     let (status, location, _) = d
         .submit(
             "/dashboard/pools",
-            &cookie,
-            &csrf,
             &[
                 ("name", "fresh"),
                 ("kind", "proxy"),
@@ -536,8 +513,6 @@ async fn a_pool_is_created_and_its_limit_changed_live_from_the_dashboard() {
     let (status, _, page) = d
         .submit(
             "/dashboard/pools",
-            &cookie,
-            &csrf,
             &[
                 ("name", "fresh"),
                 ("kind", "proxy"),
@@ -550,7 +525,7 @@ async fn a_pool_is_created_and_its_limit_changed_live_from_the_dashboard() {
     assert!(page.contains("data-testid=\"form-error\""), "{page}");
 
     // The Concurrency page: the settings and the live state.
-    let (status, page) = d.page("/dashboard/pools/fresh/concurrency", &cookie).await;
+    let (status, page) = d.page("/dashboard/pools/fresh/concurrency").await;
     assert_eq!(status, 200);
     assert!(page.contains("<h1>fresh · Concurrency</h1>"), "{page}");
     assert!(page.contains("data-testid=\"field-limit\" ") && page.contains("value=\"2\""));
@@ -564,8 +539,6 @@ async fn a_pool_is_created_and_its_limit_changed_live_from_the_dashboard() {
     let (status, _, page) = d
         .submit(
             "/dashboard/pools/fresh/concurrency",
-            &cookie,
-            &csrf,
             &concurrency_fields("0"),
         )
         .await;
@@ -579,8 +552,6 @@ async fn a_pool_is_created_and_its_limit_changed_live_from_the_dashboard() {
     let (status, _, page) = d
         .submit(
             "/dashboard/pools/fresh/concurrency",
-            &cookie,
-            &csrf,
             &concurrency_fields("lots"),
         )
         .await;
@@ -595,8 +566,6 @@ async fn a_pool_is_created_and_its_limit_changed_live_from_the_dashboard() {
     let (status, location, _) = d
         .submit(
             "/dashboard/pools/fresh/concurrency",
-            &cookie,
-            &csrf,
             &concurrency_fields("5"),
         )
         .await;
@@ -608,24 +577,16 @@ async fn a_pool_is_created_and_its_limit_changed_live_from_the_dashboard() {
         gw.admin_json("/admin/pools/fresh/state").await["effectiveLimit"],
         5
     );
-    let (_, live) = call(d.req(Method::GET, "/dashboard/api/pools", Some(&cookie))).await;
-    let fresh = live["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["name"] == "fresh");
-    assert_eq!(fresh.unwrap()["effectiveLimit"], 5);
-    let (_, page) = d.page(&location, &cookie).await;
+    assert_eq!(live_row(&d, "fresh").await["effectiveLimit"], 5);
+    let (_, page) = d.page(&location).await;
     assert!(page.contains("role=\"status\""), "{page}");
 
     // A pool of the config file: read-only here, refused as by the API.
-    let (_, page) = d.page("/dashboard/pools/owned/concurrency", &cookie).await;
+    let (_, page) = d.page("/dashboard/pools/owned/concurrency").await;
     assert!(page.contains("data-testid=\"read-only\"") && !page.contains("Save settings"));
     let (status, _, page) = d
         .submit(
             "/dashboard/pools/owned/concurrency",
-            &cookie,
-            &csrf,
             &concurrency_fields("3"),
         )
         .await;
@@ -641,12 +602,8 @@ async fn a_pool_is_created_and_its_limit_changed_live_from_the_dashboard() {
 async fn a_key_is_shown_once_and_revoked_from_the_dashboard() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("p", &up.url(), "")).await;
-    let d = Dash {
-        gw: &gw,
-        http: browser(),
-    };
-    let (cookie, csrf) = d.sign_in().await;
-    let (status, page) = d.page("/dashboard/pools/p/keys", &cookie).await;
+    let d = Dash::signed_in(&gw).await;
+    let (status, page) = d.page("/dashboard/pools/p/keys").await;
     assert_eq!(status, 200);
     assert_eq!(page.matches("data-testid=\"key-row\"").count(), 2, "{page}");
     assert!(
@@ -656,24 +613,14 @@ async fn a_key_is_shown_once_and_revoked_from_the_dashboard() {
     assert!(!page.contains(KEY), "a key is shown");
 
     let r = d
-        .post_form("/dashboard/pools/p/keys", Some(&cookie), "label=ci")
+        .post_form("/dashboard/pools/p/keys", Some(&d.cookie), "label=ci")
         .await;
     assert_eq!(r.status(), 403);
     let (status, _, page) = d
-        .submit(
-            "/dashboard/pools/p/keys",
-            &cookie,
-            &csrf,
-            &[("label", "ci")],
-        )
+        .submit("/dashboard/pools/p/keys", &[("label", "ci")])
         .await;
     assert_eq!(status, 201);
-    let key = page
-        .split("data-testid=\"new-key\">")
-        .nth(1)
-        .and_then(|rest| rest.split('<').next())
-        .unwrap()
-        .to_string();
+    let key = between(&page, "data-testid=\"new-key\">", '<');
     assert!(key.starts_with("nb_live_"), "{key}");
     let with_key = |key: &str| {
         gw.pool("p", Method::GET, "/echo")
@@ -682,19 +629,11 @@ async fn a_key_is_shown_once_and_revoked_from_the_dashboard() {
     assert_eq!(send(with_key(&key)).await.status(), 200);
 
     // Never shown again.
-    let (_, page) = d.page("/dashboard/pools/p/keys", &cookie).await;
+    let (_, page) = d.page("/dashboard/pools/p/keys").await;
     assert!(!page.contains(&key), "the key is shown twice");
     assert_eq!(page.matches("data-testid=\"key-row\"").count(), 3);
     let keys = gw.admin_json("/admin/pools/p/keys").await;
-    let id = keys["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|k| k["label"] == "ci")
-        .unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let id = id_where(&keys, "label", "ci");
     assert!(page.contains(&format!("/dashboard/pools/p/keys/{id}/revoke")));
 
     // Refused as the API refuses it.
@@ -704,49 +643,31 @@ async fn a_key_is_shown_once_and_revoked_from_the_dashboard() {
         .await;
     assert_eq!(status, 400);
     let (status, _, page) = d
-        .submit(
-            "/dashboard/pools/p/keys",
-            &cookie,
-            &csrf,
-            &[("label", &long)],
-        )
+        .submit("/dashboard/pools/p/keys", &[("label", &long)])
         .await;
     assert_eq!(status, 400);
     assert!(page.contains("id=\"f-label-error\""), "{page}");
     assert!(page.contains(api["message"].as_str().unwrap()));
 
     let revoke = format!("/dashboard/pools/p/keys/{id}/revoke");
-    let r = d.post_form(&revoke, Some(&cookie), "").await;
+    let r = d.post_form(&revoke, Some(&d.cookie), "").await;
     assert_eq!(r.status(), 403);
-    let (status, location, _) = d.submit(&revoke, &cookie, &csrf, &[]).await;
+    let (status, location, _) = d.submit(&revoke, &[]).await;
     assert_eq!(
         (status, location.as_str()),
         (303, &*format!("/dashboard/pools/p/keys?revoked={id}"))
     );
     expect_error(send(with_key(&key)).await, 401, "unauthorized").await;
-    let (_, page) = d.page(&location, &cookie).await;
+    let (_, page) = d.page(&location).await;
     assert!(
         page.contains("role=\"status\"") && page.contains(">revoked<"),
         "{page}"
     );
 
     // A config key cannot be revoked here either.
-    let config_id = keys["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|k| k["managedBy"] == "config")
-        .unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let config_id = id_where(&keys, "managedBy", "config");
     let (status, _, page) = d
-        .submit(
-            &format!("/dashboard/pools/p/keys/{config_id}/revoke"),
-            &cookie,
-            &csrf,
-            &[],
-        )
+        .submit(&format!("/dashboard/pools/p/keys/{config_id}/revoke"), &[])
         .await;
     assert_eq!(status, 409);
     assert!(page.contains("role=\"alert\""), "{page}");
@@ -755,37 +676,23 @@ async fn a_key_is_shown_once_and_revoked_from_the_dashboard() {
 
 /// The `data-destination-id` of the first destination row of a Webhooks page.
 fn first_destination(page: &str) -> String {
-    page.split("data-testid=\"destination-row\" data-destination-id=\"")
-        .nth(1)
-        .and_then(|rest| rest.split('"').next())
-        .unwrap_or_else(|| panic!("no destination: {page}"))
-        .to_string()
+    between(
+        page,
+        "data-testid=\"destination-row\" data-destination-id=\"",
+        '"',
+    )
 }
 
 #[tokio::test]
 async fn webhooks_and_jobs_pages_show_deliveries_results_and_act_on_them() {
     let up = Upstream::start().await;
     let hook = nthbouncer_testkit::access::Recorder::start().await;
-    let toml = format!(
-        "[server]\nallow_private_webhooks = true\n{}[pools.async]\nenabled = true\n{}",
-        pool_toml("p", &up.url(), ""),
-        webhook_toml(&format!("{}/hook", hook.url())),
-    );
-    let gw = gateway(&toml).await;
-    let d = Dash {
-        gw: &gw,
-        http: browser(),
-    };
-    let (cookie, csrf) = d.sign_in().await;
+    let pool = pool_toml("p", &up.url(), "");
+    let gw = gateway(&async_pool_toml(&pool, "", &format!("{}/hook", hook.url()))).await;
+    let d = Dash::signed_in(&gw).await;
 
-    let r = gw
-        .pool("p", Method::POST, "/echo")
-        .header("x-nthpool-key", KEY)
-        .header("x-nthpool-async", "1")
-        .body("{\"prompt\":\"hi\"}");
-    let (status, accepted) = call(r).await;
-    assert_eq!(status, 202, "{accepted}");
-    let job = accepted["jobId"].as_str().unwrap().to_string();
+    let r = gw.post_async("p", "/echo").body("{\"prompt\":\"hi\"}");
+    let job = accepted_id(send(r).await).await;
     eventually("the job's delivery attempt", async || {
         let page = gw.admin_json("/admin/pools/p/deliveries").await;
         (!page["items"].as_array()?.is_empty()).then_some(())
@@ -793,25 +700,17 @@ async fn webhooks_and_jobs_pages_show_deliveries_results_and_act_on_them() {
     .await;
 
     // Jobs: filtered by status, one job's result.
-    let (status, page) = d.page("/dashboard/pools/p/jobs", &cookie).await;
+    let (status, page) = d.page("/dashboard/pools/p/jobs").await;
     assert_eq!(status, 200);
     assert!(page.contains(&format!("data-job-id=\"{job}\"")), "{page}");
-    let (_, page) = d
-        .page("/dashboard/pools/p/jobs?status=completed", &cookie)
-        .await;
+    let (_, page) = d.page("/dashboard/pools/p/jobs?status=completed").await;
     assert!(page.contains(&format!("data-job-id=\"{job}\"")), "{page}");
-    let (_, page) = d
-        .page("/dashboard/pools/p/jobs?status=failed", &cookie)
-        .await;
+    let (_, page) = d.page("/dashboard/pools/p/jobs?status=failed").await;
     assert!(!page.contains("data-testid=\"job-row\""), "{page}");
-    let (status, page) = d
-        .page("/dashboard/pools/p/jobs?status=bogus", &cookie)
-        .await;
+    let (status, page) = d.page("/dashboard/pools/p/jobs?status=bogus").await;
     assert_eq!(status, 400);
     assert!(page.contains("data-testid=\"error-status\""), "{page}");
-    let (status, page) = d
-        .page(&format!("/dashboard/pools/p/jobs/{job}"), &cookie)
-        .await;
+    let (status, page) = d.page(&format!("/dashboard/pools/p/jobs/{job}")).await;
     assert_eq!(status, 200);
     assert!(
         page.contains("data-testid=\"job-status\">completed<"),
@@ -825,15 +724,12 @@ async fn webhooks_and_jobs_pages_show_deliveries_results_and_act_on_them() {
     assert!(unescape(&page).contains(r#"{\"prompt\":\"hi\"}"#), "{page}");
     assert!(page.contains("data-testid=\"job-event\""));
     let (status, _) = d
-        .page(
-            "/dashboard/pools/p/jobs/job_00000000000000000000000000000000",
-            &cookie,
-        )
+        .page("/dashboard/pools/p/jobs/job_00000000000000000000000000000000")
         .await;
     assert_eq!(status, 404);
 
     // Webhooks: the destination (secret masked) and the attempt with its status and latency.
-    let (status, page) = d.page("/dashboard/pools/p/webhooks", &cookie).await;
+    let (status, page) = d.page("/dashboard/pools/p/webhooks").await;
     assert_eq!(status, 200);
     assert!(!page.contains(WEBHOOK_SECRET), "the secret is shown");
     assert!(
@@ -849,35 +745,26 @@ async fn webhooks_and_jobs_pages_show_deliveries_results_and_act_on_them() {
 
     // Deactivate and re-enable (a config destination: its state stays actionable).
     let toggle = format!("/dashboard/pools/p/webhooks/{id}/active");
-    let r = d.post_form(&toggle, Some(&cookie), "active=false").await;
+    let r = d.post_form(&toggle, Some(&d.cookie), "active=false").await;
     assert_eq!(r.status(), 403);
-    let (status, location, _) = d
-        .submit(&toggle, &cookie, &csrf, &[("active", "false")])
-        .await;
+    let (status, location, _) = d.submit(&toggle, &[("active", "false")]).await;
     assert_eq!(
         (status, location.as_str()),
         (303, "/dashboard/pools/p/webhooks?done=disabled")
     );
     let listed = gw.admin_json("/admin/pools/p/webhooks").await;
     assert_eq!(listed["items"][0]["active"], false);
-    let (_, page) = d.page(&location, &cookie).await;
+    let (_, page) = d.page(&location).await;
     assert!(
         page.contains("data-testid=\"destination-state\">inactive<")
             && page.contains(">Re-enable<")
     );
     let (status, _, page) = d
-        .submit(
-            &format!("/dashboard/pools/p/jobs/{job}/redeliver"),
-            &cookie,
-            &csrf,
-            &[],
-        )
+        .submit(&format!("/dashboard/pools/p/jobs/{job}/redeliver"), &[])
         .await;
     assert_eq!(status, 409, "no active destination");
     assert!(page.contains("role=\"alert\""));
-    let (status, _, _) = d
-        .submit(&toggle, &cookie, &csrf, &[("active", "true")])
-        .await;
+    let (status, _, _) = d.submit(&toggle, &[("active", "true")]).await;
     assert_eq!(status, 303);
     assert_eq!(
         gw.admin_json("/admin/pools/p/webhooks").await["items"][0]["active"],
@@ -888,8 +775,6 @@ async fn webhooks_and_jobs_pages_show_deliveries_results_and_act_on_them() {
     let (status, location, _) = d
         .submit(
             &format!("/dashboard/pools/p/jobs/{job}/redeliver"),
-            &cookie,
-            &csrf,
             &[("back", "webhooks")],
         )
         .await;
@@ -904,15 +789,13 @@ async fn webhooks_and_jobs_pages_show_deliveries_results_and_act_on_them() {
 
     // A config destination's secret is the file's: no rotate button; rotating is refused.
     let rotate = format!("/dashboard/pools/p/webhooks/{id}/rotate");
-    let (status, _, _) = d.submit(&rotate, &cookie, &csrf, &[]).await;
+    let (status, _, _) = d.submit(&rotate, &[]).await;
     assert_eq!(status, 409);
 
     // Add one: refused as the API refuses it, then its secret shown once; rotate it.
     let (status, _, page) = d
         .submit(
             "/dashboard/pools/p/webhooks",
-            &cookie,
-            &csrf,
             &[("url", "ftp://example.com/x")],
         )
         .await;
@@ -922,48 +805,24 @@ async fn webhooks_and_jobs_pages_show_deliveries_results_and_act_on_them() {
     let (status, _, page) = d
         .submit(
             "/dashboard/pools/p/webhooks",
-            &cookie,
-            &csrf,
             &[("url", &url), ("deactivate_after", "3")],
         )
         .await;
     assert_eq!(status, 201, "{page}");
-    let secret = page
-        .split("data-testid=\"new-secret\">")
-        .nth(1)
-        .and_then(|rest| rest.split('<').next())
-        .unwrap()
-        .to_string();
+    let secret = between(&page, "data-testid=\"new-secret\">", '<');
     assert!(secret.starts_with("whsec_"), "{secret}");
-    let (_, page) = d.page("/dashboard/pools/p/webhooks", &cookie).await;
+    let (_, page) = d.page("/dashboard/pools/p/webhooks").await;
     assert!(!page.contains(&secret), "the secret is shown twice");
-    let added = gw.admin_json("/admin/pools/p/webhooks").await["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|w| w["managedBy"] == "api")
-        .unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let hooks = gw.admin_json("/admin/pools/p/webhooks").await;
+    let added = id_where(&hooks, "managedBy", "api");
     assert_eq!(page.matches("data-testid=\"rotate-secret\"").count(), 1);
     let (status, _, page) = d
-        .submit(
-            &format!("/dashboard/pools/p/webhooks/{added}/rotate"),
-            &cookie,
-            &csrf,
-            &[],
-        )
+        .submit(&format!("/dashboard/pools/p/webhooks/{added}/rotate"), &[])
         .await;
     assert_eq!(status, 200);
-    let rotated = page
-        .split("data-testid=\"new-secret\">")
-        .nth(1)
-        .and_then(|rest| rest.split('<').next())
-        .unwrap()
-        .to_string();
+    let rotated = between(&page, "data-testid=\"new-secret\">", '<');
     assert!(rotated.starts_with("whsec_") && rotated != secret);
-    let (_, page) = d.page("/dashboard/pools/p/webhooks", &cookie).await;
+    let (_, page) = d.page("/dashboard/pools/p/webhooks").await;
     assert!(!page.contains(&rotated));
 }
 
@@ -971,11 +830,7 @@ async fn webhooks_and_jobs_pages_show_deliveries_results_and_act_on_them() {
 async fn the_access_log_page_filters_and_pages() {
     let up = Upstream::start().await;
     let gw = gateway(&pool_toml("p", &up.url(), "")).await;
-    let d = Dash {
-        gw: &gw,
-        http: browser(),
-    };
-    let (cookie, _) = d.sign_in().await;
+    let d = Dash::signed_in(&gw).await;
     for _ in 0..50 {
         assert_eq!(send(gw.get("p", "/echo")).await.status(), 200);
     }
@@ -983,7 +838,7 @@ async fn the_access_log_page_filters_and_pages() {
     assert_eq!(send(anon).await.status(), 401);
     gw.flush_access_log().await;
 
-    let (status, page) = d.page("/dashboard/pools/p/access-log", &cookie).await;
+    let (status, page) = d.page("/dashboard/pools/p/access-log").await;
     assert_eq!(status, 200);
     assert!(page.contains("<label for=\"f-outcome\">"), "{page}");
     assert_eq!(page.matches("data-testid=\"log-row\"").count(), 50);
@@ -993,7 +848,7 @@ async fn the_access_log_page_filters_and_pages() {
         .and_then(|s| s.split('"').next())
         .unwrap_or_else(|| panic!("no next page: {page}"))
         .replace("&amp;", "&");
-    let (_, older) = d.page(&next, &cookie).await;
+    let (_, older) = d.page(&next).await;
     assert_eq!(
         older.matches("data-testid=\"log-row\"").count(),
         1,
@@ -1001,40 +856,30 @@ async fn the_access_log_page_filters_and_pages() {
     );
 
     let (_, page) = d
-        .page("/dashboard/pools/p/access-log?outcome=admitted", &cookie)
+        .page("/dashboard/pools/p/access-log?outcome=admitted")
         .await;
     assert_eq!(
         page.matches("data-testid=\"log-outcome\">admitted<")
             .count(),
         50
     );
-    let (_, page) = d
-        .page("/dashboard/pools/p/access-log?outcome=401", &cookie)
-        .await;
+    let (_, page) = d.page("/dashboard/pools/p/access-log?outcome=401").await;
     assert_eq!(page.matches("data-testid=\"log-row\"").count(), 1, "{page}");
     let (status, page) = d
-        .page("/dashboard/pools/p/access-log?since=yesterday", &cookie)
+        .page("/dashboard/pools/p/access-log?since=yesterday")
         .await;
     assert_eq!(status, 400);
     assert!(page.contains("id=\"f-since-error\"") && page.contains("value=\"yesterday\""));
-    let (status, page) = d
-        .page("/dashboard/pools/p/access-log?cursor=nope", &cookie)
-        .await;
+    let (status, page) = d.page("/dashboard/pools/p/access-log?cursor=nope").await;
     assert_eq!(status, 400);
     assert!(page.contains("data-testid=\"form-error\""), "{page}");
 }
 
 /// The live row of pool `name` as the dashboard's script reads it.
-async fn live_row(d: &Dash<'_>, cookie: &str, name: &str) -> Value {
-    let (status, live) = call(d.req(Method::GET, "/dashboard/api/pools", Some(cookie))).await;
+async fn live_row(d: &Dash<'_>, name: &str) -> Value {
+    let (status, live) = call(d.get("/dashboard/api/pools")).await;
     assert_eq!(status, 200);
-    live["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["name"] == name)
-        .cloned()
-        .unwrap()
+    item_where(&live, "name", name)
 }
 
 #[tokio::test]
@@ -1048,20 +893,16 @@ async fn the_live_state_follows_a_limit_changed_on_the_concurrency_page() {
         )
         .await;
     assert_eq!(status, 201);
-    let d = Dash {
-        gw: &gw,
-        http: browser(),
-    };
-    let (cookie, csrf) = d.sign_in().await;
+    let d = Dash::signed_in(&gw).await;
     let wait = Some(std::time::Duration::from_secs(30));
     let held = gw.lock_client("x").acquire(wait).await.unwrap();
     let lock = gw.lock_client("x");
     let waiter = tokio::spawn(async move { lock.acquire(wait).await });
     eventually("the waiter queued", async || {
-        (live_row(&d, &cookie, "x").await["queued"] == 1).then_some(())
+        (live_row(&d, "x").await["queued"] == 1).then_some(())
     })
     .await;
-    let row = live_row(&d, &cookie, "x").await;
+    let row = live_row(&d, "x").await;
     assert_eq!(
         (row["inFlight"].clone(), row["effectiveLimit"].clone()),
         (1.into(), 1.into())
@@ -1069,16 +910,11 @@ async fn the_live_state_follows_a_limit_changed_on_the_concurrency_page() {
 
     // Raised on the page: the waiter is admitted at once, and the row says so.
     let (status, _, _) = d
-        .submit(
-            "/dashboard/pools/x/concurrency",
-            &cookie,
-            &csrf,
-            &concurrency_fields("2"),
-        )
+        .submit("/dashboard/pools/x/concurrency", &concurrency_fields("2"))
         .await;
     assert_eq!(status, 303);
     let second = waiter.await.unwrap().unwrap();
-    let row = live_row(&d, &cookie, "x").await;
+    let row = live_row(&d, "x").await;
     assert_eq!(
         (
             row["inFlight"].clone(),
@@ -1087,7 +923,7 @@ async fn the_live_state_follows_a_limit_changed_on_the_concurrency_page() {
         ),
         (2.into(), 2.into(), 0.into())
     );
-    let (_, page) = d.page("/dashboard/pools/x/concurrency", &cookie).await;
+    let (_, page) = d.page("/dashboard/pools/x/concurrency").await;
     assert!(
         page.contains("data-testid=\"in-flight\">2<") && page.contains("data-testid=\"limit\">2<")
     );

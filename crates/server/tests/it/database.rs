@@ -155,27 +155,16 @@ impl Seen {
     }
 }
 
-/// A `POST /sql` on pool `pool`'s host with the test key; the status and the JSON body.
-async fn sql(gw: &Gateway, seen: &Seen, pool: &str, body: Value) -> (u16, Value) {
-    sql_with(gw, seen, pool, &[], body).await
+/// A `POST /sql` of `body` on pool `pool`'s host with the test key.
+fn sql_post(gw: &Gateway, pool: &str, body: Value) -> reqwest::RequestBuilder {
+    gw.pool(pool, Method::POST, "/sql")
+        .header("x-nthpool-key", KEY)
+        .json(&body)
 }
 
-/// The same with `headers` added.
-async fn sql_with(
-    gw: &Gateway,
-    seen: &Seen,
-    pool: &str,
-    headers: &[(&str, &str)],
-    body: Value,
-) -> (u16, Value) {
-    let mut req = gw
-        .pool(pool, Method::POST, "/sql")
-        .header("x-nthpool-key", KEY)
-        .json(&body);
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    answer(seen, req).await
+/// The same, sent: the status and the JSON body.
+async fn sql(gw: &Gateway, seen: &Seen, pool: &str, body: Value) -> (u16, Value) {
+    answer(seen, sql_post(gw, pool, body)).await
 }
 
 async fn answer(seen: &Seen, req: reqwest::RequestBuilder) -> (u16, Value) {
@@ -286,14 +275,8 @@ async fn queries_types_batches_and_errors_through_the_pool_host() {
         {"query": format!("CREATE TABLE {schema}.t (id int PRIMARY KEY, v text NOT NULL)")},
         {"query": format!("INSERT INTO {schema}.t VALUES ($1, $2), (2, 'b')"), "params": [1, "a"]},
     ]});
-    let (status, v) = sql_with(
-        &gw,
-        &seen,
-        "db",
-        &[("neon-batch-isolation-level", "Serializable")],
-        setup,
-    )
-    .await;
+    let r = sql_post(&gw, "db", setup).header("neon-batch-isolation-level", "Serializable");
+    let (status, v) = answer(&seen, r).await;
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["results"][2]["command"], json!("INSERT"));
     assert_eq!(v["results"][2]["rowCount"], json!(2));
@@ -338,14 +321,9 @@ async fn queries_types_batches_and_errors_through_the_pool_host() {
         (status, v["error"].as_str(), v["field"].as_str()),
         (400, Some("invalid"), Some("queries[0].query"))
     );
-    let (status, v) = sql_with(
-        &gw,
-        &seen,
-        "db",
-        &[("neon-batch-isolation-level", "Snapshot")],
-        json!({"query": "SELECT 1"}),
-    )
-    .await;
+    let r = sql_post(&gw, "db", json!({"query": "SELECT 1"}))
+        .header("neon-batch-isolation-level", "Snapshot");
+    let (status, v) = answer(&seen, r).await;
     assert_eq!(
         (status, v["field"].as_str()),
         (400, Some("Neon-Batch-Isolation-Level"))
@@ -521,14 +499,9 @@ async fn a_caller_that_goes_away_has_its_query_cancelled() {
     );
     // Its slot is free again (limit 1): the next caller is served without waiting.
     let seen = Seen::default();
-    let (status, v) = sql_with(
-        &gw,
-        &seen,
-        "db",
-        &[("x-nthpool-no-queue", "1")],
-        json!({"query": "SELECT 2 AS two"}),
-    )
-    .await;
+    let r =
+        sql_post(&gw, "db", json!({"query": "SELECT 2 AS two"})).header("x-nthpool-no-queue", "1");
+    let (status, v) = answer(&seen, r).await;
     assert_eq!((status, &v["rows"]), (200, &json!([{"two": 2}])), "{v}");
 }
 
@@ -548,14 +521,14 @@ async fn async_handles_are_polled_on_the_pool_host_as_reached() {
 
     // Through the main listener: the handle is on the pool's host as the request named it
     // (the test's `Host` is `db.localhost`, without the port).
-    let (status, v) = sql_with(
+    let r = sql_post(
         &gw,
-        &seen,
         "db",
-        &[("x-nthpool-async", "1"), ("neon-array-mode", "true")],
         json!({"query": "SELECT $1::int AS n", "params": [5]}),
     )
-    .await;
+    .header("x-nthpool-async", "1")
+    .header("neon-array-mode", "true");
+    let (status, v) = answer(&seen, r).await;
     assert_eq!(status, 202, "{v}");
     let job = v["jobId"].as_str().unwrap().to_string();
     assert_eq!(
@@ -610,14 +583,8 @@ async fn async_handles_are_polled_on_the_pool_host_as_reached() {
     );
 
     // A pool without async refuses the header.
-    let (status, v) = sql_with(
-        &gw,
-        &seen,
-        "sync",
-        &[("x-nthpool-async", "1")],
-        json!({"query": "SELECT 1"}),
-    )
-    .await;
+    let r = sql_post(&gw, "sync", json!({"query": "SELECT 1"})).header("x-nthpool-async", "1");
+    let (status, v) = answer(&seen, r).await;
     assert_eq!((status, v["error"].as_str()), (400, Some("async_disabled")));
     seen.assert_no_password();
 }

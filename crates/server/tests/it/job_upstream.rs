@@ -11,24 +11,12 @@ use tokio::io::AsyncReadExt;
 use tokio::net::TcpListener;
 
 fn async_pool(upstream: &str) -> String {
-    format!(
-        "[server]\nallow_private_webhooks = true\n{}[pools.async]\nenabled = true\n\n{}",
-        pool_toml("p", upstream, "limit = 2"),
-        webhook_toml("http://127.0.0.1:9/hook"),
-    )
+    async_pool_toml(&pool_toml("p", upstream, "limit = 2"), "", NO_WEBHOOK)
 }
 
 async fn run_job(gw: &Gateway, path: &str) -> String {
-    let r = send(
-        gw.pool("p", Method::POST, path)
-            .header("x-nthpool-key", KEY)
-            .header("x-nthpool-async", "1")
-            .header("x-forwarded-for", "203.0.113.9")
-            .body("{}"),
-    )
-    .await;
-    assert_eq!(r.status(), 202);
-    json_of(r).await["jobId"].as_str().unwrap().to_string()
+    let r = gw.post_async("p", path);
+    accepted_id(send(r.header("x-forwarded-for", "203.0.113.9").body("{}")).await).await
 }
 
 /// The admin view of a job once it is terminal.

@@ -7,28 +7,15 @@ use serde_json::{json, Value};
 
 /// A pool with async on and one (never-contacted) webhook destination.
 fn async_pool(name: &str, upstream: &str, concurrency: &str, async_extra: &str) -> String {
-    format!(
-        "[server]\nallow_private_webhooks = true\n{}[pools.async]\nenabled = true\n{async_extra}\n{}",
-        pool_toml(name, upstream, concurrency),
-        webhook_toml("http://127.0.0.1:9/hook"),
+    async_pool_toml(
+        &pool_toml(name, upstream, concurrency),
+        async_extra,
+        NO_WEBHOOK,
     )
 }
 
 async fn poll(gw: &Gateway, pool: &str, job: &str) -> (u16, Value) {
     call(gw.poll_job(pool, job)).await
-}
-
-/// The id of a job accepted from `r` (202 asserted).
-async fn accepted_id(r: reqwest::Response) -> String {
-    assert_eq!(r.status(), 202);
-    json_of(r).await["jobId"].as_str().unwrap().to_string()
-}
-
-/// A POST through pool `pool` with the test key, asking to run as an async job.
-fn post_async(gw: &Gateway, pool: &str, path: &str) -> reqwest::RequestBuilder {
-    gw.pool(pool, Method::POST, path)
-        .header("x-nthpool-key", KEY)
-        .header("x-nthpool-async", "1")
 }
 
 async fn wait_status(gw: &Gateway, pool: &str, job: &str, want: &str) -> Value {
@@ -44,7 +31,8 @@ async fn wait_status(gw: &Gateway, pool: &str, job: &str, want: &str) -> Value {
 async fn requested_job_runs_and_polls_through_its_lifecycle() {
     let up = Upstream::start().await;
     let gw = gateway(&async_pool("p", &up.url(), "limit = 2", "")).await;
-    let r = post_async(&gw, "p", "/echo?x=1")
+    let r = gw
+        .post_async("p", "/echo?x=1")
         .header("content-type", "application/json")
         .body("{\"prompt\":\"hi\"}");
     let (status, accepted) = call(r).await;
@@ -242,9 +230,9 @@ async fn busy_and_wait_timeout_promote_to_jobs() {
 async fn oversized_async_bodies_get_413() {
     let up = Upstream::start().await;
     let gw = gateway(&async_pool("p", &up.url(), "", "max_body_bytes = 100")).await;
-    let r = send(post_async(&gw, "p", "/echo").body(vec![b'x'; 101])).await;
+    let r = send(gw.post_async("p", "/echo").body(vec![b'x'; 101])).await;
     expect_error(r, 413, "payload_too_large").await;
-    let r = send(post_async(&gw, "p", "/echo").body(vec![b'x'; 100])).await;
+    let r = send(gw.post_async("p", "/echo").body(vec![b'x'; 100])).await;
     assert_eq!(r.status(), 202);
 }
 
@@ -253,7 +241,7 @@ async fn results_over_the_cap_are_truncated_and_binary_is_base64() {
     let up = Upstream::start().await;
     let gw = gateway(&async_pool("p", &up.url(), "", "max_body_bytes = 64")).await;
     let big = "y".repeat(64);
-    let job = json_of(send(post_async(&gw, "p", "/echo").body(big)).await).await;
+    let job = json_of(send(gw.post_async("p", "/echo").body(big)).await).await;
     let done = wait_status(&gw, "p", job["jobId"].as_str().unwrap(), "completed").await;
     assert_eq!(done["result"]["truncated"], true);
     assert_eq!(done["result"]["body"].as_str().unwrap().len(), 64);

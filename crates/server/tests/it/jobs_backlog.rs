@@ -7,7 +7,6 @@ use futures_util::future::join_all;
 use futures_util::StreamExt;
 use nthbouncer_server::jobs::sweep::RESUME_PAGE;
 use nthbouncer_testkit::*;
-use reqwest::Method;
 use serde_json::Value;
 
 /// A pool `p` with async on, `limit = 1`, and `[server]` lines `server` first. Its destination
@@ -16,19 +15,8 @@ fn backlog_pool(upstream: &str, max_pending: usize, server: &str) -> String {
     format!(
         "[server]\nallow_private_webhooks = true\n{server}{}[pools.async]\nenabled = true\nmax_pending = {max_pending}\n{}deactivate_after = 1000000\n",
         pool_toml("p", upstream, "limit = 1"),
-        webhook_toml("http://127.0.0.1:9/hook"),
+        webhook_toml(NO_WEBHOOK),
     )
-}
-
-fn post_async(gw: &Gateway, path: &str) -> reqwest::RequestBuilder {
-    gw.pool("p", Method::POST, path)
-        .header("x-nthpool-key", KEY)
-        .header("x-nthpool-async", "1")
-}
-
-async fn accepted_id(r: reqwest::Response) -> String {
-    assert_eq!(r.status(), 202);
-    json_of(r).await["jobId"].as_str().unwrap().to_string()
 }
 
 async fn wait_completed(gw: &Gateway, job: &str) {
@@ -56,7 +44,7 @@ async fn assert_backlog_full(r: reqwest::Response) {
 /// Waits (bounded) until a new job is accepted (202) again; its id.
 async fn accepted_again(gw: &Gateway) -> String {
     let r = eventually("a job to be accepted again", async || {
-        let r = send(post_async(gw, "/echo").body("again")).await;
+        let r = send(gw.post_async("p", "/echo").body("again")).await;
         (r.status() == 202).then_some(r)
     })
     .await;
@@ -69,7 +57,9 @@ async fn past_max_pending_a_job_gets_429_until_the_backlog_drains() {
     let gw = gateway(&backlog_pool(&up.url(), 3, "")).await;
     let mut ids = Vec::new();
     for i in 0..3 {
-        ids.push(accepted_id(send(post_async(&gw, "/hold").body(format!("job {i}"))).await).await);
+        ids.push(
+            accepted_id(send(gw.post_async("p", "/hold").body(format!("job {i}"))).await).await,
+        );
     }
     // The fourth is refused before its body is read: a body that never ends still gets its
     // answer.
@@ -77,14 +67,14 @@ async fn past_max_pending_a_job_gets_429_until_the_backlog_drains() {
         .chain(futures_util::stream::pending());
     let r = bounded(
         "the refusal of a job whose body never ends",
-        post_async(&gw, "/hold")
+        gw.post_async("p", "/hold")
             .body(reqwest::Body::wrap_stream(endless))
             .send(),
     )
     .await
     .unwrap();
     assert_backlog_full(r).await;
-    assert_backlog_full(send(post_async(&gw, "/hold").body("four")).await).await;
+    assert_backlog_full(send(gw.post_async("p", "/hold").body("four")).await).await;
 
     up.release(3);
     for id in &ids {
@@ -111,17 +101,17 @@ async fn a_restart_resumes_a_backlog_larger_than_one_page() {
     for chunk in (0..jobs).collect::<Vec<_>>().chunks(16) {
         let sent = chunk
             .iter()
-            .map(|i| send(post_async(&gw, "/hold").body(format!("job {i}"))));
+            .map(|i| send(gw.post_async("p", "/hold").body(format!("job {i}"))));
         for r in join_all(sent).await {
             ids.push(accepted_id(r).await);
         }
     }
-    assert_backlog_full(send(post_async(&gw, "/hold").body("one more")).await).await;
+    assert_backlog_full(send(gw.post_async("p", "/hold").body("one more")).await).await;
     gw.running.shutdown().await;
 
     let gw = gateway(&toml).await;
     // The resumed backlog counts against the bound from the start.
-    assert_backlog_full(send(post_async(&gw, "/hold").body("one more")).await).await;
+    assert_backlog_full(send(gw.post_async("p", "/hold").body("one more")).await).await;
     // Enough for every job, and for the fetch abandoned at the stop.
     up.release(jobs + 8);
     for id in &ids {

@@ -6,7 +6,6 @@
 use std::time::Duration;
 
 use nthbouncer_testkit::*;
-use reqwest::Method;
 
 /// Longer than the store's `busy_timeout` (5 s): a write waiting for the lock gives up and fails
 /// while the test holds it. This only makes the fault happen; nothing asserts on time.
@@ -15,21 +14,9 @@ const HOLD_LOCK: Duration = Duration::from_secs(7);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_whose_result_cannot_be_written_for_a_while_still_ends() {
     let up = Upstream::start().await;
-    let gw = gateway(&format!(
-        "[server]\nallow_private_webhooks = true\n{}[pools.async]\nenabled = true\n{}",
-        pool_toml("p", &up.url(), "limit = 1"),
-        webhook_toml("http://127.0.0.1:9/hook"),
-    ))
-    .await;
-    let r = send(
-        gw.pool("p", Method::POST, "/hold")
-            .header("x-nthpool-key", KEY)
-            .header("x-nthpool-async", "1")
-            .body("work"),
-    )
-    .await;
-    assert_eq!(r.status(), 202);
-    let job = json_of(r).await["jobId"].as_str().unwrap().to_string();
+    let pool = pool_toml("p", &up.url(), "limit = 1");
+    let gw = gateway(&async_pool_toml(&pool, "", NO_WEBHOOK)).await;
+    let job = accepted_id(send(gw.post_async("p", "/hold").body("work")).await).await;
     // The attempt has started (its row says so) and the origin is working on it.
     up.wait_in_flight(1, "the job's fetch to reach the origin")
         .await;

@@ -4,15 +4,7 @@
 //! access-log row records it, and an async job keeps its intake request's id: sent upstream,
 //! shown on the poll and admin views, on its delivery and in the webhook.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
-
-use bytes::Bytes;
-use http::{HeaderMap, Request, Response};
-use http_body_util::Full;
-use hyper::body::Incoming;
 use nthbouncer_testkit::*;
-use parking_lot::Mutex;
 use reqwest::Method;
 use serde_json::Value;
 
@@ -240,34 +232,17 @@ async fn governor_refusals_and_upstream_timeouts_carry_the_id() {
     }
 }
 
-/// A webhook receiver that answers 200 and keeps what it got.
-async fn receiver() -> (SocketAddr, Arc<Mutex<Vec<(HeaderMap, Bytes)>>>) {
-    let got: Arc<Mutex<Vec<(HeaderMap, Bytes)>>> = Arc::default();
-    let kept = got.clone();
-    let addr = serve_http(move |req: Request<Incoming>| {
-        let kept = kept.clone();
-        async move {
-            let (parts, body) = req.into_parts();
-            let body = read_body(body).await;
-            kept.lock().push((parts.headers, body));
-            Response::new(Full::new(Bytes::from_static(b"ok")))
-        }
-    })
-    .await;
-    (addr, got)
-}
-
 #[tokio::test]
 async fn an_async_job_keeps_its_intake_id_upstream_on_its_views_and_deliveries() {
-    let (hook, got) = receiver().await;
+    // The webhook receiver: it answers 200 and keeps what it got.
+    let hook = nthbouncer_testkit::access::Recorder::start().await;
     let extra = "[pools.async]\nenabled = true\n".to_string()
-        + &webhook_toml(&format!("http://{hook}/hook"));
+        + &webhook_toml(&format!("{}/hook", hook.url()));
     let (up, gw) = proxied_pool_with("allow_private_webhooks = true", "limit = 2", &extra).await;
     let id = "job-trace-0001";
     let r = send(gw.get_async("p", "/echo").header("x-request-id", id)).await;
-    assert_eq!(r.status(), 202);
     assert_eq!(header_of(&r), id);
-    let job = json_of(r).await["jobId"].as_str().unwrap().to_string();
+    let job = accepted_id(r).await;
 
     // The origin got the intake request's id, and the job's Idempotency-Key.
     let poll = async || {
@@ -297,12 +272,12 @@ async fn an_async_job_keeps_its_intake_id_upstream_on_its_views_and_deliveries()
     assert_eq!(deliveries[0]["requestId"], id, "{detail}");
 
     // The webhook: its payload (the poll body) and its header.
-    until("the webhook", async || !got.lock().is_empty()).await;
-    let (headers, body) = got.lock()[0].clone();
-    let payload: Value = serde_json::from_slice(&body).unwrap();
+    until("the webhook", async || !hook.seen().is_empty()).await;
+    let webhook = hook.seen().swap_remove(0);
+    let payload: Value = serde_json::from_slice(&webhook.body).unwrap();
     assert_eq!(payload["jobId"], job.as_str());
     assert_eq!(payload["requestId"], id);
-    assert_eq!(headers["x-request-id"], id);
+    assert_eq!(webhook.headers["x-request-id"], id);
 
     // The intake's access-log row too.
     let rows = gw.access_log("p", "").await;

@@ -327,13 +327,7 @@ async fn retry_wait(gw: &Gateway, job: &str, attempt: &Value) -> u64 {
 
 async fn destination(gw: &Gateway, id: &str) -> Value {
     let list = get_json(gw, "/admin/pools/p/webhooks").await;
-    list["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["id"] == id)
-        .cloned()
-        .unwrap()
+    item_where(&list, "id", id)
 }
 
 /// Asserts a destination's streak of consecutive failures is `n`.
