@@ -427,34 +427,55 @@ impl RemoteKeys {
     }
 }
 
+/// Why a JWKS refresh failed (logged; the keys fetched before stay in use).
+#[derive(Debug, thiserror::Error)]
+enum JwksError {
+    #[error("the request could not be built: {0}")]
+    Request(#[source] http::Error),
+    #[error("timed out")]
+    Timeout,
+    #[error("{0}")]
+    Transport(#[source] hyper_util::client::legacy::Error),
+    #[error("status {0}")]
+    Status(http::StatusCode),
+    #[error("timed out reading the body")]
+    BodyTimeout,
+    #[error("the body could not be read: {0}")]
+    Body(#[source] axum::BoxError),
+    #[error("not a JWKS: {0}")]
+    NotJwks(#[source] serde_json::Error),
+    #[error("no usable keys")]
+    NoUsableKeys,
+}
+
 /// GETs a JWKS (or Cloudflare's certs document, which has the same `keys` array) and keeps the
 /// keys we can use; a key we cannot read is skipped, not fatal.
-async fn fetch_jwks(client: &SharedClient, url: &http::Uri) -> Result<Vec<VerifyKey>, String> {
+async fn fetch_jwks(client: &SharedClient, url: &http::Uri) -> Result<Vec<VerifyKey>, JwksError> {
     let req = http::Request::get(url.clone())
         .header(http::header::ACCEPT, "application/json")
         .header(http::header::USER_AGENT, "nthbouncer")
         .body(axum::body::Body::empty())
-        .map_err(|e| e.to_string())?;
+        .map_err(JwksError::Request)?;
     let resp = tokio::time::timeout(JWKS_FETCH_TIMEOUT, client.get().request(req))
         .await
-        .map_err(|_| "timed out".to_string())?
-        .map_err(|e| e.to_string())?;
+        .map_err(|_| JwksError::Timeout)?
+        .map_err(JwksError::Transport)?;
     if !resp.status().is_success() {
-        return Err(format!("status {}", resp.status()));
+        return Err(JwksError::Status(resp.status()));
     }
     let body = tokio::time::timeout(
         JWKS_FETCH_TIMEOUT,
         Limited::new(resp.into_body(), MAX_JWKS_BYTES).collect(),
     )
     .await
-    .map_err(|_| "timed out reading the body".to_string())?
-    .map_err(|e| e.to_string())?
+    .map_err(|_| JwksError::BodyTimeout)?
+    .map_err(JwksError::Body)?
     .to_bytes();
     #[derive(Deserialize)]
     struct Set {
         keys: Vec<serde_json::Value>,
     }
-    let set: Set = serde_json::from_slice(&body).map_err(|e| format!("not a JWKS: {e}"))?;
+    let set: Set = serde_json::from_slice(&body).map_err(JwksError::NotJwks)?;
     let keys: Vec<VerifyKey> = set
         .keys
         .into_iter()
@@ -462,7 +483,7 @@ async fn fetch_jwks(client: &SharedClient, url: &http::Uri) -> Result<Vec<Verify
         .filter_map(|j| VerifyKey::from_jwk(&j))
         .collect();
     if keys.is_empty() {
-        return Err("no usable keys".into());
+        return Err(JwksError::NoUsableKeys);
     }
     Ok(keys)
 }

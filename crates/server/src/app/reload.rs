@@ -189,7 +189,7 @@ async fn reload_inner(state: &AppState) -> Result<Reloaded, ConfigError> {
     let client = state
         .upstream
         .prepare(timeouts)
-        .map_err(|e| ConfigError::new("server.upstream_connect_timeout_ms", e))?;
+        .map_err(|e| ConfigError::new("server.upstream_connect_timeout_ms", e.to_string()))?;
     // The certificate files are read again (rotated ones included) before anything changes:
     // a file that does not read refuses the whole reload. They are served once the rest
     // applied.

@@ -64,7 +64,7 @@ pub enum StartError {
         source: std::io::Error,
     },
     #[error("cannot build the upstream client: {0}")]
-    Client(String),
+    Client(#[source] rustls::Error),
     #[error("cannot coordinate through Redis: {0}")]
     Coordination(String),
 }

@@ -45,7 +45,7 @@ struct Built {
 }
 
 impl SharedClient {
-    pub fn new(timeouts: ClientTimeouts) -> Result<SharedClient, String> {
+    pub fn new(timeouts: ClientTimeouts) -> Result<SharedClient, rustls::Error> {
         let client = Arc::new(build_client(timeouts)?);
         Ok(SharedClient {
             current: ArcSwap::from_pointee(Built { timeouts, client }),
@@ -60,7 +60,10 @@ impl SharedClient {
     /// A client with `timeouts`, when they differ from the current one's: built before a
     /// reload publishes anything (so a failure changes nothing), put in place by
     /// [`SharedClient::install`].
-    pub fn prepare(&self, timeouts: ClientTimeouts) -> Result<Option<Arc<UpstreamClient>>, String> {
+    pub fn prepare(
+        &self,
+        timeouts: ClientTimeouts,
+    ) -> Result<Option<Arc<UpstreamClient>>, rustls::Error> {
         if self.current.load().timeouts == timeouts {
             return Ok(None);
         }
@@ -76,10 +79,9 @@ impl SharedClient {
 /// Builds the shared upstream client: keep-alive pool whose idle connections are closed by a
 /// timer below typical upstream keep-alive timeouts, so we never write into a connection the
 /// upstream is about to close.
-pub fn build_client(timeouts: ClientTimeouts) -> Result<UpstreamClient, String> {
+pub fn build_client(timeouts: ClientTimeouts) -> Result<UpstreamClient, rustls::Error> {
     let https = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_provider_and_webpki_roots(rustls::crypto::ring::default_provider())
-        .map_err(|e| e.to_string())?
+        .with_provider_and_webpki_roots(rustls::crypto::ring::default_provider())?
         .https_or_http()
         .enable_http1()
         .enable_http2()

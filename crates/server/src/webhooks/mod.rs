@@ -249,11 +249,10 @@ pub type WebhookClient = Client<hyper_rustls::HttpsConnector<GuardedConnector>, 
 
 /// The delivery client: HTTP/1.1 keep-alive, rustls, never follows redirects (hyper does not),
 /// through [`GuardedConnector`].
-pub fn build_client(live: Arc<LiveServer>) -> Result<WebhookClient, String> {
+pub fn build_client(live: Arc<LiveServer>) -> Result<WebhookClient, rustls::Error> {
     let connector = GuardedConnector { live };
     let https = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_provider_and_webpki_roots(rustls::crypto::ring::default_provider())
-        .map_err(|e| e.to_string())?
+        .with_provider_and_webpki_roots(rustls::crypto::ring::default_provider())?
         .https_or_http()
         .enable_http1()
         .wrap_connector(connector);
@@ -302,10 +301,30 @@ struct Answer {
     body: Vec<u8>,
 }
 
-/// Sends one delivery. `Err` is a transport failure (refused address, connect error, timeout).
-async fn send(client: &WebhookClient, due: &DueDelivery, now: u64) -> Result<Answer, String> {
-    let body = serde_json::to_vec(&JobView::of(&due.job, now))
-        .map_err(|e| format!("the poll body could not be encoded: {e}"))?;
+/// Why an attempt got no answer: its text is the attempt's recorded `error`.
+#[derive(Debug, thiserror::Error)]
+enum SendError {
+    #[error("the poll body could not be encoded: {0}")]
+    Encode(#[source] serde_json::Error),
+    #[error("the destination's secret is not a valid whsec_ secret")]
+    Secret,
+    #[error("the destination URL cannot be parsed")]
+    Url,
+    #[error("the signature is not a valid header value")]
+    SignatureHeader,
+    #[error("the request could not be built: {0}")]
+    Request(#[source] http::Error),
+    /// A refused address, a connect or send failure: the whole chain of causes in one line.
+    #[error("{}", error_chain(.0))]
+    Transport(#[source] hyper_util::client::legacy::Error),
+    #[error("no response within {} s", ATTEMPT_TIMEOUT.as_secs())]
+    Timeout,
+}
+
+/// Sends one delivery. `Err` is a transport failure (refused address, connect error, timeout)
+/// or a delivery that cannot be sent at all.
+async fn send(client: &WebhookClient, due: &DueDelivery, now: u64) -> Result<Answer, SendError> {
+    let body = serde_json::to_vec(&JobView::of(&due.job, now)).map_err(SendError::Encode)?;
     let timestamp = now / 1000;
     let dest = &due.destination;
     let mut secrets = vec![dest.secret.as_str()];
@@ -315,13 +334,11 @@ async fn send(client: &WebhookClient, due: &DueDelivery, now: u64) -> Result<Ans
             secrets.push(previous.as_str());
         }
     }
-    let signature = signature_header(&secrets, &due.job.id, timestamp, &body)
-        .ok_or_else(|| "the destination's secret is not a valid whsec_ secret".to_string())?;
-    let uri: Uri = dest
-        .url
-        .parse()
-        .map_err(|_| "the destination URL cannot be parsed".to_string())?;
-    let mut signature = HeaderValue::from_str(&signature).map_err(|e| e.to_string())?;
+    let signature =
+        signature_header(&secrets, &due.job.id, timestamp, &body).ok_or(SendError::Secret)?;
+    let uri: Uri = dest.url.parse().map_err(|_| SendError::Url)?;
+    let mut signature =
+        HeaderValue::from_str(&signature).map_err(|_| SendError::SignatureHeader)?;
     signature.set_sensitive(true);
     let mut req = Request::post(uri)
         .header(header::CONTENT_TYPE, "application/json")
@@ -330,7 +347,7 @@ async fn send(client: &WebhookClient, due: &DueDelivery, now: u64) -> Result<Ans
         .header("webhook-timestamp", timestamp)
         .header("webhook-signature", signature)
         .body(Full::new(Bytes::from(body)))
-        .map_err(|e| e.to_string())?;
+        .map_err(SendError::Request)?;
     // The job's request id (#13), so a receiver can tie the delivery to the request.
     let request_id = due.job.request_id.as_deref();
     if let Some(id) = request_id.and_then(|id| HeaderValue::from_str(id).ok()) {
@@ -339,13 +356,8 @@ async fn send(client: &WebhookClient, due: &DueDelivery, now: u64) -> Result<Ans
     let deadline = crate::core::time::now() + ATTEMPT_TIMEOUT;
     let resp = match tokio::time::timeout_at(deadline, client.request(req)).await {
         Ok(Ok(resp)) => resp,
-        Ok(Err(e)) => return Err(error_chain(&e)),
-        Err(_) => {
-            return Err(format!(
-                "no response within {} s",
-                ATTEMPT_TIMEOUT.as_secs()
-            ))
-        }
+        Ok(Err(e)) => return Err(SendError::Transport(e)),
+        Err(_) => return Err(SendError::Timeout),
     };
     let (parts, mut incoming) = resp.into_parts();
     let text = |name: header::HeaderName| {
@@ -385,7 +397,7 @@ async fn send(client: &WebhookClient, due: &DueDelivery, now: u64) -> Result<Ans
 /// from it).
 fn decide(
     due: &DueDelivery,
-    answer: Result<Answer, String>,
+    answer: Result<Answer, SendError>,
     sent_at: u64,
     now: u64,
     latency_ms: u64,
@@ -429,7 +441,7 @@ fn decide(
         }
         Err(e) => {
             let next = next_after_failure(round_attempts, now, None, expires_at, jitter);
-            (None, None, Some(e), next, false)
+            (None, None, Some(e.to_string()), next, false)
         }
     };
     AttemptRecord {
