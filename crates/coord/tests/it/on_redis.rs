@@ -469,3 +469,89 @@ async fn a_grant_that_beats_its_waiters_queueing_reply_is_kept_for_it() {
     let snap = gate.snapshot().await;
     assert_eq!((snap.in_flight, snap.queued), (0, 0));
 }
+
+/// One pool's token budget on two nodes is one budget: what one charges, the other sees; a
+/// usage report or a refund on one gives back to both; an announcement observed by one binds
+/// both, less what was admitted after the request it answered; a waiter that holds the budget
+/// keeps everyone else out until it is admitted or lets go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_token_budget_is_one_across_nodes() {
+    use nthbouncer_coord::redis::SharedAdmit;
+    use nthbouncer_governor::{BudgetSource, TokenSettings, TokenWindow};
+    let space = Space::new();
+    let (a, b) = (space.node(), space.node());
+    let (ta, tb) = (a.token_ledger("p"), b.token_ledger("p"));
+    let s = TokenSettings {
+        tpm: 1_000,
+        window_ms: 600_000,
+        ..TokenSettings::default()
+    };
+    let admitted = |r: SharedAdmit| match r {
+        SharedAdmit::Admitted(v) => v.remaining,
+        other => panic!("not admitted: {other:?}"),
+    };
+    assert_eq!(
+        admitted(ta.admit(&s, 1, 600, false).await.unwrap()),
+        Some(400)
+    );
+    match tb.admit(&s, 2, 500, false).await.unwrap() {
+        SharedAdmit::Refused {
+            view,
+            retry_after_ms,
+        } => {
+            assert_eq!(view.remaining, Some(400));
+            assert!(retry_after_ms.is_some_and(|r| r > 0), "{retry_after_ms:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    match tb.admit(&s, 3, 1_001, false).await.unwrap() {
+        SharedAdmit::Exceeds(v) => assert_eq!(v.budget, Some(1_000)),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        admitted(tb.admit(&s, 4, 400, false).await.unwrap()),
+        Some(0)
+    );
+    // Node A's request used 100 of its 600: both see 500 come back.
+    assert_eq!(
+        tb.finish(&s, 1, Some(100)).await.unwrap().remaining,
+        Some(500)
+    );
+    let v = ta.peek(&s).await.unwrap();
+    assert_eq!((v.remaining, v.admitted_tokens), (Some(500), 500));
+    assert_eq!(v.source, Some(BudgetSource::Configured));
+    assert_eq!(ta.refund(&s, 4).await.unwrap().remaining, Some(900));
+
+    // An announcement (no configured budget): what was admitted after the answered request is
+    // taken off it, on every node.
+    let s = TokenSettings { tpm: 0, ..s };
+    let pool = "q";
+    let (ta, tb) = (a.token_ledger(pool), b.token_ledger(pool));
+    assert_eq!(admitted(ta.admit(&s, 10, 100, false).await.unwrap()), None);
+    assert_eq!(admitted(tb.admit(&s, 11, 300, false).await.unwrap()), None);
+    let w = TokenWindow {
+        limit: Some(2_000),
+        remaining: Some(1_000),
+        reset_ms: Some(3_600_000),
+    };
+    let v = ta.observe(&s, Some(10), w).await.unwrap();
+    assert_eq!(v.source, Some(BudgetSource::Announced));
+    assert_eq!(v.budget, Some(2_000));
+    let r = v.remaining.unwrap();
+    assert!((700..=701).contains(&r), "1000 less node B's 300: {r}");
+
+    // Node B's waiter holds the budget: node A's small one may not pass it, until B lets go.
+    match tb.admit(&s, 12, 1_900, true).await.unwrap() {
+        SharedAdmit::Refused { view, .. } => assert!(!view.held, "it holds, not another"),
+        other => panic!("{other:?}"),
+    }
+    match ta.admit(&s, 13, 10, false).await.unwrap() {
+        SharedAdmit::Refused { view, .. } => assert!(view.held),
+        other => panic!("{other:?}"),
+    }
+    tb.unhold(&s, 12).await.unwrap();
+    assert!(matches!(
+        ta.admit(&s, 13, 10, false).await.unwrap(),
+        SharedAdmit::Admitted(_)
+    ));
+}
