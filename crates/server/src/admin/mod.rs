@@ -458,7 +458,7 @@ pub async fn pool_state(
         admitted_total: s.admitted_total,
         refused_total: s.refused_total,
         cache: state.cache.stats(&pool).map(CacheState::of),
-        tokens: TokenState::of(pool.tokens.snapshot()),
+        tokens: TokenState::of(pool.tokens.snapshot().await),
     }))
 }
 

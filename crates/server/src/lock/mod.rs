@@ -195,6 +195,9 @@ async fn admit_tokens(
             ErrorCode::QueueTimeout,
             "the wait budget ran out before the pool's token budget had room",
         ),
+        crate::tokens::TokenRefusal::Unavailable { retry_after_ms } => {
+            crate::tokens::unavailable(retry_after_ms)
+        }
     })
 }
 

@@ -12,6 +12,7 @@
 
 pub mod estimate;
 pub mod gate;
+mod shared;
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -159,7 +160,19 @@ pub fn refusal_error(estimate: &Estimate, refusal: TokenRefusal) -> ApiError {
             ErrorCode::QueueTimeout,
             "the wait budget ran out before the pool's token budget had room",
         ),
+        TokenRefusal::Unavailable { retry_after_ms } => unavailable(retry_after_ms),
     }
+}
+
+/// The answer while the shared token budget's Redis is unreachable (fail closed).
+pub fn unavailable(retry_after_ms: u64) -> ApiError {
+    let mut e = ApiError::new(
+        ErrorCode::CoordinationUnavailable,
+        "the coordination store holding the pool's token budget is unreachable; nothing was \
+         admitted",
+    );
+    e.retry_after_s = Some(retry_after_ms.div_ceil(1000).max(1));
+    e
 }
 
 /// A request body read for its estimate: whole, or (past `max` bytes) the part read and the
