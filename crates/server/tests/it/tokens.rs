@@ -288,3 +288,93 @@ async fn async_jobs_are_charged_against_the_token_budget() {
     assert_eq!(polled["status"], "queued", "{polled}");
     assert_eq!(up.total(), 1, "the waiting job did not reach the origin");
 }
+
+/// A way to the machine's Redis that the test can cut: a forwarder on a port of its own.
+struct RedisVia {
+    port: u16,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RedisVia {
+    async fn start() -> RedisVia {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let task = tokio::spawn(async move {
+            let mut conns = tokio::task::JoinSet::new();
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                conns.spawn(async move {
+                    if let Ok(mut out) = tokio::net::TcpStream::connect("127.0.0.1:6379").await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
+                    }
+                });
+            }
+        });
+        RedisVia { port, task }
+    }
+
+    /// Redis is away from now on: the port is closed and every connection through it cut.
+    fn cut(&self) {
+        self.task.abort();
+    }
+}
+
+/// Deletes every key under `prefix` in the machine's Redis when dropped.
+struct Keys(String);
+
+impl Drop for Keys {
+    fn drop(&mut self) {
+        let Ok(mut c) =
+            redis::Client::open("redis://127.0.0.1:6379/").and_then(|c| c.get_connection())
+        else {
+            return;
+        };
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{}:*", self.0))
+            .query(&mut c)
+            .unwrap_or_default();
+        if !keys.is_empty() {
+            let _: Result<(), _> = redis::cmd("DEL").arg(&keys).query(&mut c);
+        }
+    }
+}
+
+/// With coordination on a Redis that stops answering, the token budget behaves as the slot
+/// gate: refused with `503 coordination_unavailable` (fail closed), or admitted against this
+/// node's share of the configured budget (fail open), and nothing past it reaches the origin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_budget_whose_redis_is_away_fails_closed_or_open_on_the_nodes_share() {
+    let prefix = format!("nbtok-{:x}", rand::random::<u64>());
+    let _keys = Keys(prefix.clone());
+    let server = |port: u16, fail: &str| {
+        format!(
+            "[server]\ncoordination = \"redis://127.0.0.1:{port}/\"\n\
+             coordination_prefix = \"{prefix}\"\ncoordination_timeout_ms = 300\n{fail}"
+        )
+    };
+    let up = Upstream::start().await;
+    let via = RedisVia::start().await;
+    let closed = gateway(&(server(via.port, "") + &pool_toml("p", &up.url(), "tpm = 1000"))).await;
+    assert_eq!(
+        send(post(&closed, "/respond", &chat(100))).await.status(),
+        200
+    );
+    via.cut();
+    let r = send(post(&closed, "/respond", &chat(100))).await;
+    assert!(r.headers().contains_key("retry-after"));
+    expect_error(r, 503, "coordination_unavailable").await;
+    assert_eq!(up.total(), 1);
+
+    // A port nobody listens on: the node starts on its own (fail open).
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let open = server(port, "coordination_fail = \"open\"\nexpected_nodes = 2\n");
+    let open = gateway(&(open + &pool_toml("p", &up.url(), "tpm = 1000"))).await;
+    let r = send(post(&open, "/respond", &chat(400))).await;
+    assert_eq!(r.status(), 200, "within this node's share of 500");
+    r.bytes().await.unwrap();
+    let over = post(&open, "/respond", &chat(200)).header("x-nthpool-no-queue", "1");
+    expect_error(send(over).await, 429, "too_many_requests").await;
+    assert_eq!(up.total(), 2);
+}
