@@ -45,7 +45,8 @@ use queue::WaitQueue;
 use rpm::RpmWindow;
 
 pub use tokens::{
-    BudgetSource, TokenAdmit, TokenBudget, TokenSettings, TokenSnapshot, TokenWindow,
+    BudgetSource, TokenAdmit, TokenBudget, TokenCost, TokenPart, TokenSettings, TokenSnapshot,
+    TokenWindow, Usage,
     DEFAULT_TOKEN_HOLD_MS, DEFAULT_TOKEN_WINDOW_MS,
 };
 
