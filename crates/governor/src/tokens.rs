@@ -686,7 +686,11 @@ impl TokenBudget {
             let need = cost.part(part);
             let fits = match self.announced[part.index()] {
                 None => Some(now),
-                Some(_) if self.announced_remaining(part, now).is_none_or(|r| r >= need) => {
+                Some(_)
+                    if self
+                        .announced_remaining(part, now)
+                        .is_none_or(|r| r >= need) =>
+                {
                     Some(now)
                 }
                 Some(a) => self.announced_fits_at(now, part, a, need),
@@ -1008,7 +1012,10 @@ mod tests {
             }
         );
         let s = b.snapshot(0);
-        assert_eq!((s.input_remaining, s.output_remaining), (Some(7_000), Some(200)));
+        assert_eq!(
+            (s.input_remaining, s.output_remaining),
+            (Some(7_000), Some(200))
+        );
         // The total and the input have room for this one; the output does not.
         assert!(matches!(
             b.try_admit(0, 3, cost(100, 300), Priority::Normal, false),

@@ -43,6 +43,7 @@ impl Sandbox {
     pub fn router(self: &Arc<Self>) -> Router {
         let governed = Router::new()
             .route("/v1/chat/completions", post(chat_completions))
+            .route("/v1/messages", post(crate::messages::messages))
             .route("/echo", any(echo))
             .route("/echo/{*rest}", any(echo))
             .route("/stream", get(stream))

@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use ::redis::Script;
-use nthbouncer_governor::{BudgetSource, TokenSettings, TokenWindow};
+use nthbouncer_governor::{BudgetSource, TokenCost, TokenPart, TokenSettings, TokenWindow, Usage};
 
 use super::script::{pool_key, CallError, Reply};
 use super::Node;
@@ -36,14 +36,21 @@ pub struct TokenView {
     pub admitted_tokens: u64,
     /// Another charge's waiter holds the budget: nothing else is admitted until it is.
     pub held: bool,
+    /// What the origin's announced input and output budgets have left, when it splits them.
+    pub input_remaining: Option<u64>,
+    pub output_remaining: Option<u64>,
 }
 
 /// The answer to [`RedisTokens::admit`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SharedAdmit {
     Admitted(TokenView),
-    /// Larger than the whole budget (`view.budget`).
-    Exceeds(TokenView),
+    /// Larger than a whole budget (the total, or a part's): `estimate` is the cost's part that
+    /// does not fit in that `budget`.
+    Exceeds {
+        estimate: u64,
+        budget: u64,
+    },
     /// No room now (or the budget is held for another); when the budget alone would let it.
     Refused {
         view: TokenView,
@@ -115,7 +122,7 @@ impl RedisTokens {
             return Err(CallError::Reply("not an array"));
         };
         let r = Reply(items, String::new());
-        if r.len() < 7 {
+        if r.len() < 9 {
             return Err(CallError::Reply("short token reply"));
         }
         let source = match r.int(3)? {
@@ -130,6 +137,8 @@ impl RedisTokens {
             source,
             admitted_tokens: r.u64(4)?,
             held: r.int(6)? == 1,
+            input_remaining: r.opt(7)?,
+            output_remaining: r.opt(8)?,
         };
         Ok((r.str(0)?, view, r.opt(5)?))
     }
@@ -141,14 +150,22 @@ impl RedisTokens {
         &self,
         settings: &TokenSettings,
         id: u128,
-        cost: u64,
+        cost: TokenCost,
         holder: bool,
     ) -> Result<SharedAdmit, CallError> {
-        let extra = [cost.to_string(), u8::from(holder).to_string()];
+        let extra = [
+            cost.input.to_string(),
+            cost.output.to_string(),
+            u8::from(holder).to_string(),
+        ];
         let (verdict, view, retry) = self.call("admit", settings, Some(id), &extra).await?;
         Ok(match verdict.as_str() {
             "admitted" => SharedAdmit::Admitted(view),
-            "exceeds" => SharedAdmit::Exceeds(view),
+            // Its reply carries the estimate and the budget where remaining and budget go.
+            "exceeds" => SharedAdmit::Exceeds {
+                estimate: view.remaining.unwrap_or(0),
+                budget: view.budget.unwrap_or(0),
+            },
             _ => SharedAdmit::Refused {
                 view,
                 retry_after_ms: retry,
@@ -161,9 +178,17 @@ impl RedisTokens {
         &self,
         settings: &TokenSettings,
         id: u128,
-        actual: Option<u64>,
+        actual: Option<Usage>,
     ) -> Result<TokenView, CallError> {
-        let extra = [num(actual)];
+        let extra = match actual {
+            None => [num(None), num(None), num(None)],
+            Some(Usage::Total(t)) => [num(Some(t)), num(None), num(None)],
+            Some(Usage::Split(c)) => [
+                num(Some(c.total())),
+                num(Some(c.input)),
+                num(Some(c.output)),
+            ],
+        };
         Ok(self.call("finish", settings, Some(id), &extra).await?.1)
     }
 
@@ -177,14 +202,22 @@ impl RedisTokens {
         Ok(self.call("unhold", settings, Some(id), &[]).await?.1)
     }
 
-    /// The origin's word on its token budget, from the answer to charge `id` (if known).
+    /// The origin's word on its token budget (or on one `part` of a split one), from the
+    /// answer to charge `id` (if known).
     pub async fn observe(
         &self,
         settings: &TokenSettings,
         id: Option<u128>,
+        part: TokenPart,
         window: TokenWindow,
     ) -> Result<TokenView, CallError> {
+        let part = match part {
+            TokenPart::Total => "t",
+            TokenPart::Input => "i",
+            TokenPart::Output => "o",
+        };
         let extra = [
+            part.to_owned(),
             num(window.limit),
             num(window.remaining),
             num(window.reset_ms),

@@ -477,7 +477,9 @@ async fn a_grant_that_beats_its_waiters_queueing_reply_is_kept_for_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_token_budget_is_one_across_nodes() {
     use nthbouncer_coord::redis::SharedAdmit;
-    use nthbouncer_governor::{BudgetSource, TokenSettings, TokenWindow};
+    use nthbouncer_governor::{
+        BudgetSource, TokenCost, TokenPart, TokenSettings, TokenWindow, Usage,
+    };
     let space = Space::new();
     let (a, b) = (space.node(), space.node());
     let (ta, tb) = (a.token_ledger("p"), b.token_ledger("p"));
@@ -491,10 +493,10 @@ async fn the_token_budget_is_one_across_nodes() {
         other => panic!("not admitted: {other:?}"),
     };
     assert_eq!(
-        admitted(ta.admit(&s, 1, 600, false).await.unwrap()),
+        admitted(ta.admit(&s, 1, 600.into(), false).await.unwrap()),
         Some(400)
     );
-    match tb.admit(&s, 2, 500, false).await.unwrap() {
+    match tb.admit(&s, 2, 500.into(), false).await.unwrap() {
         SharedAdmit::Refused {
             view,
             retry_after_ms,
@@ -504,17 +506,23 @@ async fn the_token_budget_is_one_across_nodes() {
         }
         other => panic!("{other:?}"),
     }
-    match tb.admit(&s, 3, 1_001, false).await.unwrap() {
-        SharedAdmit::Exceeds(v) => assert_eq!(v.budget, Some(1_000)),
-        other => panic!("{other:?}"),
-    }
     assert_eq!(
-        admitted(tb.admit(&s, 4, 400, false).await.unwrap()),
+        tb.admit(&s, 3, 1_001.into(), false).await.unwrap(),
+        SharedAdmit::Exceeds {
+            estimate: 1_001,
+            budget: 1_000
+        }
+    );
+    assert_eq!(
+        admitted(tb.admit(&s, 4, 400.into(), false).await.unwrap()),
         Some(0)
     );
     // Node A's request used 100 of its 600: both see 500 come back.
     assert_eq!(
-        tb.finish(&s, 1, Some(100)).await.unwrap().remaining,
+        tb.finish(&s, 1, Some(Usage::Total(100)))
+            .await
+            .unwrap()
+            .remaining,
         Some(500)
     );
     let v = ta.peek(&s).await.unwrap();
@@ -527,31 +535,84 @@ async fn the_token_budget_is_one_across_nodes() {
     let s = TokenSettings { tpm: 0, ..s };
     let pool = "q";
     let (ta, tb) = (a.token_ledger(pool), b.token_ledger(pool));
-    assert_eq!(admitted(ta.admit(&s, 10, 100, false).await.unwrap()), None);
-    assert_eq!(admitted(tb.admit(&s, 11, 300, false).await.unwrap()), None);
+    assert_eq!(
+        admitted(ta.admit(&s, 10, 100.into(), false).await.unwrap()),
+        None
+    );
+    assert_eq!(
+        admitted(tb.admit(&s, 11, 300.into(), false).await.unwrap()),
+        None
+    );
     let w = TokenWindow {
         limit: Some(2_000),
         remaining: Some(1_000),
         reset_ms: Some(3_600_000),
     };
-    let v = ta.observe(&s, Some(10), w).await.unwrap();
+    let v = ta.observe(&s, Some(10), TokenPart::Total, w).await.unwrap();
     assert_eq!(v.source, Some(BudgetSource::Announced));
     assert_eq!(v.budget, Some(2_000));
     let r = v.remaining.unwrap();
     assert!((700..=701).contains(&r), "1000 less node B's 300: {r}");
 
     // Node B's waiter holds the budget: node A's small one may not pass it, until B lets go.
-    match tb.admit(&s, 12, 1_900, true).await.unwrap() {
+    match tb.admit(&s, 12, 1_900.into(), true).await.unwrap() {
         SharedAdmit::Refused { view, .. } => assert!(!view.held, "it holds, not another"),
         other => panic!("{other:?}"),
     }
-    match ta.admit(&s, 13, 10, false).await.unwrap() {
+    match ta.admit(&s, 13, 10.into(), false).await.unwrap() {
         SharedAdmit::Refused { view, .. } => assert!(view.held),
         other => panic!("{other:?}"),
     }
     tb.unhold(&s, 12).await.unwrap();
     assert!(matches!(
-        ta.admit(&s, 13, 10, false).await.unwrap(),
+        ta.admit(&s, 13, 10.into(), false).await.unwrap(),
         SharedAdmit::Admitted(_)
     ));
+
+    // An origin that splits its budget (input, output): each part binds on every node.
+    let (ta, tb) = (a.token_ledger("r"), b.token_ledger("r"));
+    let w = |limit| TokenWindow {
+        limit: Some(limit),
+        remaining: Some(limit),
+        reset_ms: Some(3_600_000),
+    };
+    ta.observe(&s, None, TokenPart::Input, w(5_000))
+        .await
+        .unwrap();
+    let v = ta
+        .observe(&s, None, TokenPart::Output, w(500))
+        .await
+        .unwrap();
+    assert_eq!(
+        (v.input_remaining, v.output_remaining),
+        (Some(5_000), Some(500))
+    );
+    let cost = |input, output| TokenCost { input, output };
+    assert_eq!(
+        tb.admit(&s, 20, cost(10, 600), false).await.unwrap(),
+        SharedAdmit::Exceeds {
+            estimate: 600,
+            budget: 500
+        }
+    );
+    assert!(matches!(
+        tb.admit(&s, 21, cost(100, 400), false).await.unwrap(),
+        SharedAdmit::Admitted(_)
+    ));
+    // The output has 100 left: a prompt-heavy call passes, one wanting 200 out does not.
+    assert!(matches!(
+        ta.admit(&s, 22, cost(200, 200), false).await.unwrap(),
+        SharedAdmit::Refused { .. }
+    ));
+    assert!(matches!(
+        ta.admit(&s, 23, cost(4_000, 50), false).await.unwrap(),
+        SharedAdmit::Admitted(_)
+    ));
+    // Call 21 used 300 in and 100 out: 300 output back for everyone.
+    let u = Usage::Split(cost(300, 100));
+    let v = ta.finish(&s, 21, Some(u)).await.unwrap();
+    assert_eq!(
+        (v.input_remaining, v.output_remaining),
+        (Some(700), Some(350))
+    );
 }

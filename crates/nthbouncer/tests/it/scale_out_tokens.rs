@@ -25,6 +25,8 @@ async fn sandbox(tpm: u64, window_ms: u64) -> (Arc<Sandbox>, String) {
         announce: true,
         tpm,
         token_window_ms: window_ms,
+        input_tpm: 0,
+        output_tpm: 0,
     });
     tokio::spawn(nthbouncer_sandbox::serve(
         listener,

@@ -98,9 +98,11 @@ pub(super) fn answered(
     resp: Response<Body>,
     max: u64,
 ) -> Response<Body> {
+    let id = charge.as_ref().map(|c| c.id);
     if let Some(window) = outcome.and_then(tokens::window_of) {
-        gate.observe(charge.as_ref().map(|c| c.id), window);
+        gate.observe(id, window);
     }
+    tokens::observe_split(gate, id, resp.status().as_u16(), resp.headers());
     let (mut parts, body) = resp.into_parts();
     mark(&mut parts.headers, gate);
     let body = match charge {

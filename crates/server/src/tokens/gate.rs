@@ -10,7 +10,9 @@ use std::sync::{Arc, Weak};
 
 use nthbouncer_coord::redis::RedisTokens;
 use nthbouncer_coord::{Clock, Priority};
-use nthbouncer_governor::{TokenAdmit, TokenBudget, TokenSettings, TokenSnapshot, TokenWindow};
+use nthbouncer_governor::{
+    TokenAdmit, TokenBudget, TokenCost, TokenPart, TokenSettings, TokenSnapshot, TokenWindow, Usage,
+};
 use parking_lot::Mutex;
 use tokio::sync::{oneshot, Notify};
 
@@ -153,7 +155,7 @@ impl TokenGate {
     }
 
     /// This node's own budget, without waiting (shared budgets while Redis is away).
-    pub(super) fn local_admit(&self, id: u128, cost: u64, priority: Priority) -> TokenAdmit {
+    pub(super) fn local_admit(&self, id: u128, cost: TokenCost, priority: Priority) -> TokenAdmit {
         let now = self.now();
         self.state
             .lock()
@@ -166,7 +168,7 @@ impl TokenGate {
     pub async fn acquire(
         &self,
         id: u128,
-        cost: u64,
+        cost: TokenCost,
         priority: Priority,
         wait_ms: u64,
     ) -> Result<Option<u64>, TokenRefusal> {
@@ -229,12 +231,12 @@ impl TokenGate {
     }
 
     /// The request of charge `id` ended; its answer reported `usage` tokens, if any.
-    pub fn finish(&self, id: u128, usage: Option<u64>) {
+    pub fn finish(&self, id: u128, usage: Option<Usage>) {
         match &self.shared {
             Some(sh) if !sh.take_local(id) => sh.finish(id, usage),
             _ => {
                 let now = self.now();
-                self.state.lock().budget.finish(now, id, usage);
+                self.state.lock().budget.finish_usage(now, id, usage);
                 self.wake.notify_one();
             }
         }
@@ -244,12 +246,17 @@ impl TokenGate {
     /// Shared, it goes to Redis too (this node's own budget learns it for while Redis is
     /// away).
     pub fn observe(&self, id: Option<u128>, window: TokenWindow) {
+        self.observe_part(id, TokenPart::Total, window);
+    }
+
+    /// [`TokenGate::observe`] of one budget of an origin that splits them (input, output).
+    pub fn observe_part(&self, id: Option<u128>, part: TokenPart, window: TokenWindow) {
         let now = self.now();
         if let Some(sh) = &self.shared {
             let local = id.is_some_and(|id| sh.is_local(id));
-            sh.observe(id.filter(|_| !local), window);
+            sh.observe(id.filter(|_| !local), part, window);
         }
-        self.state.lock().budget.observe(now, id, window);
+        self.state.lock().budget.observe_part(now, id, part, window);
         self.engaged.store(true, Ordering::Release);
         self.wake.notify_one();
     }
@@ -277,6 +284,8 @@ impl TokenGate {
             waiting: sh.waiting(),
             held: v.held,
             admitted_tokens: v.admitted_tokens,
+            input_remaining: v.input_remaining,
+            output_remaining: v.output_remaining,
         }
     }
 

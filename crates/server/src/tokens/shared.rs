@@ -17,7 +17,7 @@ use std::sync::{Arc, Weak};
 
 use nthbouncer_coord::redis::{RedisTokens, SharedAdmit, TokenView, HOLD_RENEW_MS};
 use nthbouncer_coord::Priority;
-use nthbouncer_governor::{TokenAdmit, TokenSettings, TokenWindow};
+use nthbouncer_governor::{TokenAdmit, TokenCost, TokenPart, TokenSettings, TokenWindow, Usage};
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot, Notify};
 
@@ -28,7 +28,7 @@ pub(super) type Answer = Result<Option<u64>, TokenRefusal>;
 
 struct Waiter {
     id: u128,
-    cost: u64,
+    cost: TokenCost,
     rank: u8,
     seq: u64,
     since: u64,
@@ -37,10 +37,10 @@ struct Waiter {
 
 /// What this node tells the shared ledger after admission, in order.
 enum Report {
-    Finish(u128, Option<u64>),
+    Finish(u128, Option<Usage>),
     Refund(u128),
     Unhold(u128),
-    Observe(Option<u128>, TokenWindow),
+    Observe(Option<u128>, TokenPart, TokenWindow),
 }
 
 pub(super) struct Shared {
@@ -139,7 +139,7 @@ impl Shared {
         self.local.lock().remove(&id)
     }
 
-    pub(super) fn finish(&self, id: u128, usage: Option<u64>) {
+    pub(super) fn finish(&self, id: u128, usage: Option<Usage>) {
         let _ = self.reports.send(Report::Finish(id, usage));
     }
 
@@ -147,8 +147,8 @@ impl Shared {
         let _ = self.reports.send(Report::Refund(id));
     }
 
-    pub(super) fn observe(&self, id: Option<u128>, window: TokenWindow) {
-        let _ = self.reports.send(Report::Observe(id, window));
+    pub(super) fn observe(&self, id: Option<u128>, part: TokenPart, window: TokenWindow) {
+        let _ = self.reports.send(Report::Observe(id, part, window));
     }
 
     /// The budget as Redis has it now (the last view if it does not answer).
@@ -170,7 +170,7 @@ pub(super) async fn acquire(
     gate: &TokenGate,
     sh: &Arc<Shared>,
     id: u128,
-    cost: u64,
+    cost: TokenCost,
     priority: Priority,
     wait_ms: u64,
 ) -> Answer {
@@ -226,7 +226,7 @@ async fn try_once(
     gate: &TokenGate,
     sh: &Shared,
     id: u128,
-    cost: u64,
+    cost: TokenCost,
     holder: bool,
     now: u64,
 ) -> Tried {
@@ -237,12 +237,8 @@ async fn try_once(
                 sh.seen(v);
                 return Tried::Admitted(v.remaining);
             }
-            Ok(SharedAdmit::Exceeds(v)) => {
-                sh.seen(v);
-                return Tried::Failed(TokenRefusal::Exceeds {
-                    estimate: cost,
-                    budget: v.budget.unwrap_or(0),
-                });
+            Ok(SharedAdmit::Exceeds { estimate, budget }) => {
+                return Tried::Failed(TokenRefusal::Exceeds { estimate, budget });
             }
             Ok(SharedAdmit::Refused {
                 view,
@@ -341,7 +337,7 @@ pub(super) async fn ticker(gate: Weak<TokenGate>) {
 /// One pass over the waiters; when to look again (`None`: nobody waits).
 async fn round(g: &TokenGate, sh: &Shared) -> Option<u64> {
     let hold_ms = sh.settings().hold_ms;
-    let mut order: Vec<(u128, u64, u64)> = {
+    let mut order: Vec<(u128, TokenCost, u64)> = {
         let mut q = sh.queue.lock();
         q.sort_by_key(|w| (w.rank, w.seq));
         q.iter().map(|w| (w.id, w.cost, w.since)).collect()
@@ -364,7 +360,7 @@ async fn round(g: &TokenGate, sh: &Shared) -> Option<u64> {
         .min();
     let mut room: Option<u64> = None;
     for (id, cost, _) in order {
-        if room.is_some_and(|r| cost > r) {
+        if room.is_some_and(|r| cost.total() > r) {
             continue;
         }
         match try_once(g, sh, id, cost, holder.is_some(), g.now()).await {
@@ -408,8 +404,8 @@ async fn reporter(sh: Weak<Shared>, mut rx: mpsc::UnboundedReceiver<Report>) {
             Report::Finish(id, usage) => l.finish(&settings, id, usage).await,
             Report::Refund(id) => l.refund(&settings, id).await,
             Report::Unhold(id) => l.unhold(&settings, id).await,
-            Report::Observe(_, _) if !settings.learn => continue,
-            Report::Observe(id, window) => l.observe(&settings, id, window).await,
+            Report::Observe(..) if !settings.learn => continue,
+            Report::Observe(id, part, window) => l.observe(&settings, id, part, window).await,
         };
         match done {
             Ok(view) => {

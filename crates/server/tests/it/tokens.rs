@@ -25,6 +25,8 @@ async fn sandbox(tpm: u64, window_ms: u64) -> (Arc<Sandbox>, String) {
         announce: true,
         tpm,
         token_window_ms: window_ms,
+        input_tpm: 0,
+        output_tpm: 0,
     });
     tokio::spawn(nthbouncer_sandbox::serve(
         listener,
@@ -377,4 +379,75 @@ async fn a_shared_budget_whose_redis_is_away_fails_closed_or_open_on_the_nodes_s
     let over = post(&open, "/respond", &chat(200)).header("x-nthpool-no-queue", "1");
     expect_error(send(over).await, 429, "too_many_requests").await;
     assert_eq!(up.total(), 2);
+}
+
+/// A sandbox whose `/v1/messages` has hidden input- and output-token limits apart (Anthropic's
+/// split budget, announced with `anthropic-ratelimit-{input,output}-tokens-*`), each refilling
+/// over a second.
+async fn split_sandbox(input_tpm: u64, output_tpm: u64) -> (Arc<Sandbox>, String) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let sb = Sandbox::new(SandboxConfig {
+        limit: 0,
+        rpm: 0,
+        latency_ms: 5,
+        latency_jitter_ms: 0,
+        announce: true,
+        tpm: 0,
+        token_window_ms: 1_000,
+        input_tpm,
+        output_tpm,
+    });
+    tokio::spawn(nthbouncer_sandbox::serve(
+        listener,
+        sb.clone(),
+        std::future::pending(),
+    ));
+    (sb, format!("http://{addr}"))
+}
+
+/// An origin that announces its input and output tokens apart: a request's output cap must fit
+/// the output budget (larger than all of it: 400 at once, though the input has plenty), and
+/// eager clients whose caps together are many times the output budget get no origin 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn input_and_output_budgets_apart_each_bind() {
+    let (sb, url) = split_sandbox(100_000, 500).await;
+    let gw = gateway(&pool_toml("p", &url, "limit = 50")).await;
+    let message = |max_tokens: u64| {
+        json!({
+            "model": "claude-sonnet-4-5",
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": "say hi to the sandbox"}],
+        })
+    };
+    let first = send(post(&gw, "/v1/messages", &message(100))).await;
+    assert_eq!(first.status(), 200);
+    first.bytes().await.unwrap();
+    let s = gw
+        .wait_state("p", "the split budget learned", |s| {
+            tokens_of(s)["outputRemaining"].is_u64()
+        })
+        .await;
+    assert_eq!(tokens_of(&s)["source"], "announced");
+    assert!(
+        tokens_of(&s)["inputRemaining"].as_u64().unwrap() > 99_000,
+        "{s}"
+    );
+
+    let r = send(post(&gw, "/v1/messages", &message(600))).await;
+    let body = expect_error(r, 400, "exceeds_token_budget").await;
+    let text = body["message"].as_str().unwrap();
+    assert!(text.contains("600") && text.contains("500"), "{text}");
+
+    let mut tasks = Vec::new();
+    for _ in 0..30 {
+        tasks.push(spawn_send(post(&gw, "/v1/messages", &message(150))));
+    }
+    for t in tasks {
+        let r = t.await.unwrap();
+        assert_eq!(r.status(), 200, "{:?}", r.text().await);
+    }
+    let stats = sb.stats();
+    assert_eq!(stats.throttled, 0, "the origin refused some: {stats:?}");
+    assert_eq!(stats.ok, 31);
 }

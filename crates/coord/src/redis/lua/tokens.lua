@@ -5,18 +5,22 @@
 -- one of them at a time may hold the budget (`holder`). Runs atomically; time is the server's
 -- (`TIME`), so no node clock decides a window or a refill.
 --
--- KEYS: 1 charges (hash id -> "seq:at:cost:finishedSeq", finishedSeq -1 while in flight),
--- 2 meta (hash: seq, admitted, the announcement a_limit/a_rem/a_at/a_full/a_basis/a_ift,
--- hold_id/hold_until).
+-- Split budgets (Anthropic's input and output tokens): a charge's cost is its input and its
+-- output; the origin's announcement of each budget ('t' total, 'i' input, 'o' output) is kept
+-- apart, and a charge fits when its total fits the total and each part fits its own.
+--
+-- KEYS: 1 charges (hash id -> "seq:at:input:output:finishedSeq", finishedSeq -1 while in
+-- flight), 2 meta (hash: seq, admitted, per part p the announcement p_limit/p_rem/p_at/p_full/
+-- p_basis/p_ift, hold_id/hold_until).
 -- ARGV: 1 operation, 2 tpm (0 = none configured), 3 window_ms, 4 hold_ttl_ms, 5 charge id
 -- ('' for none), then the operation's own:
---   admit   6 cost, 7 holder (0/1: the caller's waiter has waited its hold)
---   finish  6 actual usage (-1: not reported)
---   observe 6 limit, 7 remaining, 8 reset_ms (-1: not said)
+--   admit   6 input, 7 output, 8 holder (0/1: the caller's waiter has waited its hold)
+--   finish  6 actual total (-1: not reported), 7 its input and 8 its output (-1: not apart)
+--   observe 6 part ('t', 'i', 'o'), 7 limit, 8 remaining, 9 reset_ms (-1: not said)
 --   refund, unhold, peek: none
--- Reply: {verdict, remaining, budget, source, admittedTokens, retryMs, held}; -1 for none;
--- verdict 'admitted' | 'refused' | 'exceeds' | 'ok'; source 0 none, 1 configured,
--- 2 announced, 3 both; held 1 when another charge holds the budget.
+-- Reply: {verdict, remaining, budget, source, admittedTokens, retryMs, held, inputRemaining,
+-- outputRemaining}; -1 for none; verdict 'admitted' | 'refused' | 'exceeds' | 'ok'; source
+-- 0 none, 1 configured, 2 announced, 3 both; held 1 when another charge holds the budget.
 
 local K_CHARGES, K_META = KEYS[1], KEYS[2]
 local op = ARGV[1]
@@ -35,26 +39,31 @@ local function fmt(n)
   return string.format('%d', n)
 end
 
-local m = redis.call('HMGET', K_META, 'seq', 'admitted', 'a_limit', 'a_rem', 'a_at', 'a_full',
-  'a_basis', 'a_ift', 'hold_id', 'hold_until')
+local PARTS = { 't', 'i', 'o' }
+local m = redis.call('HMGET', K_META, 'seq', 'admitted', 'hold_id', 'hold_until')
 local seq = tonumber(m[1]) or 0
 local admitted = tonumber(m[2]) or 0
-local ann = nil
-if tonumber(m[5]) then
-  ann = { limit = tonumber(m[3]), rem = tonumber(m[4]), at = tonumber(m[5]), full = tonumber(m[6]),
-    basis = tonumber(m[7]) or 0, ift = tonumber(m[8]) or 0 }
+local hold_id = m[3]
+if not hold_id or (tonumber(m[4]) or 0) <= now then hold_id = nil end
+-- The origin's last announcement of each budget.
+local ann = {}
+for _, p in ipairs(PARTS) do
+  local a = redis.call('HMGET', K_META, p .. '_limit', p .. '_rem', p .. '_at', p .. '_full',
+    p .. '_basis', p .. '_ift')
+  if tonumber(a[3]) then
+    ann[p] = { limit = tonumber(a[1]), rem = tonumber(a[2]), at = tonumber(a[3]),
+      full = tonumber(a[4]), basis = tonumber(a[5]) or 0, ift = tonumber(a[6]) or 0 }
+  end
 end
-local hold_id = m[9]
-if not hold_id or (tonumber(m[10]) or 0) <= now then hold_id = nil end
 
 -- The ledger, in admission order.
 local charges, by_id = {}, {}
 local flat = redis.call('HGETALL', K_CHARGES)
 for i = 1, #flat, 2 do
-  local s, at, cost, fin = string.match(flat[i + 1], '^(%d+):(%d+):(%d+):(-?%d+)$')
+  local s, at, inp, out, fin = string.match(flat[i + 1], '^(%d+):(%d+):(%d+):(%d+):(-?%d+)$')
   if s then
-    local c = { id = flat[i], seq = tonumber(s), at = tonumber(at), cost = tonumber(cost),
-      fin = tonumber(fin) }
+    local c = { id = flat[i], seq = tonumber(s), at = tonumber(at), inp = tonumber(inp),
+      out = tonumber(out), fin = tonumber(fin) }
     table.insert(charges, c)
     by_id[c.id] = c
   end
@@ -62,8 +71,15 @@ end
 table.sort(charges, function(a, b) return a.seq < b.seq end)
 
 local function save(c)
-  redis.call('HSET', K_CHARGES, c.id, fmt(c.seq) .. ':' .. fmt(c.at) .. ':' .. fmt(c.cost) .. ':'
-    .. fmt(c.fin))
+  redis.call('HSET', K_CHARGES, c.id, fmt(c.seq) .. ':' .. fmt(c.at) .. ':' .. fmt(c.inp) .. ':'
+    .. fmt(c.out) .. ':' .. fmt(c.fin))
+end
+
+-- A charge's (or a cost's) part: 't' its total, 'i' its input, 'o' its output.
+local function part_of(c, p)
+  if p == 'i' then return c.inp end
+  if p == 'o' then return c.out end
+  return c.inp + c.out
 end
 
 for _, c in ipairs(charges) do
@@ -75,7 +91,11 @@ end
 
 -- Drops charges neither budget counts any more (as `TokenBudget::prune`).
 local function prune()
-  local basis = ann and ann.basis
+  -- The oldest announcement in force decides: a charge it does not know must stay.
+  local basis = nil
+  for _, a in pairs(ann) do
+    if not basis or a.basis < basis then basis = a.basis end
+  end
   local first = 1
   while charges[first] do
     local c = charges[first]
@@ -97,15 +117,15 @@ prune()
 local function spent_in_window()
   local s = 0
   for _, c in ipairs(charges) do
-    if c.at + window > now then s = s + c.cost end
+    if c.at + window > now then s = s + part_of(c, 't') end
   end
   return s
 end
 
-local function spent_after(basis)
+local function spent_after(p, basis)
   local s = 0
   for _, c in ipairs(charges) do
-    if c.seq > basis then s = s + c.cost end
+    if c.seq > basis then s = s + part_of(c, p) end
   end
   return s
 end
@@ -116,40 +136,45 @@ local function configured_remaining()
 end
 
 -- The announced budget's level before the charges it does not know (`announced_level`).
-local function announced_level()
-  if not ann then return nil end
-  local r, limit, full = ann.rem, ann.limit, ann.full
-  if r and limit and full and full > ann.at and limit > r then
+local function announced_level(a)
+  local r, limit, full = a.rem, a.limit, a.full
+  if r and limit and full and full > a.at and limit > r then
     if now >= full then return limit end
-    return r + math.floor((limit - r) * math.max(0, now - ann.at) / (full - ann.at))
+    return r + math.floor((limit - r) * math.max(0, now - a.at) / (full - a.at))
   elseif r and full then
     if now < full then return r end
     return limit
   elseif r then
-    if now < ann.at + window then return r end
+    if now < a.at + window then return r end
     return limit
   end
   return limit
 end
 
-local function announced_remaining()
-  if not ann then return nil end
-  local level = announced_level()
+-- What the announced budget of part `p` has left, if one is in force.
+local function announced_remaining(p)
+  local a = ann[p]
+  if not a then return nil end
+  local level = announced_level(a)
   if not level then return nil end
-  return math.max(0, level - spent_after(ann.basis) - ann.ift)
+  return math.max(0, level - spent_after(p, a.basis) - a.ift)
 end
 
 local function remaining()
-  local c, a = configured_remaining(), announced_remaining()
+  local c, a = configured_remaining(), announced_remaining('t')
   if c and a then return math.min(c, a) end
   return c or a
+end
+
+local function announced_limit(p)
+  if ann[p] and announced_remaining(p) then return ann[p].limit end
+  return nil
 end
 
 local function budget()
   local c = nil
   if tpm > 0 then c = tpm end
-  local a = nil
-  if ann and announced_remaining() then a = ann.limit end
+  local a = announced_limit('t')
   if c and a then return math.min(c, a) end
   return c or a
 end
@@ -157,23 +182,35 @@ end
 local function source()
   local s = 0
   if tpm > 0 then s = 1 end
-  if announced_remaining() then s = s + 2 end
+  for _, p in ipairs(PARTS) do
+    if announced_remaining(p) then
+      s = s + 2
+      break
+    end
+  end
   return s
 end
 
 local function fits(cost)
   local r = remaining()
-  return not r or cost <= r
+  if r and part_of(cost, 't') > r then return false end
+  for _, p in ipairs({ 'i', 'o' }) do
+    local a = announced_remaining(p)
+    if a and part_of(cost, p) > a then return false end
+  end
+  return true
 end
 
--- When the announced budget will have refilled enough for `cost` (`announced_fits_at`).
-local function announced_fits_at(cost)
-  local need = cost + spent_after(ann.basis) + ann.ift
-  local full = ann.full or (ann.at + window)
-  local r, limit = ann.rem, ann.limit
-  if r and limit and limit > r and full > ann.at then
+-- When the announced budget of part `p` will have refilled enough for `need` more
+-- (`announced_fits_at`).
+local function announced_fits_at(p, cost)
+  local a = ann[p]
+  local need = cost + spent_after(p, a.basis) + a.ift
+  local full = a.full or (a.at + window)
+  local r, limit = a.rem, a.limit
+  if r and limit and limit > r and full > a.at then
     if need > limit then return nil end
-    return ann.at + math.ceil(math.max(0, need - r) * (full - ann.at) / (limit - r))
+    return a.at + math.ceil(math.max(0, need - r) * (full - a.at) / (limit - r))
   end
   return math.max(full, now + 1)
 end
@@ -181,28 +218,29 @@ end
 -- The earliest time `cost` fits, if the budget alone will ever let it (`fits_at`).
 local function fits_at(cost)
   if fits(cost) then return now end
-  local configured = now
+  local total = part_of(cost, 't')
+  local at = now + 1
   if tpm > 0 then
-    if cost > tpm then return nil end
+    if total > tpm then return nil end
     local spent = spent_in_window()
     for _, c in ipairs(charges) do
-      if tpm - spent >= cost then break end
+      if tpm - spent >= total then break end
       if c.at + window > now then
-        spent = spent - c.cost
-        configured = c.at + window
+        spent = spent - part_of(c, 't')
+        at = math.max(at, c.at + window)
       end
     end
-    if tpm - spent < cost then return nil end
+    if tpm - spent < total then return nil end
   end
-  local announced = now
-  if ann then
-    local a = announced_remaining()
-    if a and a < cost then
-      announced = announced_fits_at(cost)
-      if not announced then return nil end
+  for _, p in ipairs(PARTS) do
+    local a = announced_remaining(p)
+    if a and a < part_of(cost, p) then
+      local t = announced_fits_at(p, part_of(cost, p))
+      if not t then return nil end
+      at = math.max(at, t)
     end
   end
-  return math.max(configured, announced, now + 1)
+  return at
 end
 
 local function touch()
@@ -213,7 +251,8 @@ end
 local function reply(verdict, retry)
   local held = 0
   if hold_id and hold_id ~= id then held = 1 end
-  return { verdict, remaining() or -1, budget() or -1, source(), fmt(admitted), retry or -1, held }
+  return { verdict, remaining() or -1, budget() or -1, source(), fmt(admitted), retry or -1, held,
+    announced_remaining('i') or -1, announced_remaining('o') or -1 }
 end
 
 local function set_hold(h)
@@ -226,17 +265,26 @@ local function set_hold(h)
 end
 
 if op == 'admit' then
-  local cost, holder = tonumber(ARGV[6]), ARGV[7] == '1'
-  local b = budget()
-  if b and cost > b then return reply('exceeds') end
+  local cost = { inp = tonumber(ARGV[6]), out = tonumber(ARGV[7]) }
+  local holder = ARGV[8] == '1'
+  -- Larger than a whole budget: {'exceeds', estimate, budget}.
+  local whole = { { part_of(cost, 't'), budget() }, { cost.inp, announced_limit('i') },
+    { cost.out, announced_limit('o') } }
+  for _, w in ipairs(whole) do
+    if w[2] and w[1] > w[2] then
+      local r = reply('exceeds')
+      r[2], r[3] = w[1], w[2]
+      return r
+    end
+  end
   if by_id[id] then return reply('refused') end
   if (not hold_id or hold_id == id) and fits(cost) then
     seq = seq + 1
-    local c = { id = id, seq = seq, at = now, cost = cost, fin = -1 }
+    local c = { id = id, seq = seq, at = now, inp = cost.inp, out = cost.out, fin = -1 }
     table.insert(charges, c)
     by_id[id] = c
     save(c)
-    admitted = admitted + cost
+    admitted = admitted + part_of(c, 't')
     redis.call('HSET', K_META, 'seq', fmt(seq), 'admitted', fmt(admitted))
     if hold_id == id then set_hold(nil) end
     touch()
@@ -250,12 +298,17 @@ if op == 'admit' then
   return reply('refused', retry)
 elseif op == 'finish' then
   local c = by_id[id]
-  local actual = tonumber(ARGV[6])
+  local actual, inp, out = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
   if c then
     if c.fin < 0 then c.fin = seq end
     if actual >= 0 then
-      admitted = math.max(0, admitted - c.cost) + actual
-      c.cost = actual
+      if inp < 0 or out < 0 then
+        -- Not apart: the output estimate stands as far as the total allows.
+        out = math.min(c.out, actual)
+        inp = actual - out
+      end
+      admitted = math.max(0, admitted - part_of(c, 't')) + inp + out
+      c.inp, c.out = inp, out
       redis.call('HSET', K_META, 'admitted', fmt(admitted))
     end
     save(c)
@@ -269,14 +322,15 @@ elseif op == 'refund' then
     for i, x in ipairs(charges) do
       if x.id == id then table.remove(charges, i) break end
     end
-    admitted = math.max(0, admitted - c.cost)
+    admitted = math.max(0, admitted - part_of(c, 't'))
     redis.call('HSET', K_META, 'admitted', fmt(admitted))
   end
   if hold_id == id then set_hold(nil) end
 elseif op == 'unhold' then
   if hold_id == id then set_hold(nil) end
 elseif op == 'observe' then
-  local limit, rem, reset = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+  local p = ARGV[6]
+  local limit, rem, reset = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
   if limit < 0 then limit = nil end
   if rem < 0 then rem = nil end
   if reset < 0 then reset = nil end
@@ -293,17 +347,17 @@ elseif op == 'observe' then
   local ift = 0
   for _, c in ipairs(charges) do
     if c.seq <= basis and c.id ~= id and (c.fin < 0 or c.fin >= settled_before) then
-      ift = ift + c.cost
+      ift = ift + part_of(c, p)
     end
   end
-  if (limit or rem) and not (ann and ann.basis > basis) then
+  if (limit or rem) and not (ann[p] and ann[p].basis > basis) then
     local at = now + 1
     local full = nil
     if reset then full = at + reset end
-    ann = { limit = limit, rem = rem, at = at, full = full, basis = basis, ift = ift }
-    redis.call('HSET', K_META, 'a_limit', limit and fmt(limit) or '', 'a_rem',
-      rem and fmt(rem) or '', 'a_at', fmt(at), 'a_full', full and fmt(full) or '', 'a_basis',
-      fmt(basis), 'a_ift', fmt(ift))
+    ann[p] = { limit = limit, rem = rem, at = at, full = full, basis = basis, ift = ift }
+    redis.call('HSET', K_META, p .. '_limit', limit and fmt(limit) or '', p .. '_rem',
+      rem and fmt(rem) or '', p .. '_at', fmt(at), p .. '_full', full and fmt(full) or '',
+      p .. '_basis', fmt(basis), p .. '_ift', fmt(ift))
     prune()
     touch()
   end
