@@ -451,3 +451,47 @@ async fn input_and_output_budgets_apart_each_bind() {
     assert_eq!(stats.throttled, 0, "the origin refused some: {stats:?}");
     assert_eq!(stats.ok, 31);
 }
+
+/// A streamed answer whose last chunk reports the usage (OpenAI's
+/// `stream_options.include_usage`): once the stream has been relayed, the charge is corrected
+/// from the estimate to that usage.
+#[tokio::test]
+async fn a_streamed_answers_final_usage_chunk_reconciles_the_charge() {
+    let (_sb, url) = sandbox(0, 60_000).await;
+    let gw = gateway(&pool_toml("p", &url, "tpm = 10000")).await;
+    let body = json!({
+        "model": "gpt-4o",
+        "max_tokens": 500,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+        "messages": [{"role": "user", "content": "hi"}],
+    });
+    let r = send(post(&gw, "/v1/chat/completions", &body)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "text/event-stream");
+    // Charged its estimate: 7 of framing and prompt, and the 500 it may write.
+    assert_eq!(r.headers()["x-nthpool-tpm-remaining"], "9493");
+    let text = r.text().await.unwrap();
+    let usage = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .find_map(|v| v["usage"]["total_tokens"].as_u64())
+        .unwrap_or_else(|| panic!("no usage chunk in {text}"));
+    assert!(
+        usage < 507,
+        "the reported usage is not the estimate: {usage}"
+    );
+    let s = gw
+        .wait_state("p", "the streamed usage reconciled", |s| {
+            tokens_of(s)["remaining"] == 10_000 - usage
+        })
+        .await;
+    assert_eq!(tokens_of(&s)["admittedTokens"], usage);
+    // The next answer says so too.
+    let r = send(post(&gw, "/v1/chat/completions", &chat(100))).await;
+    assert_eq!(
+        r.headers()["x-nthpool-tpm-remaining"],
+        (10_000 - usage - 100).to_string().as_str()
+    );
+}
