@@ -138,3 +138,65 @@ async fn three_nodes_admit_one_token_budget() {
         assert!(admitted <= 3_000, "admitted {admitted} tokens of 3000: {s}");
     }
 }
+
+/// A message whose estimate is `cost` tokens (7 of framing and prompt, the rest output). Its
+/// model has no public tokenizer: estimated by bytes (a node's first OpenAI estimate builds
+/// its encoding, which takes a while in a debug build).
+fn costing(cost: u64) -> Value {
+    json!({
+        "model": "claude-sonnet-4-5",
+        "max_tokens": cost - 7,
+        "messages": [{"role": "user", "content": "hi"}],
+    })
+}
+
+/// A waiter that does not fit, on one node, lets small requests of other nodes pass until its
+/// hold has run out; from then on the budget is held for it on every node, and it is served
+/// before anything that came later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_waiter_holds_the_shared_budget_on_every_node() {
+    let _serial = SERIAL.lock().await;
+    let space = Space::new();
+    let up = nthbouncer_testkit::Upstream::start().await;
+    let pools = format!(
+        "{}[pools.tokens]\nhold_ms = 1000\nwindow_ms = 3000\n",
+        pool_toml("h", &up.url(), "tpm = 1000")
+    );
+    let nodes = nodes(3, &space.server_toml(&redis_url(), ""), &pools).await;
+    let seq = |node: &Server, n: &str, cost| {
+        node.pool("h", Method::POST, "/respond")
+            .json(&costing(cost))
+            .header("x-seq", n)
+    };
+    let a = seq(&nodes[0], "a", 800).send().await.unwrap();
+    assert_eq!(a.status(), 200);
+    assert_eq!(a.headers()["x-nthpool-tpm-remaining"], "200");
+    let large = tokio::spawn(seq(&nodes[1], "large", 900).send());
+    let mut last = Value::Null;
+    let waits = wait_until(500, std::time::Duration::from_millis(10), async || {
+        last = state(&nodes[1], "h").await;
+        last["tokens"]["waiting"] == 1
+    })
+    .await;
+    assert!(waits, "the large one never waited: {last}");
+    // A small one on another node passes it while its hold has not run out...
+    let small = seq(&nodes[2], "small", 100).send().await.unwrap();
+    assert_eq!(small.status(), 200);
+    assert_eq!(up.arrivals(), ["a", "small"], "{:?}", state(&nodes[1], "h").await);
+    // ...and once it has, the budget is held on every node.
+    let held = wait_until(500, std::time::Duration::from_millis(10), async || {
+        last = state(&nodes[2], "h").await;
+        last["tokens"]["held"] == true
+    })
+    .await;
+    assert!(held, "the budget was never held: {last}");
+    let probe = seq(&nodes[2], "probe", 50).header("x-nthpool-no-queue", "1");
+    let probe = probe.send().await.unwrap();
+    assert_eq!(probe.status(), 429, "{:?}", probe.text().await);
+    let late = tokio::spawn(seq(&nodes[0], "late", 30).send());
+    assert_eq!(large.await.unwrap().unwrap().status(), 200);
+    assert_eq!(late.await.unwrap().unwrap().status(), 200);
+    let arrivals = up.arrivals();
+    assert!(!arrivals.iter().any(|a| a == "probe"), "{arrivals:?}");
+    assert_eq!(arrivals, ["a", "small", "large", "late"]);
+}
