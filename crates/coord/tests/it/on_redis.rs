@@ -616,3 +616,90 @@ async fn the_token_budget_is_one_across_nodes() {
         (Some(700), Some(350))
     );
 }
+
+/// The shared ledger's script mirrors the pure `TokenBudget`: the same admissions, ends,
+/// refunds and announcements (total and split; refills too slow to matter within the test)
+/// leave both with the same remainders after every step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shared_ledger_agrees_with_the_pure_budget() {
+    use nthbouncer_coord::redis::SharedAdmit;
+    use nthbouncer_governor::{
+        Priority, TokenAdmit, TokenBudget, TokenCost, TokenPart, TokenSettings, TokenWindow, Usage,
+    };
+    let space = Space::new();
+    let node = space.node();
+    let s = TokenSettings {
+        tpm: 20_000,
+        window_ms: 3_600_000,
+        ..TokenSettings::default()
+    };
+    let ledger = node.token_ledger("diff");
+    let mut pure = TokenBudget::new(s);
+    let mut seed: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut next = |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    let mut live: Vec<u128> = Vec::new();
+    for step in 0..300u128 {
+        let op = next(10);
+        if op < 5 || live.is_empty() {
+            let cost = TokenCost {
+                input: 1 + next(800),
+                output: next(400),
+            };
+            let p = pure.try_admit(0, step, cost, Priority::Normal, false);
+            let r = ledger.admit(&s, step, cost, false).await.unwrap();
+            match (p, r) {
+                (TokenAdmit::Admitted { .. }, SharedAdmit::Admitted(_)) => live.push(step),
+                (TokenAdmit::Refused { .. }, SharedAdmit::Refused { .. }) => {}
+                (TokenAdmit::Exceeds { estimate, budget }, e @ SharedAdmit::Exceeds { .. }) => {
+                    assert_eq!(e, SharedAdmit::Exceeds { estimate, budget });
+                }
+                other => panic!("step {step}: {other:?}"),
+            }
+        } else if op < 8 {
+            let id = live.remove(next(live.len() as u64) as usize);
+            let usage = match next(3) {
+                0 => None,
+                1 => Some(Usage::Total(next(1_000))),
+                _ => Some(Usage::Split(TokenCost {
+                    input: next(800),
+                    output: next(300),
+                })),
+            };
+            pure.finish_usage(0, id, usage);
+            ledger.finish(&s, id, usage).await.unwrap();
+        } else if op < 9 {
+            let id = live.remove(next(live.len() as u64) as usize);
+            pure.refund(id);
+            ledger.refund(&s, id).await.unwrap();
+        } else {
+            let part = [TokenPart::Total, TokenPart::Input, TokenPart::Output][next(3) as usize];
+            let limit = [30_000, 12_000, 4_000][next(3) as usize];
+            let w = TokenWindow {
+                limit: Some(limit),
+                remaining: Some(limit / 2 + next(limit / 2)),
+                reset_ms: Some(1_000_000_000_000),
+            };
+            let id = (next(2) == 0).then(|| live.last().copied()).flatten();
+            pure.observe_part(0, id, part, w);
+            ledger.observe(&s, id, part, w).await.unwrap();
+        }
+        let v = ledger.peek(&s).await.unwrap();
+        let snap = pure.snapshot(0);
+        assert_eq!(
+            (v.remaining, v.input_remaining, v.output_remaining, v.budget),
+            (
+                snap.remaining,
+                snap.input_remaining,
+                snap.output_remaining,
+                snap.budget
+            ),
+            "step {step} (op {op})"
+        );
+        assert_eq!(v.admitted_tokens, snap.admitted_tokens, "step {step}");
+    }
+}

@@ -182,7 +182,12 @@ async fn a_large_waiter_holds_the_shared_budget_on_every_node() {
     // A small one on another node passes it while its hold has not run out...
     let small = seq(&nodes[2], "small", 100).send().await.unwrap();
     assert_eq!(small.status(), 200);
-    assert_eq!(up.arrivals(), ["a", "small"], "{:?}", state(&nodes[1], "h").await);
+    assert_eq!(
+        up.arrivals(),
+        ["a", "small"],
+        "{:?}",
+        state(&nodes[1], "h").await
+    );
     // ...and once it has, the budget is held on every node.
     let held = wait_until(500, std::time::Duration::from_millis(10), async || {
         last = state(&nodes[2], "h").await;

@@ -102,7 +102,9 @@ pub(super) fn answered(
     if let Some(window) = outcome.and_then(tokens::window_of) {
         gate.observe(id, window);
     }
-    tokens::observe_split(gate, id, resp.status().as_u16(), resp.headers());
+    if tokens::announces_split(resp.headers()) {
+        tokens::observe_split(gate, id, resp.status().as_u16(), resp.headers());
+    }
     let (mut parts, body) = resp.into_parts();
     mark(&mut parts.headers, gate);
     let body = match charge {
