@@ -112,6 +112,10 @@ impl TokenGate {
     /// background, at most once a second; the call that asks goes on without a budget.
     fn check_engaged(&self) {
         let Some(sh) = &self.shared else { return };
+        if !sh.settings().learn {
+            // Only a configured budget could apply, and this node's configuration has none.
+            return;
+        }
         let now = self.now();
         let at = self.engage_check_at.load(Ordering::Acquire);
         if now < at

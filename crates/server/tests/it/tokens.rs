@@ -291,6 +291,13 @@ async fn async_jobs_are_charged_against_the_token_budget() {
     assert_eq!(up.total(), 1, "the waiting job did not reach the origin");
 }
 
+/// The machine's Redis (`NB_TEST_REDIS`, else 127.0.0.1:6379) as `host:port`.
+fn redis_addr() -> String {
+    let url = std::env::var("NB_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
+    let rest = url.trim_start_matches("redis://");
+    rest.split('/').next().unwrap_or(rest).to_string()
+}
+
 /// A way to the machine's Redis that the test can cut: a forwarder on a port of its own.
 struct RedisVia {
     port: u16,
@@ -305,7 +312,7 @@ impl RedisVia {
             let mut conns = tokio::task::JoinSet::new();
             while let Ok((mut inbound, _)) = listener.accept().await {
                 conns.spawn(async move {
-                    if let Ok(mut out) = tokio::net::TcpStream::connect("127.0.0.1:6379").await {
+                    if let Ok(mut out) = tokio::net::TcpStream::connect(redis_addr()).await {
                         let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
                     }
                 });
@@ -325,9 +332,8 @@ struct Keys(String);
 
 impl Drop for Keys {
     fn drop(&mut self) {
-        let Ok(mut c) =
-            redis::Client::open("redis://127.0.0.1:6379/").and_then(|c| c.get_connection())
-        else {
+        let url = format!("redis://{}/", redis_addr());
+        let Ok(mut c) = redis::Client::open(url).and_then(|c| c.get_connection()) else {
             return;
         };
         let keys: Vec<String> = redis::cmd("KEYS")
