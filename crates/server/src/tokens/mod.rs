@@ -4,6 +4,8 @@
 //! - `estimate`: a request's cost in tokens from its JSON body, and the usage an answer reports;
 //! - `gate`: the pool's [`TokenGate`] (the governor's pure `TokenBudget`, locked, with waiters
 //!   and a wake-up task), shared by every settings version of the pool;
+//! - `shared`: with coordination on Redis, the gate's budget is the pool's ledger there, one
+//!   for every node; this node keeps its waiters and reports ends and announcements in order;
 //! - here: a call's [`Charge`] (taken against the budget for an estimate, taken back if the call
 //!   is not sent, settled by its answer) and its refusal as an API error, which proxied calls
 //!   and async jobs share; reading a body far enough to estimate it ([`read_body`]), and the
