@@ -175,7 +175,16 @@ pub(super) async fn acquire(
     wait_ms: u64,
 ) -> Answer {
     let now = gate.now();
-    match try_once(gate, sh, id, cost, false, now).await {
+    // Dropped while Redis has the admission (its caller went away), a charge it may have made
+    // is taken back: the refund follows it on the same connection.
+    let mut attempt = Attempt {
+        sh,
+        done: false,
+        id,
+    };
+    let tried = try_once(gate, sh, id, cost, false, now).await;
+    attempt.done = true;
+    match tried {
         Tried::Admitted(r) => return Ok(r),
         Tried::Failed(refusal) => return Err(refusal),
         Tried::NoRoom(retry_after_ms) if wait_ms == 0 => {
@@ -213,6 +222,21 @@ pub(super) async fn acquire(
     }
     // Admitted as the wait ran out (answers are sent under the queue's lock): take it.
     parked.rx.try_recv().unwrap_or(Err(TokenRefusal::Timeout))
+}
+
+/// The first admission attempt of a caller, under way.
+struct Attempt<'a> {
+    sh: &'a Shared,
+    done: bool,
+    id: u128,
+}
+
+impl Drop for Attempt<'_> {
+    fn drop(&mut self) {
+        if !self.done && !self.sh.take_local(self.id) {
+            self.sh.refund(self.id);
+        }
+    }
 }
 
 enum Tried {
