@@ -45,8 +45,8 @@ use queue::WaitQueue;
 use rpm::RpmWindow;
 
 pub use tokens::{
-    BudgetSource, TokenAdmit, TokenBudget, TokenSettings, TokenSnapshot, TokenWindow,
-    DEFAULT_TOKEN_HOLD_MS, DEFAULT_TOKEN_WINDOW_MS,
+    BudgetSource, TokenAdmit, TokenBudget, TokenCost, TokenPart, TokenSettings, TokenSnapshot,
+    TokenWindow, Usage, DEFAULT_TOKEN_HOLD_MS, DEFAULT_TOKEN_WINDOW_MS,
 };
 
 /// A waiter's class: a freed slot goes to the oldest waiter of the highest class present.

@@ -22,6 +22,13 @@
 //! A charge whose request never started (refused by the slot gate after this one admitted it)
 //! is taken back whole ([`TokenBudget::refund`]).
 //!
+//! **Split budgets**: an origin that announces its input and output tokens apart (Anthropic's
+//! `input-tokens` and `output-tokens`) has three budgets in force at once: the total, and one
+//! per part ([`TokenPart`]). A charge's cost is its prompt (input) and its output cap (output)
+//! ([`TokenCost`]); it fits when the total fits the total budget and each part fits its own
+//! announced one. Each part's announcement is modelled as the total's is, from the charges'
+//! part in it. A configured `tpm` limits the total only.
+//!
 //! Waiting: a waiter that does not fit lets later ones that do fit pass, for at most
 //! `hold_ms`; from then on the budget is held for it (the oldest such waiter of the highest
 //! class), so neither small nor large requests starve. An estimate larger than the whole budget
@@ -67,6 +74,66 @@ impl Default for TokenSettings {
             learn: true,
         }
     }
+}
+
+/// A request's cost in tokens: its prompt (input) and its requested output (output). A bare
+/// number is a cost whose parts are not known apart: all input.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TokenCost {
+    pub input: u64,
+    pub output: u64,
+}
+
+impl TokenCost {
+    pub fn total(self) -> u64 {
+        self.input.saturating_add(self.output)
+    }
+
+    fn part(self, part: TokenPart) -> u64 {
+        match part {
+            TokenPart::Total => self.total(),
+            TokenPart::Input => self.input,
+            TokenPart::Output => self.output,
+        }
+    }
+}
+
+impl From<u64> for TokenCost {
+    fn from(total: u64) -> Self {
+        TokenCost {
+            input: total,
+            output: 0,
+        }
+    }
+}
+
+/// Which budget an announcement is of: the total, or one part of a split budget.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenPart {
+    Total,
+    Input,
+    Output,
+}
+
+const PARTS: [TokenPart; 3] = [TokenPart::Total, TokenPart::Input, TokenPart::Output];
+
+impl TokenPart {
+    fn index(self) -> usize {
+        match self {
+            TokenPart::Total => 0,
+            TokenPart::Input => 1,
+            TokenPart::Output => 2,
+        }
+    }
+}
+
+/// The usage an answer reported: its total only, or its parts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Usage {
+    /// The parts are not known apart: the charge keeps its output estimate as far as the total
+    /// allows, the rest is input.
+    Total(u64),
+    Split(TokenCost),
 }
 
 /// What an origin said about its token budget, durations relative to the answer.
@@ -123,6 +190,9 @@ pub struct TokenSnapshot {
     pub held: bool,
     /// Tokens charged in total (estimates, corrected by reconciliation).
     pub admitted_tokens: u64,
+    /// What the origin's announced input and output budgets have left, when it splits them.
+    pub input_remaining: Option<u64>,
+    pub output_remaining: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -130,7 +200,7 @@ struct Charge {
     id: u128,
     seq: u64,
     at: u64,
-    cost: u64,
+    cost: TokenCost,
     /// When its request ended: the sequence number of the last admission then.
     finished_seq: Option<u64>,
 }
@@ -154,7 +224,7 @@ struct Announced {
 #[derive(Clone, Copy, Debug)]
 struct Waiter {
     id: u128,
-    cost: u64,
+    cost: TokenCost,
     priority: Priority,
     seq: u64,
     since: u64,
@@ -166,7 +236,8 @@ pub struct TokenBudget {
     settings: TokenSettings,
     /// Charges in admission order (sequence and time non-decreasing).
     ledger: VecDeque<Charge>,
-    announced: Option<Announced>,
+    /// The origin's last announcement of each budget, by [`TokenPart::index`].
+    announced: [Option<Announced>; 3],
     waiters: Vec<Waiter>,
     seq: u64,
     clock: u64,
@@ -193,7 +264,7 @@ impl TokenBudget {
         TokenBudget {
             settings,
             ledger: VecDeque::new(),
-            announced: None,
+            announced: [None; 3],
             waiters: Vec::new(),
             seq: 0,
             clock: 0,
@@ -208,7 +279,7 @@ impl TokenBudget {
     /// New settings; charges and waiters stay. The caller then drains [`TokenBudget::dispatch`].
     pub fn reconfigure(&mut self, settings: TokenSettings) {
         if !settings.learn {
-            self.announced = None;
+            self.announced = [None; 3];
         }
         self.settings = settings;
     }
@@ -216,18 +287,29 @@ impl TokenBudget {
     /// Whether any budget is in force at `now` (a configured one, or an announcement).
     pub fn active(&self, now: u64) -> bool {
         let now = self.at(now);
-        self.settings.tpm > 0 || self.announced_remaining(now).is_some()
+        self.settings.tpm > 0
+            || PARTS
+                .iter()
+                .any(|&p| self.announced_remaining(p, now).is_some())
     }
 
     /// The whole budget: the smaller of the configured and the announced limit.
     pub fn budget(&self, now: u64) -> Option<u64> {
         let now = self.at(now);
         let configured = Some(self.settings.tpm).filter(|&t| t > 0);
-        let announced = self
-            .announced
-            .filter(|_| self.announced_remaining(now).is_some())
-            .and_then(|a| a.limit);
-        min_opt(configured, announced)
+        min_opt(configured, self.announced_limit(TokenPart::Total, now))
+    }
+
+    /// The whole announced budget of `part`, while its announcement is in force.
+    fn announced_limit(&self, part: TokenPart, now: u64) -> Option<u64> {
+        self.announced[part.index()]
+            .filter(|_| self.announced_remaining(part, now).is_some())
+            .and_then(|a| a.limit)
+    }
+
+    /// What the announced budget of one part of a split budget has left at `now`.
+    pub fn part_remaining(&self, part: TokenPart, now: u64) -> Option<u64> {
+        self.announced_remaining(part, self.at(now))
     }
 
     /// What remains to admit at `now`, if any budget is in force.
@@ -235,16 +317,16 @@ impl TokenBudget {
         let now = self.at(now);
         min_opt(
             self.configured_remaining(now),
-            self.announced_remaining(now),
+            self.announced_remaining(TokenPart::Total, now),
         )
     }
 
     pub fn source(&self, now: u64) -> Option<BudgetSource> {
         let now = self.at(now);
-        match (
-            self.settings.tpm > 0,
-            self.announced_remaining(now).is_some(),
-        ) {
+        let announced = PARTS
+            .iter()
+            .any(|&p| self.announced_remaining(p, now).is_some());
+        match (self.settings.tpm > 0, announced) {
             (true, true) => Some(BudgetSource::Both),
             (true, false) => Some(BudgetSource::Configured),
             (false, true) => Some(BudgetSource::Announced),
@@ -258,18 +340,14 @@ impl TokenBudget {
         &mut self,
         now: u64,
         id: u128,
-        cost: u64,
+        cost: impl Into<TokenCost>,
         priority: Priority,
         may_wait: bool,
     ) -> TokenAdmit {
         let now = self.tick(now);
-        if let Some(budget) = self.budget(now) {
-            if cost > budget {
-                return TokenAdmit::Exceeds {
-                    estimate: cost,
-                    budget,
-                };
-            }
+        let cost = cost.into();
+        if let Some(exceeds) = self.exceeds(now, cost) {
+            return exceeds;
         }
         if self.holder(now).is_none() && self.fits(now, cost) {
             return TokenAdmit::Admitted {
@@ -324,7 +402,7 @@ impl TokenBudget {
             return false;
         };
         if let Some(c) = self.ledger.remove(i) {
-            self.admitted_tokens = self.admitted_tokens.saturating_sub(c.cost);
+            self.admitted_tokens = self.admitted_tokens.saturating_sub(c.cost.total());
         }
         true
     }
@@ -332,17 +410,32 @@ impl TokenBudget {
     /// The request of charge `id` ended; `actual` is the usage its answer reported, if any,
     /// which corrects the charge by the difference. Returns the correction (actual - estimate).
     pub fn finish(&mut self, now: u64, id: u128, actual: Option<u64>) -> Option<i64> {
+        self.finish_usage(now, id, actual.map(Usage::Total))
+    }
+
+    /// [`TokenBudget::finish`] with the usage's parts when the answer reported them apart.
+    pub fn finish_usage(&mut self, now: u64, id: u128, actual: Option<Usage>) -> Option<i64> {
         self.tick(now);
         let seq = self.seq;
         let c = self.ledger.iter_mut().rev().find(|c| c.id == id)?;
         c.finished_seq.get_or_insert(seq);
-        let actual = actual?;
+        let actual = match actual? {
+            Usage::Split(cost) => cost,
+            Usage::Total(total) => {
+                let output = c.cost.output.min(total);
+                TokenCost {
+                    input: total - output,
+                    output,
+                }
+            }
+        };
+        let (was, now_total) = (c.cost.total(), actual.total());
         let delta =
-            i64::try_from(actual).unwrap_or(i64::MAX) - i64::try_from(c.cost).unwrap_or(i64::MAX);
+            i64::try_from(now_total).unwrap_or(i64::MAX) - i64::try_from(was).unwrap_or(i64::MAX);
         self.admitted_tokens = self
             .admitted_tokens
-            .saturating_sub(c.cost)
-            .saturating_add(actual);
+            .saturating_sub(was)
+            .saturating_add(now_total);
         c.cost = actual;
         Some(delta)
     }
@@ -353,6 +446,17 @@ impl TokenBudget {
     /// An announcement older than the one in force (an answer overtaken by a later request's)
     /// is ignored.
     pub fn observe(&mut self, now: u64, id: Option<u128>, window: TokenWindow) {
+        self.observe_part(now, id, TokenPart::Total, window);
+    }
+
+    /// [`TokenBudget::observe`] of one budget of an origin that splits them.
+    pub fn observe_part(
+        &mut self,
+        now: u64,
+        id: Option<u128>,
+        part: TokenPart,
+        window: TokenWindow,
+    ) {
         let now = self.tick(now);
         if !self.settings.learn || (window.remaining.is_none() && window.limit.is_none()) {
             return;
@@ -371,13 +475,14 @@ impl TokenBudget {
                     && Some(c.id) != id
                     && c.finished_seq.is_none_or(|f| f >= settled_before)
             })
-            .map(|c| c.cost)
+            .map(|c| c.cost.part(part))
             .fold(0, u64::saturating_add);
-        if self.announced.is_some_and(|a| a.basis > basis) {
+        let slot = &mut self.announced[part.index()];
+        if slot.is_some_and(|a| a.basis > basis) {
             return;
         }
         let at = now.saturating_add(REFILL_DELAY_MS);
-        self.announced = Some(Announced {
+        *slot = Some(Announced {
             limit: window.limit,
             remaining: window.remaining,
             at,
@@ -422,6 +527,8 @@ impl TokenBudget {
             waiting: u32::try_from(self.waiters.len()).unwrap_or(u32::MAX),
             held: self.holder(now).is_some(),
             admitted_tokens: self.admitted_tokens,
+            input_remaining: self.announced_remaining(TokenPart::Input, now),
+            output_remaining: self.announced_remaining(TokenPart::Output, now),
         }
     }
 
@@ -436,8 +543,26 @@ impl TokenBudget {
         self.clock.max(now)
     }
 
-    fn fits(&self, now: u64, cost: u64) -> bool {
-        self.remaining(now).is_none_or(|r| cost <= r)
+    fn fits(&self, now: u64, cost: TokenCost) -> bool {
+        self.remaining(now).is_none_or(|r| cost.total() <= r)
+            && [TokenPart::Input, TokenPart::Output].iter().all(|&p| {
+                self.announced_remaining(p, now)
+                    .is_none_or(|r| cost.part(p) <= r)
+            })
+    }
+
+    /// The refusal of a cost larger than a whole budget (the total, or a part's): it could
+    /// never fit.
+    fn exceeds(&self, now: u64, cost: TokenCost) -> Option<TokenAdmit> {
+        let whole = [
+            (cost.total(), self.budget(now)),
+            (cost.input, self.announced_limit(TokenPart::Input, now)),
+            (cost.output, self.announced_limit(TokenPart::Output, now)),
+        ];
+        whole.into_iter().find_map(|(estimate, budget)| {
+            let budget = budget?;
+            (estimate > budget).then_some(TokenAdmit::Exceeds { estimate, budget })
+        })
     }
 
     /// Waiter indices by class, then arrival.
@@ -455,7 +580,7 @@ impl TokenBudget {
             .find(|&i| now.saturating_sub(self.waiters[i].since) >= self.settings.hold_ms)
     }
 
-    fn charge(&mut self, now: u64, id: u128, cost: u64) -> Option<u64> {
+    fn charge(&mut self, now: u64, id: u128, cost: TokenCost) -> Option<u64> {
         self.seq += 1;
         self.ledger.push_back(Charge {
             id,
@@ -464,7 +589,7 @@ impl TokenBudget {
             cost,
             finished_seq: None,
         });
-        self.admitted_tokens = self.admitted_tokens.saturating_add(cost);
+        self.admitted_tokens = self.admitted_tokens.saturating_add(cost.total());
         self.prune(now);
         self.remaining(now)
     }
@@ -474,7 +599,8 @@ impl TokenBudget {
     /// later one), or, without an announcement, answered.
     fn prune(&mut self, now: u64) {
         let window = self.settings.window_ms;
-        let basis = self.announced.map(|a| a.basis);
+        // The oldest announcement in force decides: a charge it does not know must stay.
+        let basis = self.announced.iter().flatten().map(|a| a.basis).min();
         while let Some(c) = self.ledger.front() {
             let out_of_window = c.at.saturating_add(window) <= now;
             let settled = c.finished_seq.is_some_and(|f| basis.is_none_or(|b| f < b));
@@ -491,15 +617,15 @@ impl TokenBudget {
         self.ledger
             .iter()
             .filter(|c| c.at.saturating_add(window) > now)
-            .map(|c| c.cost)
+            .map(|c| c.cost.total())
             .fold(0, u64::saturating_add)
     }
 
-    fn spent_after(&self, basis: u64) -> u64 {
+    fn spent_after(&self, part: TokenPart, basis: u64) -> u64 {
         self.ledger
             .iter()
             .filter(|c| c.seq > basis)
-            .map(|c| c.cost)
+            .map(|c| c.cost.part(part))
             .fold(0, u64::saturating_add)
     }
 
@@ -511,8 +637,8 @@ impl TokenBudget {
     /// The announced budget's level at `now` before the charges it does not know: `remaining`
     /// refilling linearly to `limit` at the reset. `None` once it says nothing any more (past
     /// its reset without a limit, or a window after it without a reset).
-    fn announced_level(&self, now: u64) -> Option<u64> {
-        let a = self.announced?;
+    fn announced_level(&self, part: TokenPart, now: u64) -> Option<u64> {
+        let a = self.announced[part.index()]?;
         match (a.remaining, a.limit, a.full_at) {
             (Some(r), Some(limit), Some(full_at)) if full_at > a.at && limit > r => {
                 if now >= full_at {
@@ -540,20 +666,43 @@ impl TokenBudget {
         }
     }
 
-    fn announced_remaining(&self, now: u64) -> Option<u64> {
-        let a = self.announced?;
-        let level = self.announced_level(now)?;
-        let unknown = self.spent_after(a.basis).saturating_add(a.in_flight_then);
+    fn announced_remaining(&self, part: TokenPart, now: u64) -> Option<u64> {
+        let a = self.announced[part.index()]?;
+        let level = self.announced_level(part, now)?;
+        let unknown = self
+            .spent_after(part, a.basis)
+            .saturating_add(a.in_flight_then);
         Some(level.saturating_sub(unknown))
     }
 
     /// The earliest time `cost` fits, if the budget alone will ever let it (a charge leaves the
     /// window, or the announced budget refills); `Some(now)` if it fits now.
-    fn fits_at(&self, now: u64, cost: u64) -> Option<u64> {
+    fn fits_at(&self, now: u64, cost: TokenCost) -> Option<u64> {
         if self.fits(now, cost) {
             return Some(now);
         }
-        let configured = match Some(self.settings.tpm).filter(|&t| t > 0) {
+        let mut at = now.saturating_add(1);
+        for part in PARTS {
+            let need = cost.part(part);
+            let fits = match self.announced[part.index()] {
+                None => Some(now),
+                Some(_)
+                    if self
+                        .announced_remaining(part, now)
+                        .is_none_or(|r| r >= need) =>
+                {
+                    Some(now)
+                }
+                Some(a) => self.announced_fits_at(now, part, a, need),
+            };
+            at = at.max(fits?);
+        }
+        Some(at.max(self.configured_fits_at(now, cost.total())?))
+    }
+
+    /// When the configured budget alone lets `cost` in, if ever.
+    fn configured_fits_at(&self, now: u64, cost: u64) -> Option<u64> {
+        match Some(self.settings.tpm).filter(|&t| t > 0) {
             None => Some(now),
             Some(tpm) if cost > tpm => None,
             Some(tpm) => {
@@ -565,26 +714,17 @@ impl TokenBudget {
                     if tpm.saturating_sub(spent) >= cost {
                         break;
                     }
-                    spent = spent.saturating_sub(c.cost);
+                    spent = spent.saturating_sub(c.cost.total());
                     at = Some(c.at.saturating_add(window));
                 }
                 at.filter(|_| tpm.saturating_sub(spent) >= cost)
             }
-        };
-        let announced = match self.announced {
-            None => Some(now),
-            Some(_) if self.announced_remaining(now).is_none_or(|r| r >= cost) => Some(now),
-            Some(a) => self.announced_fits_at(now, a, cost),
-        };
-        match (configured, announced) {
-            (Some(a), Some(b)) => Some(a.max(b).max(now.saturating_add(1))),
-            _ => None,
         }
     }
 
-    fn announced_fits_at(&self, now: u64, a: Announced, cost: u64) -> Option<u64> {
+    fn announced_fits_at(&self, now: u64, part: TokenPart, a: Announced, cost: u64) -> Option<u64> {
         let need = cost
-            .saturating_add(self.spent_after(a.basis))
+            .saturating_add(self.spent_after(part, a.basis))
             .saturating_add(a.in_flight_then);
         let full_at = a
             .full_at
@@ -619,7 +759,7 @@ mod tests {
         })
     }
 
-    fn admit(b: &mut TokenBudget, now: u64, id: u128, cost: u64) -> TokenAdmit {
+    fn admit(b: &mut TokenBudget, now: u64, id: u128, cost: impl Into<TokenCost>) -> TokenAdmit {
         b.try_admit(now, id, cost, Priority::Normal, true)
     }
 
@@ -841,6 +981,65 @@ mod tests {
             admit(&mut b, 0, 1, 300),
             TokenAdmit::Exceeds { budget: 200, .. }
         ));
+    }
+
+    #[test]
+    fn split_budgets_admit_each_part_against_its_own() {
+        let w = |limit, remaining| TokenWindow {
+            limit: Some(limit),
+            remaining: Some(remaining),
+            reset_ms: Some(60_000),
+        };
+        let cost = |input, output| TokenCost { input, output };
+        let mut b = budget(0);
+        // Anthropic: 10 000 tokens in all, 8 000 input and 1 000 output.
+        b.observe_part(0, None, TokenPart::Total, w(10_000, 10_000));
+        b.observe_part(0, None, TokenPart::Input, w(8_000, 8_000));
+        b.observe_part(0, None, TokenPart::Output, w(1_000, 1_000));
+        assert_eq!(b.source(0), Some(BudgetSource::Announced));
+        // An output cap larger than the whole output budget could never fit.
+        assert_eq!(
+            admit(&mut b, 0, 1, cost(10, 1_500)),
+            TokenAdmit::Exceeds {
+                estimate: 1_500,
+                budget: 1_000
+            }
+        );
+        assert_eq!(
+            admit(&mut b, 0, 2, cost(1_000, 800)),
+            TokenAdmit::Admitted {
+                remaining: Some(8_200)
+            }
+        );
+        let s = b.snapshot(0);
+        assert_eq!(
+            (s.input_remaining, s.output_remaining),
+            (Some(7_000), Some(200))
+        );
+        // The total and the input have room for this one; the output does not.
+        assert!(matches!(
+            b.try_admit(0, 3, cost(100, 300), Priority::Normal, false),
+            TokenAdmit::Refused { .. }
+        ));
+        // A prompt-heavy one the output has room for passes.
+        assert!(matches!(
+            admit(&mut b, 0, 4, cost(6_000, 100)),
+            TokenAdmit::Admitted { .. }
+        ));
+        // Its input is now what binds the next.
+        assert!(matches!(
+            b.try_admit(0, 5, cost(1_500, 10), Priority::Normal, false),
+            TokenAdmit::Refused { .. }
+        ));
+        // The first used 900 input and 50 output: its output comes back to the output budget.
+        b.finish_usage(1, 2, Some(Usage::Split(cost(900, 50))));
+        assert_eq!(b.part_remaining(TokenPart::Output, 1), Some(850));
+        assert_eq!(b.part_remaining(TokenPart::Input, 1), Some(1_100));
+        // A usage without its parts keeps the output estimate as far as it goes.
+        b.finish_usage(1, 4, Some(Usage::Total(6_050)));
+        assert_eq!(b.part_remaining(TokenPart::Output, 1), Some(850));
+        assert_eq!(b.part_remaining(TokenPart::Input, 1), Some(1_150));
+        assert_eq!(b.snapshot(1).admitted_tokens, 950 + 6_050);
     }
 
     #[test]

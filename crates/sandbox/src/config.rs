@@ -23,8 +23,16 @@ pub struct SandboxConfig {
     /// Hidden tokens-per-minute limit on chat completions (prompt words plus `max_tokens`,
     /// charged on arrival), announced with `x-ratelimit-*-tokens`. `0` disables it.
     pub tpm: u64,
-    /// The period over which the token limit refills (a minute by default).
+    /// The period over which the token limits refill (a minute by default).
     pub token_window_ms: u64,
+    /// Hidden input-tokens-per-minute limit on Anthropic messages (`POST /v1/messages`: the
+    /// prompt's words, charged on arrival), announced with
+    /// `anthropic-ratelimit-input-tokens-*`. `0` disables it.
+    pub input_tpm: u64,
+    /// Hidden output-tokens-per-minute limit on Anthropic messages (`max_tokens`, charged on
+    /// arrival, what the answer did not use given back), announced with
+    /// `anthropic-ratelimit-output-tokens-*`. `0` disables it.
+    pub output_tpm: u64,
 }
 
 impl Default for SandboxConfig {
@@ -37,6 +45,8 @@ impl Default for SandboxConfig {
             announce: true,
             tpm: 0,
             token_window_ms: 60_000,
+            input_tpm: 0,
+            output_tpm: 0,
         }
     }
 }

@@ -27,6 +27,10 @@
 //! `tokens`: prompt words plus `max_tokens`, charged on arrival, over `token_window_ms`),
 //! announced with OpenAI's `x-ratelimit-*-tokens` headers.
 //!
+//! - `POST /v1/messages`: an Anthropic-shaped message; with `input_tpm` / `output_tpm` set,
+//!   hidden input- and output-token limits apart, announced with Anthropic's
+//!   `anthropic-ratelimit-{input,output}-tokens-*` headers (see `messages`).
+//!
 //! Refusals are `429` with `{"error":{"type":"rate_limit_error",...}}`,
 //! `Retry-After` (whole seconds, at least 1) and `retry-after-ms`. Refused
 //! requests answer immediately and never count as in flight; admitted ones
@@ -36,6 +40,7 @@
 mod config;
 mod error;
 mod headers;
+mod messages;
 mod routes;
 mod sse;
 mod state;

@@ -43,6 +43,7 @@ impl Sandbox {
     pub fn router(self: &Arc<Self>) -> Router {
         let governed = Router::new()
             .route("/v1/chat/completions", post(chat_completions))
+            .route("/v1/messages", post(crate::messages::messages))
             .route("/echo", any(echo))
             .route("/echo/{*rest}", any(echo))
             .route("/stream", get(stream))
@@ -154,7 +155,8 @@ fn body_error(rejection: &BytesRejection) -> Response {
 }
 
 /// `POST /v1/chat/completions`: an OpenAI-shaped answer that echoes the model
-/// and a snippet of the last message; `"stream": true` gets SSE chunks.
+/// and a snippet of the last message; `"stream": true` gets SSE chunks, and with
+/// `"stream_options": {"include_usage": true}` a last chunk carrying the usage.
 async fn chat_completions(
     State(sandbox): State<Arc<Sandbox>>,
     slot: Option<Extension<GuardSlot>>,
@@ -190,18 +192,48 @@ async fn chat_completions(
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
 
-    if request.get("stream").and_then(Value::as_bool) == Some(true) {
-        let events = chat_chunks(&id, created, &model, &reply);
-        let guard = slot.and_then(|Extension(slot)| slot.take());
-        return sse_response(events, Duration::ZERO, guard);
-    }
-
     let completion_tokens = rough_tokens(&reply);
     let prompt_tokens = match &charged {
         // Under a token limit, usage is what the limit counted.
         Some((prompt_words, _, _)) => *prompt_words,
         None => rough_tokens(&prompt),
     };
+    let usage = json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    });
+
+    if request.get("stream").and_then(Value::as_bool) == Some(true) {
+        let mut events = chat_chunks(&id, created, &model, &reply);
+        // OpenAI's `stream_options.include_usage`: one last chunk, without choices, carries
+        // the usage.
+        let include_usage = request
+            .pointer("/stream_options/include_usage")
+            .and_then(Value::as_bool)
+            == Some(true);
+        if include_usage {
+            events.push(
+                json!({
+                    "id": id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage,
+                })
+                .to_string(),
+            );
+        }
+        let guard = slot.and_then(|Extension(slot)| slot.take());
+        let mut resp = sse_response(events, Duration::ZERO, guard);
+        if let (Some((_, cap, view)), Some(bucket)) = (charged, &sandbox.tokens) {
+            bucket.give_back(cap.saturating_sub(completion_tokens));
+            apply_token_rate(resp.headers_mut(), &view);
+        }
+        return resp;
+    }
+
     let mut resp = Json(json!({
         "id": id,
         "object": "chat.completion",
@@ -212,11 +244,7 @@ async fn chat_completions(
             "message": { "role": "assistant", "content": reply },
             "finish_reason": "stop",
         }],
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
+        "usage": usage,
     }))
     .into_response();
     if let (Some((_, cap, view)), Some(bucket)) = (charged, &sandbox.tokens) {

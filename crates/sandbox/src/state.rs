@@ -57,6 +57,9 @@ pub struct Sandbox {
     window: Mutex<VecDeque<Instant>>,
     /// The hidden token limit, when `tpm` is set.
     pub(crate) tokens: Option<crate::tokens::TokenBucket>,
+    /// The hidden input- and output-token limits of `/v1/messages`, when set.
+    pub(crate) input_tokens: Option<crate::tokens::TokenBucket>,
+    pub(crate) output_tokens: Option<crate::tokens::TokenBucket>,
 }
 
 /// What `x-ratelimit-*-requests` headers should say for one answer.
@@ -112,9 +115,16 @@ impl Sandbox {
     /// Like [`Sandbox::new`] but with a custom RPM window length, so tests can
     /// watch the window free up without waiting a real minute.
     pub(crate) fn with_window(cfg: SandboxConfig, window_len: Duration) -> Arc<Self> {
-        let tokens = (cfg.tpm > 0).then(|| {
-            crate::tokens::TokenBucket::new(cfg.tpm, Duration::from_millis(cfg.token_window_ms))
-        });
+        let bucket = |tpm: u64| {
+            (tpm > 0).then(|| {
+                crate::tokens::TokenBucket::new(tpm, Duration::from_millis(cfg.token_window_ms))
+            })
+        };
+        let (tokens, input_tokens, output_tokens) = (
+            bucket(cfg.tpm),
+            bucket(cfg.input_tpm),
+            bucket(cfg.output_tpm),
+        );
         Arc::new(Self {
             cfg,
             window_len,
@@ -126,6 +136,8 @@ impl Sandbox {
             next_id: AtomicU64::new(1),
             window: Mutex::new(VecDeque::new()),
             tokens,
+            input_tokens,
+            output_tokens,
         })
     }
 
@@ -275,6 +287,8 @@ mod tests {
             announce: true,
             tpm: 0,
             token_window_ms: 60_000,
+            input_tpm: 0,
+            output_tpm: 0,
         }
     }
 
@@ -320,6 +334,8 @@ mod tests {
             announce: false,
             tpm: 0,
             token_window_ms: 60_000,
+            input_tpm: 0,
+            output_tpm: 0,
             ..cfg(0, 5)
         });
         assert!(quiet.admit().unwrap().rate.is_none());

@@ -55,6 +55,8 @@ fn cfg(limit: u32, rpm: u32, latency_ms: u64) -> SandboxConfig {
         announce: true,
         tpm: 0,
         token_window_ms: 60_000,
+        input_tpm: 0,
+        output_tpm: 0,
     }
 }
 

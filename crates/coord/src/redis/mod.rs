@@ -3,7 +3,8 @@
 //!
 //! Owns the connection (one `ConnectionManager` per [`RedisCoordination`], i.e. per node), the
 //! node's identity and its wake-up subscription, and the gates it opens ([`RedisGate`], in
-//! `gate`) and the nonce stores ([`RedisNonces`], in `nonces`). The admission rules run in Lua
+//! `gate`), the nonce stores ([`RedisNonces`], in `nonces`) and the token ledgers
+//! ([`RedisTokens`], in `tokens`: one token budget per pool across the nodes). The admission rules run in Lua
 //! scripts (`script`, `lua/`), one atomic script per operation keyed by slot id or ticket; they
 //! mirror `nthbouncer-governor`. It must not know about HTTP.
 //!
@@ -39,6 +40,7 @@
 mod gate;
 mod nonces;
 mod script;
+mod tokens;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -51,6 +53,7 @@ use parking_lot::Mutex;
 pub use gate::RedisGate;
 pub use nonces::RedisNonces;
 pub use script::CallError;
+pub use tokens::{RedisTokens, SharedAdmit, TokenView, HOLD_RENEW_MS, HOLD_TTL_MS};
 
 use crate::{Clock, Coordination, NonceStore, PoolGate, PoolSettings, SystemClock};
 
@@ -193,6 +196,11 @@ impl RedisCoordination {
     /// Opens the gate of `pool` as a concrete [`RedisGate`].
     pub fn open_gate(&self, pool: &str, settings: PoolSettings) -> Arc<RedisGate> {
         Arc::new(RedisGate::new(Arc::clone(&self.node), pool, settings))
+    }
+
+    /// The token ledger of `pool`, shared by every node (see `tokens`).
+    pub fn token_ledger(&self, pool: &str) -> Arc<RedisTokens> {
+        Arc::new(RedisTokens::new(Arc::clone(&self.node), pool))
     }
 
     /// The seen-nonce store of `pool`, shared by every node.

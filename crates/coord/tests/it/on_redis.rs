@@ -469,3 +469,237 @@ async fn a_grant_that_beats_its_waiters_queueing_reply_is_kept_for_it() {
     let snap = gate.snapshot().await;
     assert_eq!((snap.in_flight, snap.queued), (0, 0));
 }
+
+/// One pool's token budget on two nodes is one budget: what one charges, the other sees; a
+/// usage report or a refund on one gives back to both; an announcement observed by one binds
+/// both, less what was admitted after the request it answered; a waiter that holds the budget
+/// keeps everyone else out until it is admitted or lets go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_token_budget_is_one_across_nodes() {
+    use nthbouncer_coord::redis::SharedAdmit;
+    use nthbouncer_governor::{
+        BudgetSource, TokenCost, TokenPart, TokenSettings, TokenWindow, Usage,
+    };
+    let space = Space::new();
+    let (a, b) = (space.node(), space.node());
+    let (ta, tb) = (a.token_ledger("p"), b.token_ledger("p"));
+    let s = TokenSettings {
+        tpm: 1_000,
+        window_ms: 600_000,
+        ..TokenSettings::default()
+    };
+    let admitted = |r: SharedAdmit| match r {
+        SharedAdmit::Admitted(v) => v.remaining,
+        other => panic!("not admitted: {other:?}"),
+    };
+    assert_eq!(
+        admitted(ta.admit(&s, 1, 600.into(), false).await.unwrap()),
+        Some(400)
+    );
+    match tb.admit(&s, 2, 500.into(), false).await.unwrap() {
+        SharedAdmit::Refused {
+            view,
+            retry_after_ms,
+        } => {
+            assert_eq!(view.remaining, Some(400));
+            assert!(retry_after_ms.is_some_and(|r| r > 0), "{retry_after_ms:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        tb.admit(&s, 3, 1_001.into(), false).await.unwrap(),
+        SharedAdmit::Exceeds {
+            estimate: 1_001,
+            budget: 1_000
+        }
+    );
+    assert_eq!(
+        admitted(tb.admit(&s, 4, 400.into(), false).await.unwrap()),
+        Some(0)
+    );
+    // Node A's request used 100 of its 600: both see 500 come back.
+    assert_eq!(
+        tb.finish(&s, 1, Some(Usage::Total(100)))
+            .await
+            .unwrap()
+            .remaining,
+        Some(500)
+    );
+    let v = ta.peek(&s).await.unwrap();
+    assert_eq!((v.remaining, v.admitted_tokens), (Some(500), 500));
+    assert_eq!(v.source, Some(BudgetSource::Configured));
+    assert_eq!(ta.refund(&s, 4).await.unwrap().remaining, Some(900));
+
+    // An announcement (no configured budget): what was admitted after the answered request is
+    // taken off it, on every node.
+    let s = TokenSettings { tpm: 0, ..s };
+    let pool = "q";
+    let (ta, tb) = (a.token_ledger(pool), b.token_ledger(pool));
+    assert_eq!(
+        admitted(ta.admit(&s, 10, 100.into(), false).await.unwrap()),
+        None
+    );
+    assert_eq!(
+        admitted(tb.admit(&s, 11, 300.into(), false).await.unwrap()),
+        None
+    );
+    let w = TokenWindow {
+        limit: Some(2_000),
+        remaining: Some(1_000),
+        reset_ms: Some(3_600_000),
+    };
+    let v = ta.observe(&s, Some(10), TokenPart::Total, w).await.unwrap();
+    assert_eq!(v.source, Some(BudgetSource::Announced));
+    assert_eq!(v.budget, Some(2_000));
+    let r = v.remaining.unwrap();
+    assert!((700..=701).contains(&r), "1000 less node B's 300: {r}");
+
+    // Node B's waiter holds the budget: node A's small one may not pass it, until B lets go.
+    match tb.admit(&s, 12, 1_900.into(), true).await.unwrap() {
+        SharedAdmit::Refused { view, .. } => assert!(!view.held, "it holds, not another"),
+        other => panic!("{other:?}"),
+    }
+    match ta.admit(&s, 13, 10.into(), false).await.unwrap() {
+        SharedAdmit::Refused { view, .. } => assert!(view.held),
+        other => panic!("{other:?}"),
+    }
+    tb.unhold(&s, 12).await.unwrap();
+    assert!(matches!(
+        ta.admit(&s, 13, 10.into(), false).await.unwrap(),
+        SharedAdmit::Admitted(_)
+    ));
+
+    // An origin that splits its budget (input, output): each part binds on every node.
+    let (ta, tb) = (a.token_ledger("r"), b.token_ledger("r"));
+    let w = |limit| TokenWindow {
+        limit: Some(limit),
+        remaining: Some(limit),
+        reset_ms: Some(3_600_000),
+    };
+    ta.observe(&s, None, TokenPart::Input, w(5_000))
+        .await
+        .unwrap();
+    let v = ta
+        .observe(&s, None, TokenPart::Output, w(500))
+        .await
+        .unwrap();
+    assert_eq!(
+        (v.input_remaining, v.output_remaining),
+        (Some(5_000), Some(500))
+    );
+    let cost = |input, output| TokenCost { input, output };
+    assert_eq!(
+        tb.admit(&s, 20, cost(10, 600), false).await.unwrap(),
+        SharedAdmit::Exceeds {
+            estimate: 600,
+            budget: 500
+        }
+    );
+    assert!(matches!(
+        tb.admit(&s, 21, cost(100, 400), false).await.unwrap(),
+        SharedAdmit::Admitted(_)
+    ));
+    // The output has 100 left: a prompt-heavy call passes, one wanting 200 out does not.
+    assert!(matches!(
+        ta.admit(&s, 22, cost(200, 200), false).await.unwrap(),
+        SharedAdmit::Refused { .. }
+    ));
+    assert!(matches!(
+        ta.admit(&s, 23, cost(4_000, 50), false).await.unwrap(),
+        SharedAdmit::Admitted(_)
+    ));
+    // Call 21 used 300 in and 100 out: 300 output back for everyone.
+    let u = Usage::Split(cost(300, 100));
+    let v = ta.finish(&s, 21, Some(u)).await.unwrap();
+    assert_eq!(
+        (v.input_remaining, v.output_remaining),
+        (Some(700), Some(350))
+    );
+}
+
+/// The shared ledger's script mirrors the pure `TokenBudget`: the same admissions, ends,
+/// refunds and announcements (total and split; refills too slow to matter within the test)
+/// leave both with the same remainders after every step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shared_ledger_agrees_with_the_pure_budget() {
+    use nthbouncer_coord::redis::SharedAdmit;
+    use nthbouncer_governor::{
+        Priority, TokenAdmit, TokenBudget, TokenCost, TokenPart, TokenSettings, TokenWindow, Usage,
+    };
+    let space = Space::new();
+    let node = space.node();
+    let s = TokenSettings {
+        tpm: 20_000,
+        window_ms: 3_600_000,
+        ..TokenSettings::default()
+    };
+    let ledger = node.token_ledger("diff");
+    let mut pure = TokenBudget::new(s);
+    let mut seed: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut next = |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    let mut live: Vec<u128> = Vec::new();
+    for step in 0..300u128 {
+        let op = next(10);
+        if op < 5 || live.is_empty() {
+            let cost = TokenCost {
+                input: 1 + next(800),
+                output: next(400),
+            };
+            let p = pure.try_admit(0, step, cost, Priority::Normal, false);
+            let r = ledger.admit(&s, step, cost, false).await.unwrap();
+            match (p, r) {
+                (TokenAdmit::Admitted { .. }, SharedAdmit::Admitted(_)) => live.push(step),
+                (TokenAdmit::Refused { .. }, SharedAdmit::Refused { .. }) => {}
+                (TokenAdmit::Exceeds { estimate, budget }, e @ SharedAdmit::Exceeds { .. }) => {
+                    assert_eq!(e, SharedAdmit::Exceeds { estimate, budget });
+                }
+                other => panic!("step {step}: {other:?}"),
+            }
+        } else if op < 8 {
+            let id = live.remove(next(live.len() as u64) as usize);
+            let usage = match next(3) {
+                0 => None,
+                1 => Some(Usage::Total(next(1_000))),
+                _ => Some(Usage::Split(TokenCost {
+                    input: next(800),
+                    output: next(300),
+                })),
+            };
+            pure.finish_usage(0, id, usage);
+            ledger.finish(&s, id, usage).await.unwrap();
+        } else if op < 9 {
+            let id = live.remove(next(live.len() as u64) as usize);
+            pure.refund(id);
+            ledger.refund(&s, id).await.unwrap();
+        } else {
+            let part = [TokenPart::Total, TokenPart::Input, TokenPart::Output][next(3) as usize];
+            let limit = [30_000, 12_000, 4_000][next(3) as usize];
+            let w = TokenWindow {
+                limit: Some(limit),
+                remaining: Some(limit / 2 + next(limit / 2)),
+                reset_ms: Some(1_000_000_000_000),
+            };
+            let id = (next(2) == 0).then(|| live.last().copied()).flatten();
+            pure.observe_part(0, id, part, w);
+            ledger.observe(&s, id, part, w).await.unwrap();
+        }
+        let v = ledger.peek(&s).await.unwrap();
+        let snap = pure.snapshot(0);
+        assert_eq!(
+            (v.remaining, v.input_remaining, v.output_remaining, v.budget),
+            (
+                snap.remaining,
+                snap.input_remaining,
+                snap.output_remaining,
+                snap.budget
+            ),
+            "step {step} (op {op})"
+        );
+        assert_eq!(v.admitted_tokens, snap.admitted_tokens, "step {step}");
+    }
+}

@@ -16,6 +16,7 @@ mod pg_outage;
 mod pg_store;
 mod reload;
 mod scale_out;
+mod scale_out_tokens;
 mod sdk;
 mod soak;
 mod tls_sighup;

@@ -79,7 +79,7 @@ impl Drop for Space {
 }
 
 /// Starts `n` nodes with the same `[server]` extras and pools.
-async fn nodes(n: usize, server: &str, pools: &str) -> Vec<Server> {
+pub(crate) async fn nodes(n: usize, server: &str, pools: &str) -> Vec<Server> {
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         let client = reqwest::Client::builder()
@@ -91,7 +91,7 @@ async fn nodes(n: usize, server: &str, pools: &str) -> Vec<Server> {
     out
 }
 
-async fn state(node: &Server, pool: &str) -> Value {
+pub(crate) async fn state(node: &Server, pool: &str) -> Value {
     node.admin_json(&format!("/admin/pools/{pool}/state")).await
 }
 

@@ -366,7 +366,7 @@ pub struct PoolState {
     pub tokens: Option<TokenState>,
 }
 
-/// A pool's token budget on this node.
+/// A pool's token budget (with coordination on Redis, the one every node shares).
 #[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct TokenState {
@@ -381,6 +381,13 @@ pub struct TokenState {
     pub held: bool,
     /// Tokens charged since the pool started (estimates corrected by reported usage).
     pub admitted_tokens: u64,
+    /// What the origin's input-token budget has left, when it announces input and output
+    /// tokens apart (Anthropic).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub input_remaining: Option<u64>,
+    /// What its output-token budget has left, likewise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub output_remaining: Option<u64>,
 }
 
 impl TokenState {
@@ -392,6 +399,8 @@ impl TokenState {
             waiting: s.waiting,
             held: s.held,
             admitted_tokens: s.admitted_tokens,
+            input_remaining: s.input_remaining,
+            output_remaining: s.output_remaining,
         })
     }
 }
@@ -458,7 +467,7 @@ pub async fn pool_state(
         admitted_total: s.admitted_total,
         refused_total: s.refused_total,
         cache: state.cache.stats(&pool).map(CacheState::of),
-        tokens: TokenState::of(pool.tokens.snapshot()),
+        tokens: TokenState::of(pool.tokens.snapshot().await),
     }))
 }
 

@@ -186,6 +186,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         store: store.clone(),
         jobs: job_store.clone(),
         coordination,
+        token_ledgers: shared.clone(),
         clock: clock.clone(),
         destinations_changed: deliveries_pending.clone(),
         nonces,

@@ -218,6 +218,9 @@ async fn charge_tokens(
             retry_after_ms.unwrap_or(250).clamp(50, 5_000),
         ))),
         Err(TokenRefusal::Timeout) => Err(Pass::Again(Duration::from_millis(50))),
+        Err(TokenRefusal::Unavailable { retry_after_ms }) => Err(Pass::Again(
+            Duration::from_millis(retry_after_ms.clamp(50, 5_000)),
+        )),
     }
 }
 

@@ -171,7 +171,7 @@ async fn admit_tokens(
     let cost = asked.unwrap_or_else(|| crate::tokens::defaults(pool.spec.tokens.as_ref()).cost);
     let refusal = match pool
         .tokens
-        .acquire(grant.slot_id.0, cost, priority, wait_ms)
+        .acquire(grant.slot_id.0, cost.into(), priority, wait_ms)
         .await
     {
         Ok(_) => return Ok(()),
@@ -195,6 +195,9 @@ async fn admit_tokens(
             ErrorCode::QueueTimeout,
             "the wait budget ran out before the pool's token budget had room",
         ),
+        crate::tokens::TokenRefusal::Unavailable { retry_after_ms } => {
+            crate::tokens::unavailable(retry_after_ms)
+        }
     })
 }
 
@@ -455,7 +458,8 @@ pub async fn release(
                 .ok()
                 .and_then(|r| r.usage.and_then(|u| u.total()))
         };
-        pool.tokens.finish(id.0, usage);
+        pool.tokens
+            .finish(id.0, usage.map(nthbouncer_governor::Usage::Total));
         if let Some(window) = window {
             pool.tokens.observe(Some(id.0), window);
         }

@@ -17,6 +17,7 @@ pub mod sync;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
+use nthbouncer_coord::redis::RedisCoordination;
 use nthbouncer_coord::{Clock, Coordination};
 use nthbouncer_store::{JobStore, Store};
 use tokio::sync::{Mutex, Notify};
@@ -49,6 +50,8 @@ pub struct Pools {
     /// Webhook destinations live with the jobs.
     jobs: Arc<dyn JobStore>,
     coordination: Arc<dyn Coordination>,
+    /// With coordination on Redis, where pools' token budgets are shared.
+    token_ledgers: Option<Arc<RedisCoordination>>,
     clock: Arc<dyn Clock>,
     /// Notified when a pool's destinations change (the webhook dispatcher listens).
     destinations_changed: Arc<Notify>,
@@ -68,6 +71,8 @@ pub struct PoolsParts {
     pub store: Arc<dyn Store>,
     pub jobs: Arc<dyn JobStore>,
     pub coordination: Arc<dyn Coordination>,
+    /// With coordination on Redis: every pool's token budget is shared there.
+    pub token_ledgers: Option<Arc<RedisCoordination>>,
     pub clock: Arc<dyn Clock>,
     pub destinations_changed: Arc<Notify>,
     pub nonces: NonceSource,
@@ -83,6 +88,7 @@ impl Pools {
             store: parts.store,
             jobs: parts.jobs,
             coordination: parts.coordination,
+            token_ledgers: parts.token_ledgers,
             clock: parts.clock,
             destinations_changed: parts.destinations_changed,
             nonces: parts.nonces,

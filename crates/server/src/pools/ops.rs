@@ -76,8 +76,15 @@ impl Pools {
                     history.clone(),
                     self.clock.clone(),
                 );
-                let tokens =
-                    TokenGate::open(PoolRuntime::token_settings(&spec), self.clock.clone());
+                let ledger = self
+                    .token_ledgers
+                    .as_ref()
+                    .map(|r| r.token_ledger(&spec.name));
+                let tokens = TokenGate::open(
+                    PoolRuntime::token_settings(&spec),
+                    self.clock.clone(),
+                    ledger,
+                );
                 (
                     gate,
                     tokens,

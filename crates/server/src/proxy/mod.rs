@@ -399,7 +399,8 @@ async fn forward(
             .outcome
             .as_ref()
             .and_then(crate::tokens::window_of)
-            .is_some();
+            .is_some()
+        || crate::tokens::announces_split(&rparts.headers);
     let outcome = tokens_on.then(|| guard.outcome.clone()).flatten();
     let body = Body::new(SlotBody::new(rbody, guard, deadline, closed));
     let body = match call.cache.take() {

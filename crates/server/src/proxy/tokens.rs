@@ -98,8 +98,12 @@ pub(super) fn answered(
     resp: Response<Body>,
     max: u64,
 ) -> Response<Body> {
+    let id = charge.as_ref().map(|c| c.id);
     if let Some(window) = outcome.and_then(tokens::window_of) {
-        gate.observe(charge.as_ref().map(|c| c.id), window);
+        gate.observe(id, window);
+    }
+    if tokens::announces_split(resp.headers()) {
+        tokens::observe_split(gate, id, resp.status().as_u16(), resp.headers());
     }
     let (mut parts, body) = resp.into_parts();
     mark(&mut parts.headers, gate);

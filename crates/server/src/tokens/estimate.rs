@@ -15,6 +15,7 @@
 //! else the pool's default; embeddings produce none. A body that is not JSON, or not one of
 //! these shapes, costs the pool's default cost.
 
+use nthbouncer_governor::{TokenCost, Usage};
 use serde_json::Value;
 
 /// Bytes of text per token for models without a public tokenizer, times ten (3.5 bytes).
@@ -54,6 +55,14 @@ impl Estimate {
 
     pub fn total(&self) -> u64 {
         self.prompt.saturating_add(self.output)
+    }
+
+    /// As the budget charges it: the prompt is input, the output cap output.
+    pub fn cost(&self) -> TokenCost {
+        TokenCost {
+            input: self.prompt,
+            output: self.output,
+        }
     }
 }
 
@@ -173,27 +182,33 @@ fn text_tokens(v: &Value, counter: &Counter) -> u64 {
 
 /// The tokens an answer's JSON body reports having used (`usage`: OpenAI's `total_tokens`, or
 /// prompt/input plus completion/output, Anthropic's with its cache reads and writes).
-pub fn usage(body: &[u8]) -> Option<u64> {
+pub fn usage(body: &[u8]) -> Option<Usage> {
     let v: Value = serde_json::from_slice(body).ok()?;
     usage_of(&v)
 }
 
-/// [`usage`] of a parsed answer (or one streamed chunk of it).
-pub fn usage_of(v: &Value) -> Option<u64> {
+/// [`usage`] of a parsed answer (or one streamed chunk of it): its input (prompt, with
+/// Anthropic's cache reads and writes) and output apart when it says both, else its total.
+pub fn usage_of(v: &Value) -> Option<Usage> {
     let u = v
         .get("usage")
         .or_else(|| v.get("response").and_then(|r| r.get("usage")))?;
-    if let Some(total) = u.get("total_tokens").and_then(Value::as_u64) {
-        return Some(total);
-    }
     let n = |k: &str| u.get(k).and_then(Value::as_u64);
     let input = n("prompt_tokens").or(n("input_tokens"));
     let output = n("completion_tokens").or(n("output_tokens"));
     let cached =
         n("cache_creation_input_tokens").unwrap_or(0) + n("cache_read_input_tokens").unwrap_or(0);
+    let total = n("total_tokens");
     match (input, output) {
+        (Some(i), Some(o)) if total.is_none_or(|t| t == i + o + cached) => {
+            Some(Usage::Split(TokenCost {
+                input: i + cached,
+                output: o,
+            }))
+        }
+        _ if total.is_some() => total.map(Usage::Total),
         (None, None) => None,
-        (i, o) => Some(i.unwrap_or(0) + o.unwrap_or(0) + cached),
+        (i, o) => Some(Usage::Total(i.unwrap_or(0) + o.unwrap_or(0) + cached)),
     }
 }
 
@@ -275,22 +290,24 @@ mod tests {
     #[test]
     fn usage_in_every_dialect() {
         let u = |s: &str| usage(s.as_bytes());
+        let split = |input, output| Some(Usage::Split(TokenCost { input, output }));
         assert_eq!(
             u(r#"{"usage":{"prompt_tokens":5,"completion_tokens":7,"total_tokens":12}}"#),
-            Some(12)
+            split(5, 7)
         );
         assert_eq!(
             u(r#"{"usage":{"input_tokens":5,"output_tokens":7}}"#),
-            Some(12)
+            split(5, 7)
         );
         assert_eq!(
             u(r#"{"usage":{"input_tokens":5,"output_tokens":7,"cache_read_input_tokens":3}}"#),
-            Some(15)
+            split(8, 7)
         );
         assert_eq!(
             u(r#"{"type":"response.completed","response":{"usage":{"total_tokens":9}}}"#),
-            Some(9)
+            Some(Usage::Total(9))
         );
+        assert_eq!(u(r#"{"usage":{"prompt_tokens":5}}"#), Some(Usage::Total(5)));
         assert_eq!(u(r#"{"choices":[]}"#), None);
         assert_eq!(u("nope"), None);
     }

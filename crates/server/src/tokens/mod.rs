@@ -4,6 +4,8 @@
 //! - `estimate`: a request's cost in tokens from its JSON body, and the usage an answer reports;
 //! - `gate`: the pool's [`TokenGate`] (the governor's pure `TokenBudget`, locked, with waiters
 //!   and a wake-up task), shared by every settings version of the pool;
+//! - `shared`: with coordination on Redis, the gate's budget is the pool's ledger there, one
+//!   for every node; this node keeps its waiters and reports ends and announcements in order;
 //! - here: a call's [`Charge`] (taken against the budget for an estimate, taken back if the call
 //!   is not sent, settled by its answer) and its refusal as an API error, which proxied calls
 //!   and async jobs share; reading a body far enough to estimate it ([`read_body`]), and the
@@ -12,6 +14,7 @@
 
 pub mod estimate;
 pub mod gate;
+mod shared;
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -22,7 +25,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use nthbouncer_config::{ConcurrencySpec, TokensSpec};
 use nthbouncer_coord::{Outcome, Priority};
-use nthbouncer_governor::{TokenSettings, TokenWindow};
+use nthbouncer_governor::{TokenPart, TokenSettings, TokenWindow, Usage};
 
 use crate::core::error::{ApiError, ErrorCode};
 
@@ -107,8 +110,7 @@ impl Charge {
         wait_ms: u64,
     ) -> Result<Charge, TokenRefusal> {
         let id = rand::random::<u128>();
-        gate.acquire(id, estimate.total(), priority, wait_ms)
-            .await?;
+        gate.acquire(id, estimate.cost(), priority, wait_ms).await?;
         Ok(Charge {
             id,
             gate: gate.clone(),
@@ -139,7 +141,7 @@ pub fn refusal_error(estimate: &Estimate, refusal: TokenRefusal) -> ApiError {
         TokenRefusal::Exceeds {
             estimate: e,
             budget,
-        } => ApiError::new(
+        } if e == estimate.total() => ApiError::new(
             ErrorCode::ExceedsTokenBudget,
             format!(
                 "the request's estimated {e} tokens ({} prompt + {} output) exceed the pool's \
@@ -147,6 +149,24 @@ pub fn refusal_error(estimate: &Estimate, refusal: TokenRefusal) -> ApiError {
                 estimate.prompt, estimate.output
             ),
         ),
+        // One part of a split budget (the origin announces input and output tokens apart).
+        TokenRefusal::Exceeds {
+            estimate: e,
+            budget,
+        } => {
+            let part = if e == estimate.output {
+                "output"
+            } else {
+                "input"
+            };
+            ApiError::new(
+                ErrorCode::ExceedsTokenBudget,
+                format!(
+                    "the request's estimated {e} {part} tokens exceed the origin's whole \
+                     {part}-token budget of {budget} tokens; it could never be admitted"
+                ),
+            )
+        }
         TokenRefusal::NoRoom { retry_after_ms } => {
             let mut e = ApiError::new(
                 ErrorCode::TooManyRequests,
@@ -159,7 +179,19 @@ pub fn refusal_error(estimate: &Estimate, refusal: TokenRefusal) -> ApiError {
             ErrorCode::QueueTimeout,
             "the wait budget ran out before the pool's token budget had room",
         ),
+        TokenRefusal::Unavailable { retry_after_ms } => unavailable(retry_after_ms),
     }
+}
+
+/// The answer while the shared token budget's Redis is unreachable (fail closed).
+pub fn unavailable(retry_after_ms: u64) -> ApiError {
+    let mut e = ApiError::new(
+        ErrorCode::CoordinationUnavailable,
+        "the coordination store holding the pool's token budget is unreachable; nothing was \
+         admitted",
+    );
+    e.retry_after_s = Some(retry_after_ms.div_ceil(1000).max(1));
+    e
 }
 
 /// A request body read for its estimate: whole, or (past `max` bytes) the part read and the
@@ -215,7 +247,7 @@ impl<B> UsageTap<B> {
 
 /// The usage an answer reports: its JSON body's `usage`, or the last `data:` event of a
 /// server-sent stream that carries one.
-fn reported_usage(body: &[u8]) -> Option<u64> {
+fn reported_usage(body: &[u8]) -> Option<Usage> {
     if let Some(u) = estimate::usage(body) {
         return Some(u);
     }
@@ -225,6 +257,53 @@ fn reported_usage(body: &[u8]) -> Option<u64> {
         .filter_map(|l| l.strip_prefix("data:"))
         .filter_map(|d| serde_json::from_str::<serde_json::Value>(d.trim()).ok())
         .find_map(|v| estimate::usage_of(&v))
+}
+
+/// Whether an answer announces input and output token budgets apart (Anthropic).
+pub fn announces_split(headers: &http::HeaderMap) -> bool {
+    [
+        "anthropic-ratelimit-input-tokens-remaining",
+        "anthropic-ratelimit-output-tokens-remaining",
+    ]
+    .iter()
+    .any(|h| headers.contains_key(*h))
+}
+
+/// Teaches `gate` the input and output budgets an answer to charge `id` announced apart, if
+/// it did (an Anthropic origin).
+pub fn observe_split(gate: &TokenGate, id: Option<u128>, status: u16, headers: &http::HeaderMap) {
+    let now = gate.clock().now_ms();
+    for (part, window) in split_windows(status, headers, now) {
+        gate.observe_part(id, part, window);
+    }
+}
+
+/// The input and output token windows of an answer whose origin splits its budget
+/// (Anthropic's `anthropic-ratelimit-{input,output}-tokens-*`).
+pub fn split_windows(
+    status: u16,
+    headers: &http::HeaderMap,
+    now_ms: u64,
+) -> Vec<(TokenPart, TokenWindow)> {
+    let pairs = headers
+        .iter()
+        .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?)));
+    let report = nthbouncer_ratelimit::parse(status, pairs, now_ms);
+    [
+        (TokenPart::Input, report.input_tokens),
+        (TokenPart::Output, report.output_tokens),
+    ]
+    .into_iter()
+    .filter_map(|(part, w)| {
+        let w = w?;
+        let window = TokenWindow {
+            limit: w.limit,
+            remaining: w.remaining,
+            reset_ms: w.reset_ms,
+        };
+        (w.limit.is_some() || w.remaining.is_some()).then_some((part, window))
+    })
+    .collect()
 }
 
 impl<B> Drop for UsageTap<B> {

@@ -25,6 +25,8 @@ async fn sandbox(tpm: u64, window_ms: u64) -> (Arc<Sandbox>, String) {
         announce: true,
         tpm,
         token_window_ms: window_ms,
+        input_tpm: 0,
+        output_tpm: 0,
     });
     tokio::spawn(nthbouncer_sandbox::serve(
         listener,
@@ -287,4 +289,215 @@ async fn async_jobs_are_charged_against_the_token_budget() {
     let (_, polled) = call(gw.poll_job("p", &c)).await;
     assert_eq!(polled["status"], "queued", "{polled}");
     assert_eq!(up.total(), 1, "the waiting job did not reach the origin");
+}
+
+/// The machine's Redis (`NB_TEST_REDIS`, else 127.0.0.1:6379) as `host:port`.
+fn redis_addr() -> String {
+    let url = std::env::var("NB_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
+    let rest = url.trim_start_matches("redis://");
+    rest.split('/').next().unwrap_or(rest).to_string()
+}
+
+/// A way to the machine's Redis that the test can cut: a forwarder on a port of its own.
+struct RedisVia {
+    port: u16,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RedisVia {
+    async fn start() -> RedisVia {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let task = tokio::spawn(async move {
+            let mut conns = tokio::task::JoinSet::new();
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                conns.spawn(async move {
+                    if let Ok(mut out) = tokio::net::TcpStream::connect(redis_addr()).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
+                    }
+                });
+            }
+        });
+        RedisVia { port, task }
+    }
+
+    /// Redis is away from now on: the port is closed and every connection through it cut.
+    fn cut(&self) {
+        self.task.abort();
+    }
+}
+
+/// Deletes every key under `prefix` in the machine's Redis when dropped.
+struct Keys(String);
+
+impl Drop for Keys {
+    fn drop(&mut self) {
+        let url = format!("redis://{}/", redis_addr());
+        let Ok(mut c) = redis::Client::open(url).and_then(|c| c.get_connection()) else {
+            return;
+        };
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{}:*", self.0))
+            .query(&mut c)
+            .unwrap_or_default();
+        if !keys.is_empty() {
+            let _: Result<(), _> = redis::cmd("DEL").arg(&keys).query(&mut c);
+        }
+    }
+}
+
+/// With coordination on a Redis that stops answering, the token budget behaves as the slot
+/// gate: refused with `503 coordination_unavailable` (fail closed), or admitted against this
+/// node's share of the configured budget (fail open), and nothing past it reaches the origin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_budget_whose_redis_is_away_fails_closed_or_open_on_the_nodes_share() {
+    let prefix = format!("nbtok-{:x}", rand::random::<u64>());
+    let _keys = Keys(prefix.clone());
+    let server = |port: u16, fail: &str| {
+        format!(
+            "[server]\ncoordination = \"redis://127.0.0.1:{port}/\"\n\
+             coordination_prefix = \"{prefix}\"\ncoordination_timeout_ms = 300\n{fail}"
+        )
+    };
+    let up = Upstream::start().await;
+    let via = RedisVia::start().await;
+    let closed = gateway(&(server(via.port, "") + &pool_toml("p", &up.url(), "tpm = 1000"))).await;
+    assert_eq!(
+        send(post(&closed, "/respond", &chat(100))).await.status(),
+        200
+    );
+    via.cut();
+    let r = send(post(&closed, "/respond", &chat(100))).await;
+    assert!(r.headers().contains_key("retry-after"));
+    expect_error(r, 503, "coordination_unavailable").await;
+    assert_eq!(up.total(), 1);
+
+    // A port nobody listens on: the node starts on its own (fail open).
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let open = server(port, "coordination_fail = \"open\"\nexpected_nodes = 2\n");
+    let open = gateway(&(open + &pool_toml("p", &up.url(), "tpm = 1000"))).await;
+    let r = send(post(&open, "/respond", &chat(400))).await;
+    assert_eq!(r.status(), 200, "within this node's share of 500");
+    r.bytes().await.unwrap();
+    let over = post(&open, "/respond", &chat(200)).header("x-nthpool-no-queue", "1");
+    expect_error(send(over).await, 429, "too_many_requests").await;
+    assert_eq!(up.total(), 2);
+}
+
+/// A sandbox whose `/v1/messages` has hidden input- and output-token limits apart (Anthropic's
+/// split budget, announced with `anthropic-ratelimit-{input,output}-tokens-*`), each refilling
+/// over a second.
+async fn split_sandbox(input_tpm: u64, output_tpm: u64) -> (Arc<Sandbox>, String) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let sb = Sandbox::new(SandboxConfig {
+        limit: 0,
+        rpm: 0,
+        latency_ms: 5,
+        latency_jitter_ms: 0,
+        announce: true,
+        tpm: 0,
+        token_window_ms: 1_000,
+        input_tpm,
+        output_tpm,
+    });
+    tokio::spawn(nthbouncer_sandbox::serve(
+        listener,
+        sb.clone(),
+        std::future::pending(),
+    ));
+    (sb, format!("http://{addr}"))
+}
+
+/// An origin that announces its input and output tokens apart: a request's output cap must fit
+/// the output budget (larger than all of it: 400 at once, though the input has plenty), and
+/// eager clients whose caps together are many times the output budget get no origin 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn input_and_output_budgets_apart_each_bind() {
+    let (sb, url) = split_sandbox(100_000, 500).await;
+    let gw = gateway(&pool_toml("p", &url, "limit = 50")).await;
+    let message = |max_tokens: u64| {
+        json!({
+            "model": "claude-sonnet-4-5",
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": "say hi to the sandbox"}],
+        })
+    };
+    let first = send(post(&gw, "/v1/messages", &message(100))).await;
+    assert_eq!(first.status(), 200);
+    first.bytes().await.unwrap();
+    let s = gw
+        .wait_state("p", "the split budget learned", |s| {
+            tokens_of(s)["outputRemaining"].is_u64()
+        })
+        .await;
+    assert_eq!(tokens_of(&s)["source"], "announced");
+    assert!(
+        tokens_of(&s)["inputRemaining"].as_u64().unwrap() > 99_000,
+        "{s}"
+    );
+
+    let r = send(post(&gw, "/v1/messages", &message(600))).await;
+    let body = expect_error(r, 400, "exceeds_token_budget").await;
+    let text = body["message"].as_str().unwrap();
+    assert!(text.contains("600") && text.contains("500"), "{text}");
+
+    let mut tasks = Vec::new();
+    for _ in 0..30 {
+        tasks.push(spawn_send(post(&gw, "/v1/messages", &message(150))));
+    }
+    for t in tasks {
+        let r = t.await.unwrap();
+        assert_eq!(r.status(), 200, "{:?}", r.text().await);
+    }
+    let stats = sb.stats();
+    assert_eq!(stats.throttled, 0, "the origin refused some: {stats:?}");
+    assert_eq!(stats.ok, 31);
+}
+
+/// A streamed answer whose last chunk reports the usage (OpenAI's
+/// `stream_options.include_usage`): once the stream has been relayed, the charge is corrected
+/// from the estimate to that usage.
+#[tokio::test]
+async fn a_streamed_answers_final_usage_chunk_reconciles_the_charge() {
+    let (_sb, url) = sandbox(0, 60_000).await;
+    let gw = gateway(&pool_toml("p", &url, "tpm = 10000")).await;
+    let body = json!({
+        "model": "gpt-4o",
+        "max_tokens": 500,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+        "messages": [{"role": "user", "content": "hi"}],
+    });
+    let r = send(post(&gw, "/v1/chat/completions", &body)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "text/event-stream");
+    // Charged its estimate: 7 of framing and prompt, and the 500 it may write.
+    assert_eq!(r.headers()["x-nthpool-tpm-remaining"], "9493");
+    let text = r.text().await.unwrap();
+    let usage = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .find_map(|v| v["usage"]["total_tokens"].as_u64())
+        .unwrap_or_else(|| panic!("no usage chunk in {text}"));
+    assert!(
+        usage < 507,
+        "the reported usage is not the estimate: {usage}"
+    );
+    let s = gw
+        .wait_state("p", "the streamed usage reconciled", |s| {
+            tokens_of(s)["remaining"] == 10_000 - usage
+        })
+        .await;
+    assert_eq!(tokens_of(&s)["admittedTokens"], usage);
+    // The next answer says so too.
+    let r = send(post(&gw, "/v1/chat/completions", &chat(100))).await;
+    assert_eq!(
+        r.headers()["x-nthpool-tpm-remaining"],
+        (10_000 - usage - 100).to_string().as_str()
+    );
 }

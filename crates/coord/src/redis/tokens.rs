@@ -1,0 +1,232 @@
+//! One pool's token budget on Redis (SPEC §12): the ledger every node sharing the Redis (the
+//! same key prefix) charges, so N nodes admit one budget between them, not N.
+//!
+//! Owns the calls to `lua/tokens.lua` and the typed reading of its replies. The rules are the
+//! script's (mirroring the governor's pure `TokenBudget`); where a node's callers wait, and
+//! what it does while Redis is away, is its caller's (the server's token gate), as is which of
+//! its waiters has waited long enough to hold the budget. It must not know about HTTP.
+//!
+//! # Layout
+//! `{prefix}:{pool}:tok:charges` (hash charge id → `seq:at:cost:finishedSeq`) and
+//! `{prefix}:{pool}:tok:meta` (hash: the admission sequence, the tokens admitted, the origin's
+//! last announcement, the charge the budget is held for). Under the pool's hash tag like the
+//! gate's keys; forgotten ten minutes after the pool's last use.
+
+use std::sync::Arc;
+
+use ::redis::Script;
+use nthbouncer_governor::{BudgetSource, TokenCost, TokenPart, TokenSettings, TokenWindow, Usage};
+
+use super::script::{pool_key, CallError, Reply};
+use super::Node;
+
+/// How long a waiter's hold on the shared budget lasts unless its node asks again (it does at
+/// least every [`HOLD_RENEW_MS`] while the waiter waits): a node that went away lets go.
+pub const HOLD_TTL_MS: u64 = 2_000;
+/// Longest time between two admission attempts of a node for its waiters.
+pub const HOLD_RENEW_MS: u64 = 250;
+
+/// What the shared budget looks like after a call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TokenView {
+    pub remaining: Option<u64>,
+    pub budget: Option<u64>,
+    pub source: Option<BudgetSource>,
+    /// Tokens charged in total on every node (estimates, corrected by reconciliation).
+    pub admitted_tokens: u64,
+    /// Another charge's waiter holds the budget: nothing else is admitted until it is.
+    pub held: bool,
+    /// What the origin's announced input and output budgets have left, when it splits them.
+    pub input_remaining: Option<u64>,
+    pub output_remaining: Option<u64>,
+}
+
+/// The answer to [`RedisTokens::admit`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SharedAdmit {
+    Admitted(TokenView),
+    /// Larger than a whole budget (the total, or a part's): `estimate` is the cost's part that
+    /// does not fit in that `budget`.
+    Exceeds {
+        estimate: u64,
+        budget: u64,
+    },
+    /// No room now (or the budget is held for another); when the budget alone would let it.
+    Refused {
+        view: TokenView,
+        retry_after_ms: Option<u64>,
+    },
+}
+
+/// One pool's shared token ledger, as one node calls it.
+pub struct RedisTokens {
+    node: Arc<Node>,
+    keys: [String; 2],
+    script: Script,
+}
+
+fn num(v: Option<u64>) -> String {
+    v.and_then(|v| i64::try_from(v).ok())
+        .unwrap_or(-1)
+        .to_string()
+}
+
+impl RedisTokens {
+    pub(crate) fn new(node: Arc<Node>, pool: &str) -> RedisTokens {
+        let prefix = node.options.key_prefix.clone();
+        RedisTokens {
+            node,
+            keys: [
+                pool_key(&prefix, pool, "tok:charges"),
+                pool_key(&prefix, pool, "tok:meta"),
+            ],
+            script: Script::new(include_str!("lua/tokens.lua")),
+        }
+    }
+
+    /// After a failed call, how long before Redis is tried again.
+    pub fn retry_after_ms(&self) -> u64 {
+        u64::try_from(self.node.options.retry_redis_after.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// `Some(expected_nodes)` when a node admits its share on its own while Redis is away.
+    pub fn fail_open(&self) -> Option<u32> {
+        self.node.options.fail_open
+    }
+
+    async fn call(
+        &self,
+        op: &str,
+        settings: &TokenSettings,
+        id: Option<u128>,
+        extra: &[String],
+    ) -> Result<(String, TokenView, Option<u64>), CallError> {
+        let mut inv = self.script.prepare_invoke();
+        for k in &self.keys {
+            inv.key(k);
+        }
+        inv.arg(op)
+            .arg(settings.tpm)
+            .arg(settings.window_ms.max(1))
+            .arg(HOLD_TTL_MS)
+            .arg(id.map(|id| format!("{id:032x}")).unwrap_or_default());
+        for a in extra {
+            inv.arg(a);
+        }
+        let mut conn = self.node.conn.clone();
+        let timeout = self.node.options.command_timeout;
+        let value: ::redis::Value = tokio::time::timeout(timeout, inv.invoke_async(&mut conn))
+            .await
+            .map_err(|_| CallError::Timeout(timeout))??;
+        let ::redis::Value::Array(items) = value else {
+            return Err(CallError::Reply("not an array"));
+        };
+        let r = Reply(items, String::new());
+        if r.len() < 9 {
+            return Err(CallError::Reply("short token reply"));
+        }
+        let source = match r.int(3)? {
+            1 => Some(BudgetSource::Configured),
+            2 => Some(BudgetSource::Announced),
+            3 => Some(BudgetSource::Both),
+            _ => None,
+        };
+        let view = TokenView {
+            remaining: r.opt(1)?,
+            budget: r.opt(2)?,
+            source,
+            admitted_tokens: r.u64(4)?,
+            held: r.int(6)? == 1,
+            input_remaining: r.opt(7)?,
+            output_remaining: r.opt(8)?,
+        };
+        Ok((r.str(0)?, view, r.opt(5)?))
+    }
+
+    /// Charges `cost` for `id` if it fits and nobody else holds the budget. `holder`: the
+    /// caller's waiter has waited its hold, so if it does not fit the budget is held for it
+    /// (until it is admitted, [`RedisTokens::unhold`], or [`HOLD_TTL_MS`] without asking).
+    pub async fn admit(
+        &self,
+        settings: &TokenSettings,
+        id: u128,
+        cost: TokenCost,
+        holder: bool,
+    ) -> Result<SharedAdmit, CallError> {
+        let extra = [
+            cost.input.to_string(),
+            cost.output.to_string(),
+            u8::from(holder).to_string(),
+        ];
+        let (verdict, view, retry) = self.call("admit", settings, Some(id), &extra).await?;
+        Ok(match verdict.as_str() {
+            "admitted" => SharedAdmit::Admitted(view),
+            // Its reply carries the estimate and the budget where remaining and budget go.
+            "exceeds" => SharedAdmit::Exceeds {
+                estimate: view.remaining.unwrap_or(0),
+                budget: view.budget.unwrap_or(0),
+            },
+            _ => SharedAdmit::Refused {
+                view,
+                retry_after_ms: retry,
+            },
+        })
+    }
+
+    /// The request of charge `id` ended; `actual` is the usage its answer reported.
+    pub async fn finish(
+        &self,
+        settings: &TokenSettings,
+        id: u128,
+        actual: Option<Usage>,
+    ) -> Result<TokenView, CallError> {
+        let extra = match actual {
+            None => [num(None), num(None), num(None)],
+            Some(Usage::Total(t)) => [num(Some(t)), num(None), num(None)],
+            Some(Usage::Split(c)) => [
+                num(Some(c.total())),
+                num(Some(c.input)),
+                num(Some(c.output)),
+            ],
+        };
+        Ok(self.call("finish", settings, Some(id), &extra).await?.1)
+    }
+
+    /// Takes a charge back whole (its request never reached the origin).
+    pub async fn refund(&self, settings: &TokenSettings, id: u128) -> Result<TokenView, CallError> {
+        Ok(self.call("refund", settings, Some(id), &[]).await?.1)
+    }
+
+    /// `id`'s waiter no longer waits: the budget is not held for it any more.
+    pub async fn unhold(&self, settings: &TokenSettings, id: u128) -> Result<TokenView, CallError> {
+        Ok(self.call("unhold", settings, Some(id), &[]).await?.1)
+    }
+
+    /// The origin's word on its token budget (or on one `part` of a split one), from the
+    /// answer to charge `id` (if known).
+    pub async fn observe(
+        &self,
+        settings: &TokenSettings,
+        id: Option<u128>,
+        part: TokenPart,
+        window: TokenWindow,
+    ) -> Result<TokenView, CallError> {
+        let part = match part {
+            TokenPart::Total => "t",
+            TokenPart::Input => "i",
+            TokenPart::Output => "o",
+        };
+        let extra = [
+            part.to_owned(),
+            num(window.limit),
+            num(window.remaining),
+            num(window.reset_ms),
+        ];
+        Ok(self.call("observe", settings, id, &extra).await?.1)
+    }
+
+    /// The budget as it stands.
+    pub async fn peek(&self, settings: &TokenSettings) -> Result<TokenView, CallError> {
+        Ok(self.call("peek", settings, None, &[]).await?.1)
+    }
+}
