@@ -251,8 +251,11 @@ impl Server {
             &config,
             format!(
                 "[server]\nlisten = \"{addr}\"\ndata_dir = {:?}\nadmin_token = \"{admin}\"\n\
-                 shutdown_grace_ms = 1000\n\n{pools_toml}",
-                data.display().to_string()
+                 shutdown_grace_ms = 1000\nmax_connections = {}\n\n{pools_toml}",
+                data.display().to_string(),
+                // Every waiter's connection, and room for the harness's own requests beside
+                // them (the default, 10,000, would refuse those with 503 at 10,000 waiters).
+                args.waiters + 1000
             ),
         )?;
         let log = std::fs::File::create(args.dir.join(format!("{name}.log")))?;
