@@ -220,6 +220,10 @@ const MIGRATIONS: &[&str] = &[
     CREATE TRIGGER destinations_updated AFTER UPDATE ON webhook_destinations
         FOR EACH ROW WHEN (OLD.* IS DISTINCT FROM NEW.*)
         EXECUTE FUNCTION nthbouncer_settings_changed();"#,
+    // v3: terminal jobs by the moment their retention ends, so every node's sweep (once a
+    // second) finds the ones due through an index rather than reading every terminal job.
+    r#"CREATE INDEX jobs_terminal_due ON jobs ((updated_at + retention_ms))
+        WHERE status IN ('completed', 'failed', 'expired');"#,
 ];
 
 /// The schema version this build writes (`nthbouncer_schema.version`).

@@ -46,6 +46,11 @@ const JOB_HEAD_COLUMNS: &str =
      (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id AND d.status = 'failed'), \
      request_id, octet_length(request_body)::BIGINT";
 
+/// Retained jobs deleted per statement by [`JobStore::delete_retained`], and statements per
+/// call at most.
+const RETENTION_BATCH: i64 = 500;
+const RETENTION_BATCHES: usize = 20;
+
 /// The statuses of a job not yet terminal, in the exact text of the partial indexes.
 const UNFINISHED: &str = "status IN ('accepted', 'queued', 'running')";
 
@@ -763,21 +768,35 @@ impl JobStore for PgStore {
     }
 
     async fn delete_retained(&self, now: u64) -> Result<u64> {
-        let conn = self.conn().await?;
-        // One statement: the jobs and everything of theirs go together, or none of it.
-        let row = conn
-            .query_one(
-                "WITH gone AS (DELETE FROM jobs WHERE status IN ('completed', 'failed', 'expired') \
-                   AND updated_at + retention_ms <= $1 RETURNING id), \
+        // In batches of RETENTION_BATCH, each its own short transaction, so a large backlog of
+        // retained jobs never holds locks or a connection for long; at most RETENTION_BATCHES
+        // per call (the next sweep goes on). Rows another node is deleting are skipped.
+        let mut deleted = 0;
+        for _ in 0..RETENTION_BATCHES {
+            let conn = self.conn().await?;
+            // One statement: the jobs and everything of theirs go together, or none of it.
+            let row = query_one(
+                &conn,
+                "delete_retained",
+                "WITH gone AS (DELETE FROM jobs WHERE id IN (SELECT id FROM jobs \
+                   WHERE status IN ('completed', 'failed', 'expired') \
+                   AND updated_at + retention_ms <= $1 \
+                   ORDER BY updated_at + retention_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
+                   RETURNING id), \
                  e AS (DELETE FROM job_events WHERE job_id IN (SELECT id FROM gone)), \
                  a AS (DELETE FROM delivery_attempts WHERE job_id IN (SELECT id FROM gone)), \
                  d AS (DELETE FROM deliveries WHERE job_id IN (SELECT id FROM gone)) \
                  SELECT COUNT(*) FROM gone",
-                &[&big(now)],
+                &[&big(now), &RETENTION_BATCH],
             )
-            .await
-            .ctx("delete_retained")?;
-        get_u(&row, 0)
+            .await?;
+            let n: u64 = get_u(&row, 0)?;
+            deleted += n;
+            if n < RETENTION_BATCH as u64 {
+                break;
+            }
+        }
+        Ok(deleted)
     }
 
     async fn list_destinations(&self, pool: Option<&str>) -> Result<Vec<StoredDestination>> {
