@@ -367,7 +367,9 @@ pub trait JobStore: Send + Sync + 'static {
         now: u64,
         active_destinations: &std::collections::HashMap<String, Vec<String>>,
     ) -> Result<Vec<String>>;
-    /// Deletes terminal jobs whose retention has passed, with their history and deliveries.
+    /// Deletes terminal jobs whose retention has passed, with their history and deliveries;
+    /// returns how many. A store may delete a bounded number per call (PostgreSQL: in short
+    /// batches, so the hot path never waits on a long delete): the rest go at the next call.
     async fn delete_retained(&self, now: u64) -> Result<u64>;
 
     async fn list_destinations(&self, pool: Option<&str>) -> Result<Vec<StoredDestination>>;

@@ -1,7 +1,7 @@
 //! The PostgreSQL implementation of [`Store`] (and, in `postgres_jobs`, of [`crate::JobStore`]):
 //! one database shared by every node (`server.store = "postgres://…"`).
 //!
-//! This module owns the connection pool (tokio-postgres under deadpool, rustls for
+//! This module owns the connection pools (tokio-postgres under deadpool, rustls for
 //! `sslmode=require`), the schema and its versioned migrations, and the error mapping. Like
 //! `sqlite.rs` it must not interpret pool specs (they stay opaque JSON) and must not grow
 //! behaviour the traits do not promise, so both implementations pass the same conformance tests.
@@ -9,7 +9,9 @@
 //! Differences from SQLite that callers can rely on being invisible:
 //! - Durability as on SQLite: connections commit with `synchronous_commit = off` (like
 //!   `synchronous=NORMAL`: safe against a crash of nthbouncer, not of the database's host), and
-//!   a job's insert commits with it `on`, so a `202` is only sent for a job whose WAL is flushed.
+//!   a job's insert commits with it `on` (on connections of the intake's own, so a `202` never
+//!   waits for a connection behind the runners), so a `202` is only sent for a job whose WAL is
+//!   flushed.
 //! - Claims: several nodes share the rows, so a delivery handed out by `due_deliveries` is
 //!   claimed (`claimed_by`, `claim_until`) under `FOR UPDATE SKIP LOCKED` and no other node is
 //!   handed it until the claim lease ends; this store's own claims are still handed back to it
@@ -27,7 +29,9 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
+use deadpool_postgres::{
+    GenericClient, Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime,
+};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::Row;
 
@@ -216,6 +220,10 @@ const MIGRATIONS: &[&str] = &[
     CREATE TRIGGER destinations_updated AFTER UPDATE ON webhook_destinations
         FOR EACH ROW WHEN (OLD.* IS DISTINCT FROM NEW.*)
         EXECUTE FUNCTION nthbouncer_settings_changed();"#,
+    // v3: terminal jobs by the moment their retention ends, so every node's sweep (once a
+    // second) finds the ones due through an index rather than reading every terminal job.
+    r#"CREATE INDEX jobs_terminal_due ON jobs ((updated_at + retention_ms))
+        WHERE status IN ('completed', 'failed', 'expired');"#,
 ];
 
 /// The schema version this build writes (`nthbouncer_schema.version`).
@@ -223,6 +231,14 @@ pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 
 /// Connections kept at most. Every call holds one only for its statements.
 const POOL_SIZE: usize = 16;
+
+/// Connections kept apart for accepting jobs ([`crate::JobStore::insert_jobs`]), at most: a
+/// `202` waits for its batch's commit, and that commit must not queue for a connection behind
+/// the runners and the webhook dispatcher, which share [`POOL_SIZE`] connections among up to a
+/// pool limit's jobs each (measured: most of an intake batch's time went there). The intake
+/// commits one batch at a time (more at once made smaller batches and cost more than they
+/// saved on a busy machine); the second connection serves any other caller meanwhile.
+const INTAKE_POOL_SIZE: usize = 2;
 
 /// How long a call waits for a connection (from the pool, or a new one) before it fails; a
 /// down database must fail a call quickly (the caller answers `503`), not hang it.
@@ -246,6 +262,8 @@ pub struct PgStore {
 
 pub(crate) struct Inner {
     pub(crate) pool: Pool,
+    /// The intake's own connections ([`INTAKE_POOL_SIZE`]), committing synchronously.
+    pub(crate) intake: Pool,
     /// This process's name for its claims (random per open).
     pub(crate) node: String,
     /// Where it connects, without the password.
@@ -307,26 +325,15 @@ impl PgStore {
         // Commits return before their WAL is flushed, as SQLite's `synchronous=NORMAL`: a crash
         // of this process loses nothing, one of the database's host may lose the last moments.
         // The writes that promise more (a job's insert, before its `202`) ask for a flush.
+        let mut intake = config.clone();
         config.options("-c synchronous_commit=off");
+        // Whatever the server's default: the intake's commits wait for their WAL flush.
+        intake.options("-c synchronous_commit=on");
         let target = describe(&config);
-        let manager = Manager::from_config(
-            config,
-            tls()?,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
-        let pool = Pool::builder(manager)
-            .max_size(POOL_SIZE)
-            .runtime(Runtime::Tokio1)
-            .wait_timeout(Some(CONNECT_TIMEOUT))
-            .create_timeout(Some(CONNECT_TIMEOUT))
-            .recycle_timeout(Some(CONNECT_TIMEOUT))
-            .build()
-            .map_err(|e| StoreError::Backend(format!("building the PostgreSQL pool: {e}")))?;
         let store = PgStore {
             inner: Arc::new(Inner {
-                pool,
+                pool: build_pool(config, POOL_SIZE)?,
+                intake: build_pool(intake, INTAKE_POOL_SIZE)?,
                 node: format!("node-{:016x}", rand::random::<u64>()),
                 target,
                 claim_lease_ms: claim_lease_ms.max(1),
@@ -359,7 +366,16 @@ impl PgStore {
 
     /// A connection from the pool.
     pub(crate) async fn conn(&self) -> Result<Object> {
-        self.inner.pool.get().await.map_err(|e| {
+        self.get(&self.inner.pool).await
+    }
+
+    /// A connection of the intake's own ([`INTAKE_POOL_SIZE`]), committing synchronously.
+    pub(crate) async fn intake_conn(&self) -> Result<Object> {
+        self.get(&self.inner.intake).await
+    }
+
+    async fn get(&self, pool: &Pool) -> Result<Object> {
+        pool.get().await.map_err(|e| {
             StoreError::Backend(format!(
                 "PostgreSQL ({}) is unavailable: {e}",
                 self.inner.target
@@ -416,6 +432,25 @@ impl PgStore {
     }
 }
 
+/// A pool of at most `size` connections made with `config` (none is made before it is needed).
+fn build_pool(config: tokio_postgres::Config, size: usize) -> Result<Pool> {
+    let manager = Manager::from_config(
+        config,
+        tls()?,
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    Pool::builder(manager)
+        .max_size(size)
+        .runtime(Runtime::Tokio1)
+        .wait_timeout(Some(CONNECT_TIMEOUT))
+        .create_timeout(Some(CONNECT_TIMEOUT))
+        .recycle_timeout(Some(CONNECT_TIMEOUT))
+        .build()
+        .map_err(|e| StoreError::Backend(format!("building the PostgreSQL pool: {e}")))
+}
+
 /// rustls with the web's roots, for `sslmode=prefer|require` (plain connections unaffected).
 fn tls() -> Result<tokio_postgres_rustls::MakeRustlsConnect> {
     let roots = rustls::RootCertStore {
@@ -452,6 +487,50 @@ fn describe(config: &tokio_postgres::Config) -> String {
         config.get_user().unwrap_or(""),
         config.get_dbname().unwrap_or("")
     )
+}
+
+/// Runs `sql` as a statement prepared once per connection (one round trip instead of two).
+pub(crate) async fn exec<C: GenericClient>(
+    c: &C,
+    what: &str,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Result<u64> {
+    let statement = c.prepare_cached(sql).await.ctx(what)?;
+    c.execute(&statement, params).await.ctx(what)
+}
+
+/// [`exec`] for a statement that returns rows.
+pub(crate) async fn query<C: GenericClient>(
+    c: &C,
+    what: &str,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Result<Vec<Row>> {
+    let statement = c.prepare_cached(sql).await.ctx(what)?;
+    c.query(&statement, params).await.ctx(what)
+}
+
+/// [`query`] for at most one row.
+pub(crate) async fn query_opt<C: GenericClient>(
+    c: &C,
+    what: &str,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Result<Option<Row>> {
+    let statement = c.prepare_cached(sql).await.ctx(what)?;
+    c.query_opt(&statement, params).await.ctx(what)
+}
+
+/// [`query`] for exactly one row.
+pub(crate) async fn query_one<C: GenericClient>(
+    c: &C,
+    what: &str,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Result<Row> {
+    let statement = c.prepare_cached(sql).await.ctx(what)?;
+    c.query_one(&statement, params).await.ctx(what)
 }
 
 /// Maps driver errors into [`StoreError`] with a note on what was being done.

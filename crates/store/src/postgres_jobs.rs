@@ -13,7 +13,9 @@ use deadpool_postgres::Transaction;
 use tokio_postgres::Row;
 
 use crate::jobs::{delivery_status, status};
-use crate::postgres::{big, get, get_opt_u, get_u, rows, Ctx, PgStore};
+use crate::postgres::{
+    big, exec, get, get_opt_u, get_u, query, query_one, query_opt, rows, Ctx, PgStore,
+};
 use crate::sqlite_jobs::{encode, RequestHead, ResultHead};
 use crate::{
     AttemptApplied, AttemptQuery, AttemptRecord, DeliveryAttempt, DeliveryNext, DeliveryState,
@@ -43,6 +45,11 @@ const JOB_HEAD_COLUMNS: &str =
      (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id AND d.status = 'delivered'), \
      (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = jobs.id AND d.status = 'failed'), \
      request_id, octet_length(request_body)::BIGINT";
+
+/// Retained jobs deleted per statement by [`JobStore::delete_retained`], and statements per
+/// call at most.
+const RETENTION_BATCH: i64 = 500;
+const RETENTION_BATCHES: usize = 20;
 
 /// The statuses of a job not yet terminal, in the exact text of the partial indexes.
 const UNFINISHED: &str = "status IN ('accepted', 'queued', 'running')";
@@ -224,44 +231,46 @@ async fn apply_attempt(tx: &Transaction<'_>, r: &AttemptRecord) -> Result<Attemp
 async fn apply_streak(tx: &Transaction<'_>, r: &AttemptRecord) -> Result<AttemptApplied> {
     let mut applied = AttemptApplied::default();
     if r.next == DeliveryNext::Delivered {
-        let n = tx
-            .execute(
-                "UPDATE webhook_destinations SET consecutive_failures = 0 \
+        let n = exec(
+            tx,
+            "record_attempts",
+            "UPDATE webhook_destinations SET consecutive_failures = 0 \
                  WHERE id = $1 AND consecutive_failures != 0",
-                &[&r.destination_id],
-            )
-            .await
-            .ctx("record_attempts")?;
+            &[&r.destination_id],
+        )
+        .await?;
         applied.streak_changed = n > 0;
         return Ok(applied);
     }
     if !r.manual {
-        let n = tx
-            .execute(
-                "UPDATE webhook_destinations SET consecutive_failures = consecutive_failures + 1 \
+        let n = exec(
+            tx,
+            "record_attempts",
+            "UPDATE webhook_destinations SET consecutive_failures = consecutive_failures + 1 \
                  WHERE id = $1 AND active",
-                &[&r.destination_id],
-            )
-            .await
-            .ctx("record_attempts")?;
+            &[&r.destination_id],
+        )
+        .await?;
         applied.streak_changed = n > 0;
     }
     let n = if r.gone {
-        tx.execute(
+        exec(
+            tx,
+            "record_attempts",
             "UPDATE webhook_destinations SET active = FALSE, deactivated_at = $2 \
              WHERE id = $1 AND active",
             &[&r.destination_id, &big(r.at)],
         )
-        .await
-        .ctx("record_attempts")?
+        .await?
     } else if !r.manual {
-        tx.execute(
+        exec(
+            tx,
+            "record_attempts",
             "UPDATE webhook_destinations SET active = FALSE, deactivated_at = $2 \
              WHERE id = $1 AND active AND consecutive_failures >= deactivate_after",
             &[&r.destination_id, &big(r.at)],
         )
-        .await
-        .ctx("record_attempts")?
+        .await?
     } else {
         0
     };
@@ -277,14 +286,14 @@ async fn apply_delivery(
 ) -> Result<bool> {
     let id = big(r.delivery_id);
     // The attempt is over: its claim goes with it.
-    let exists = tx
-        .execute(
-            "UPDATE deliveries SET attempts = attempts + 1, claimed_by = NULL, claim_until = NULL \
+    let exists = exec(
+        tx,
+        "record_attempts",
+        "UPDATE deliveries SET attempts = attempts + 1, claimed_by = NULL, claim_until = NULL \
              WHERE id = $1",
-            &[&id],
-        )
-        .await
-        .ctx("record_attempts")?
+        &[&id],
+    )
+    .await?
         > 0;
     if !exists {
         return Ok(false);
@@ -315,13 +324,15 @@ async fn apply_delivery(
             &[&id, &round, &code, &at, &r.error],
         ),
     };
-    tx.execute(sql, params).await.ctx("record_attempts")?;
+    exec(tx, "record_attempts", sql, params).await?;
     let outcome = match next {
         DeliveryNext::Delivered => delivery_status::DELIVERED,
         DeliveryNext::Retry { .. } => "retrying",
         DeliveryNext::Failed => delivery_status::FAILED,
     };
-    tx.execute(
+    exec(
+        tx,
+        "record_attempts",
         "INSERT INTO delivery_attempts (delivery_id, job_id, destination_id, pool, attempt, at, \
          status_code, latency_ms, response_body, error, manual, outcome) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
@@ -340,8 +351,7 @@ async fn apply_delivery(
             &outcome,
         ],
     )
-    .await
-    .ctx("record_attempts")?;
+    .await?;
     Ok(true)
 }
 
@@ -362,24 +372,27 @@ impl PgStore {
         let num = |f: fn(&NewJob) -> i64| jobs.iter().map(f).collect::<Vec<i64>>();
         let bodies: Vec<&[u8]> = jobs.iter().map(|j| j.request.body.as_slice()).collect();
         let request_ids: Vec<Option<&str>> = jobs.iter().map(|j| j.request_id.as_deref()).collect();
-        let mut conn = self.conn().await?;
-        let tx = conn.transaction().await.ctx("insert_jobs")?;
-        // A 202 promises the job survives a crash of the database's host too: whatever the
-        // server's default, this commit waits for its WAL flush.
-        tx.batch_execute("SET LOCAL synchronous_commit TO on")
-            .await
-            .ctx("insert_jobs")?;
-        tx.execute(
-            "INSERT INTO jobs (id, pool, status, reason, key_id, fairness, priority, created_at, \
-             updated_at, expires_at, retention_ms, attempt, destinations, request, request_body, \
-             request_id, claimed_by, claim_until) \
+        let conn = self.intake_conn().await?;
+        // One statement, so one round trip and one transaction: the jobs and their `accepted`
+        // steps commit together, on a connection that commits synchronously (a `202` promises
+        // the job survives a crash of the database's host too).
+        exec(
+            &conn,
+            "insert_jobs",
+            "WITH t AS (SELECT * FROM UNNEST($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::TEXT[], \
+             $5::BIGINT[], $6::TEXT[], $7::BIGINT[], $8::BIGINT[], $9::BIGINT[], $10::BIGINT[], \
+             $11::TEXT[], $12::BYTEA[], $13::TEXT[]) WITH ORDINALITY AS t(id, pool, reason, \
+             key_id, fairness, priority, created_at, expires_at, retention_ms, destinations, \
+             request, body, request_id, n)), \
+             j AS (INSERT INTO jobs (id, pool, status, reason, key_id, fairness, priority, \
+             created_at, updated_at, expires_at, retention_ms, attempt, destinations, request, \
+             request_body, request_id, claimed_by, claim_until) \
              SELECT id, pool, 'accepted', reason, key_id, fairness, priority, created_at, \
              created_at, expires_at, retention_ms, 0, destinations, request, body, request_id, \
-             $14::TEXT, CASE WHEN $14::TEXT IS NULL THEN NULL ELSE created_at + $15 END \
-             FROM UNNEST($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::TEXT[], $5::BIGINT[], \
-             $6::TEXT[], $7::BIGINT[], $8::BIGINT[], $9::BIGINT[], $10::BIGINT[], $11::TEXT[], \
-             $12::BYTEA[], $13::TEXT[]) AS t(id, pool, reason, key_id, fairness, priority, \
-             created_at, expires_at, retention_ms, destinations, request, body, request_id)",
+             $14::TEXT, CASE WHEN $14::TEXT IS NULL THEN NULL ELSE created_at + $15::BIGINT END \
+             FROM t) \
+             INSERT INTO job_events (job_id, at, status, attempt, detail) \
+             SELECT id, created_at, 'accepted', 0, reason FROM t ORDER BY n",
             &[
                 &text(|j| &j.id),
                 &text(|j| &j.pool),
@@ -402,21 +415,7 @@ impl PgStore {
             ],
         )
         .await
-        .ctx("insert_jobs")?;
-        tx.execute(
-            "INSERT INTO job_events (job_id, at, status, attempt, detail) \
-             SELECT id, at, 'accepted', 0, reason \
-             FROM UNNEST($1::TEXT[], $2::BIGINT[], $3::TEXT[]) WITH ORDINALITY AS t(id, at, reason, n) \
-             ORDER BY n",
-            &[
-                &text(|j| &j.id),
-                &num(|j| big(j.created_at)),
-                &text(|j| &j.reason),
-            ],
-        )
-        .await
-        .ctx("insert_jobs")?;
-        tx.commit().await.ctx("insert_jobs")
+        .map(drop)
     }
 
     async fn query_jobs(
@@ -530,15 +529,16 @@ impl JobStore for PgStore {
         let conn = self.conn().await?;
         let until = self.claim_until(now);
         if !held.is_empty() {
-            conn.execute(
+            exec(
+                &conn,
+                "claim_jobs",
                 &format!(
                     "UPDATE jobs SET claim_until = $3 \
                      WHERE id = ANY($1) AND claimed_by = $2 AND {UNFINISHED}"
                 ),
                 &[&held, &self.inner.node, &until],
             )
-            .await
-            .ctx("claim_jobs")?;
+            .await?;
         }
         if limit == 0 {
             return Ok(Some(Vec::new()));
@@ -574,11 +574,14 @@ impl JobStore for PgStore {
 
     async fn job_request_body(&self, id: &str) -> Result<Option<Vec<u8>>> {
         let conn = self.conn().await?;
-        let found = conn
-            .query_opt("SELECT request_body FROM jobs WHERE id = $1", &[&id])
-            .await
-            .ctx("job_request_body")?;
-        found.as_ref().map(|r| get(r, 0)).transpose()
+        let found = query(
+            &conn,
+            "job_request_body",
+            "SELECT request_body FROM jobs WHERE id = $1",
+            &[&id],
+        )
+        .await?;
+        found.first().map(|r| get(r, 0)).transpose()
     }
 
     async fn count_unfinished_jobs(&self, pool: &str) -> Result<u64> {
@@ -608,45 +611,42 @@ impl JobStore for PgStore {
     }
 
     async fn mark_queued(&self, id: &str, now: u64) -> Result<()> {
-        let mut conn = self.conn().await?;
-        let tx = conn.transaction().await.ctx("mark_queued")?;
-        let n = tx
-            .execute(
-                "UPDATE jobs SET status = 'queued', updated_at = $2 \
-                 WHERE id = $1 AND status = 'accepted'",
-                &[&id, &big(now)],
-            )
-            .await
-            .ctx("mark_queued")?;
-        if n > 0 {
-            event(&tx, id, now, status::QUEUED, 0, None).await?;
-        }
-        tx.commit().await.ctx("mark_queued")
+        let conn = self.conn().await?;
+        // One statement (one round trip): the step and its history row commit together.
+        exec(
+            &conn,
+            "mark_queued",
+            "WITH u AS (UPDATE jobs SET status = 'queued', updated_at = $2 \
+             WHERE id = $1 AND status = 'accepted' RETURNING id) \
+             INSERT INTO job_events (job_id, at, status, attempt, detail) \
+             SELECT id, $2, 'queued', 0, NULL FROM u",
+            &[&id, &big(now)],
+        )
+        .await
+        .map(drop)
     }
 
     async fn start_attempt(&self, id: &str, now: u64) -> Result<Option<u32>> {
-        let mut conn = self.conn().await?;
-        let tx = conn.transaction().await.ctx("start_attempt")?;
+        let conn = self.conn().await?;
         // The attempt claims the job for this node until the lease ends, unless another live
-        // node holds it (that node runs it: the origin must not be called twice).
-        let row = tx
-            .query_opt(
-                &format!(
-                    "UPDATE jobs SET status = 'running', attempt = attempt + 1, updated_at = $2, \
-                     claimed_by = $3, claim_until = $4 WHERE id = $1 AND {UNFINISHED} \
-                     AND (claimed_by IS NULL OR claimed_by = $3 OR claim_until <= $2) \
-                     RETURNING attempt"
-                ),
-                &[&id, &big(now), &self.inner.node, &self.claim_until(now)],
-            )
-            .await
-            .ctx("start_attempt")?;
-        let attempt = row.as_ref().map(|r| get_u::<u32>(r, 0)).transpose()?;
-        if let Some(a) = attempt {
-            event(&tx, id, now, status::RUNNING, a, None).await?;
-        }
-        tx.commit().await.ctx("start_attempt")?;
-        Ok(attempt)
+        // node holds it (that node runs it: the origin must not be called twice). One
+        // statement: the attempt and its history row commit together.
+        let found = query(
+            &conn,
+            "start_attempt",
+            &format!(
+                "WITH u AS (UPDATE jobs SET status = 'running', attempt = attempt + 1, \
+                 updated_at = $2, claimed_by = $3, claim_until = $4 WHERE id = $1 AND \
+                 {UNFINISHED} AND (claimed_by IS NULL OR claimed_by = $3 OR claim_until <= $2) \
+                 RETURNING id, attempt), \
+                 e AS (INSERT INTO job_events (job_id, at, status, attempt, detail) \
+                 SELECT id, $2, 'running', attempt, NULL FROM u) \
+                 SELECT attempt FROM u"
+            ),
+            &[&id, &big(now), &self.inner.node, &self.claim_until(now)],
+        )
+        .await?;
+        found.first().map(|r| get_u::<u32>(r, 0)).transpose()
     }
 
     async fn retry_attempt(&self, id: &str, attempt: u32, now: u64, detail: &str) -> Result<bool> {
@@ -691,31 +691,39 @@ impl JobStore for PgStore {
             }
             Finish::Failed(e) => (status::FAILED, Some(e.as_str()), None, None),
         };
-        let mut conn = self.conn().await?;
-        let tx = conn.transaction().await.ctx("finish_attempt")?;
-        let n = tx
-            .execute(
-                "UPDATE jobs SET status = $3, updated_at = $4, error = $5, result = $6, \
-                 result_body = $7, claimed_by = NULL, claim_until = NULL \
-                 WHERE id = $1 AND attempt = $2 AND status = 'running'",
-                &[
-                    &id,
-                    &i64::from(attempt),
-                    &new_status,
-                    &big(now),
-                    &error,
-                    &head,
-                    &body,
-                ],
-            )
-            .await
-            .ctx("finish_attempt")?;
-        if n > 0 {
-            event(&tx, id, now, new_status, attempt, error).await?;
-            enqueue_deliveries(&tx, id, now, destination_ids).await?;
-        }
-        tx.commit().await.ctx("finish_attempt")?;
-        Ok(n > 0)
+        let conn = self.conn().await?;
+        // One statement (one round trip, one transaction): the terminal state, its history row
+        // and the outbox rows (one per destination, in order, duplicates once) commit together,
+        // and none of it unless the attempt still holds the job (fencing).
+        let found = query(
+            &conn,
+            "finish_attempt",
+            "WITH u AS (UPDATE jobs SET status = $3, updated_at = $4, error = $5, result = $6, \
+             result_body = $7, claimed_by = NULL, claim_until = NULL \
+             WHERE id = $1 AND attempt = $2 AND status = 'running' RETURNING id, request_id), \
+             e AS (INSERT INTO job_events (job_id, at, status, attempt, detail) \
+             SELECT id, $4, $3, $2, $5 FROM u), \
+             d AS (INSERT INTO deliveries (job_id, destination_id, status, attempts, \
+             next_attempt_at, created_at, updated_at, request_id) \
+             SELECT u.id, o.d, 'pending', 0, $4, $4, $4, u.request_id FROM u, \
+             (SELECT d, MIN(n) AS n FROM UNNEST($8::TEXT[]) WITH ORDINALITY AS t(d, n) \
+              GROUP BY d) AS o ORDER BY o.n \
+             ON CONFLICT (job_id, destination_id) DO NOTHING) \
+             SELECT COUNT(*) FROM u",
+            &[
+                &id,
+                &i64::from(attempt),
+                &new_status,
+                &big(now),
+                &error,
+                &head,
+                &body,
+                &destination_ids,
+            ],
+        )
+        .await?;
+        let finished = found.first().map(|r| get_u::<u64>(r, 0)).transpose()?;
+        Ok(finished.unwrap_or(0) > 0)
     }
 
     async fn expire_jobs(
@@ -760,21 +768,35 @@ impl JobStore for PgStore {
     }
 
     async fn delete_retained(&self, now: u64) -> Result<u64> {
-        let conn = self.conn().await?;
-        // One statement: the jobs and everything of theirs go together, or none of it.
-        let row = conn
-            .query_one(
-                "WITH gone AS (DELETE FROM jobs WHERE status IN ('completed', 'failed', 'expired') \
-                   AND updated_at + retention_ms <= $1 RETURNING id), \
+        // In batches of RETENTION_BATCH, each its own short transaction, so a large backlog of
+        // retained jobs never holds locks or a connection for long; at most RETENTION_BATCHES
+        // per call (the next sweep goes on). Rows another node is deleting are skipped.
+        let mut deleted = 0;
+        for _ in 0..RETENTION_BATCHES {
+            let conn = self.conn().await?;
+            // One statement: the jobs and everything of theirs go together, or none of it.
+            let row = query_one(
+                &conn,
+                "delete_retained",
+                "WITH gone AS (DELETE FROM jobs WHERE id IN (SELECT id FROM jobs \
+                   WHERE status IN ('completed', 'failed', 'expired') \
+                   AND updated_at + retention_ms <= $1 \
+                   ORDER BY updated_at + retention_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
+                   RETURNING id), \
                  e AS (DELETE FROM job_events WHERE job_id IN (SELECT id FROM gone)), \
                  a AS (DELETE FROM delivery_attempts WHERE job_id IN (SELECT id FROM gone)), \
                  d AS (DELETE FROM deliveries WHERE job_id IN (SELECT id FROM gone)) \
                  SELECT COUNT(*) FROM gone",
-                &[&big(now)],
+                &[&big(now), &RETENTION_BATCH],
             )
-            .await
-            .ctx("delete_retained")?;
-        get_u(&row, 0)
+            .await?;
+            let n: u64 = get_u(&row, 0)?;
+            deleted += n;
+            if n < RETENTION_BATCH as u64 {
+                break;
+            }
+        }
+        Ok(deleted)
     }
 
     async fn list_destinations(&self, pool: Option<&str>) -> Result<Vec<StoredDestination>> {
@@ -882,24 +904,23 @@ impl JobStore for PgStore {
         exclude: &[u64],
     ) -> Result<Vec<DueDelivery>> {
         let conn = self.conn().await?;
-        let destination = conn
-            .query_opt(
-                &format!(
-                    "SELECT {DEST_COLUMNS} FROM webhook_destinations WHERE id = $1 AND active"
-                ),
-                &[&destination_id],
-            )
-            .await
-            .ctx("due_deliveries")?;
+        let destination = query_opt(
+            &conn,
+            "due_deliveries",
+            &format!("SELECT {DEST_COLUMNS} FROM webhook_destinations WHERE id = $1 AND active"),
+            &[&destination_id],
+        )
+        .await?;
         let Some(destination) = destination.as_ref().map(dest_from_row).transpose()? else {
             return Ok(Vec::new());
         };
         let exclude: Vec<i64> = exclude.iter().map(|id| big(*id)).collect();
         // Claimed for this node until the lease ends: other nodes skip them meanwhile (and
         // rows another node is claiming right now), this node is handed its own claims again.
-        let found = conn
-            .query(
-                "WITH due AS (SELECT id FROM deliveries WHERE destination_id = $1 \
+        let found = query(
+            &conn,
+            "due_deliveries",
+            "WITH due AS (SELECT id FROM deliveries WHERE destination_id = $1 \
                    AND status = 'pending' AND next_attempt_at <= $2 AND id <> ALL($4::BIGINT[]) \
                    AND (claim_until IS NULL OR claim_until <= $2 OR claimed_by = $5) \
                    ORDER BY next_attempt_at, id LIMIT $3 FOR UPDATE SKIP LOCKED) \
@@ -907,17 +928,16 @@ impl JobStore for PgStore {
                  WHERE d.id = due.id \
                  RETURNING d.next_attempt_at, d.id, d.job_id, d.attempts, d.round_attempts, \
                    d.round, d.manual",
-                &[
-                    &destination_id,
-                    &big(now),
-                    &i64::from(limit),
-                    &exclude,
-                    &self.inner.node,
-                    &self.claim_until(now),
-                ],
-            )
-            .await
-            .ctx("due_deliveries")?;
+            &[
+                &destination_id,
+                &big(now),
+                &i64::from(limit),
+                &exclude,
+                &self.inner.node,
+                &self.claim_until(now),
+            ],
+        )
+        .await?;
         let mut claimed = rows(found, |r| {
             Ok((
                 get_u::<u64>(r, 0)?,
@@ -931,13 +951,13 @@ impl JobStore for PgStore {
         })?;
         claimed.sort_by_key(|c| (c.0, c.1));
         let job_ids: Vec<&str> = claimed.iter().map(|c| c.2.as_str()).collect();
-        let jobs = conn
-            .query(
-                &format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = ANY($1)"),
-                &[&job_ids],
-            )
-            .await
-            .ctx("due_deliveries")?;
+        let jobs = query(
+            &conn,
+            "due_deliveries",
+            &format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = ANY($1)"),
+            &[&job_ids],
+        )
+        .await?;
         let mut jobs: std::collections::HashMap<String, StoredJob> = rows(jobs, job_from_row)?
             .into_iter()
             .map(|j| (j.id.clone(), j))
@@ -963,14 +983,14 @@ impl JobStore for PgStore {
 
     async fn next_delivery_at(&self, destination_id: &str, after: u64) -> Result<Option<u64>> {
         let conn = self.conn().await?;
-        let row = conn
-            .query_one(
-                "SELECT MIN(next_attempt_at) FROM deliveries \
+        let row = query_one(
+            &conn,
+            "next_delivery_at",
+            "SELECT MIN(next_attempt_at) FROM deliveries \
                  WHERE destination_id = $1 AND status = 'pending' AND next_attempt_at > $2",
-                &[&destination_id, &big(after)],
-            )
-            .await
-            .ctx("next_delivery_at")?;
+            &[&destination_id, &big(after)],
+        )
+        .await?;
         get_opt_u(&row, 0)
     }
 

@@ -1,12 +1,15 @@
 //! The unfinished-job backlog, on SQLite and PostgreSQL alike: counted per pool for
 //! `async.max_pending`, resumed in pages without request bodies, each body loaded when its
-//! job's turn comes.
+//! job's turn comes; and finished jobs deleted once their retention is over, however many.
 
 use nthbouncer_store::{Finish, JobCursor, JobRequest, NewJob, UnfinishedJob};
 
 use crate::backend::{conformance, AnyStore, Backend};
 
-conformance!(the_backlog_is_counted_paged_without_bodies_and_bodies_load_on_demand);
+conformance!(
+    the_backlog_is_counted_paged_without_bodies_and_bodies_load_on_demand,
+    retention_deletes_every_due_job_and_nothing_else,
+);
 
 fn job(id: &str, pool: &str, created_at: u64, body: &[u8]) -> NewJob {
     NewJob {
@@ -121,4 +124,46 @@ async fn the_backlog_is_counted_paged_without_bodies_and_bodies_load_on_demand(b
     let all = store.unfinished_jobs().await.unwrap();
     assert_eq!(all.len(), 5);
     assert_eq!(all[1].request.body, vec![7u8; 4096]);
+}
+
+/// More retained jobs than one delete batch (PostgreSQL deletes in bounded batches): calls
+/// go on until every due one is gone, their history with them; an unfinished job and a job
+/// whose retention is not over stay.
+async fn retention_deletes_every_due_job_and_nothing_else(b: &Backend) {
+    let store = b.open().await;
+    let day = 86_400_000;
+    let many: Vec<NewJob> = (0..1_200)
+        .map(|i| job(&format!("job_{i:05}"), "p", 0, b""))
+        .collect();
+    store.insert_jobs(&many).await.unwrap();
+    // All expire at `day`, terminal from then on for one more day.
+    let expired = store
+        .expire_jobs(day, &std::collections::HashMap::new())
+        .await
+        .unwrap();
+    assert_eq!(expired.len(), 1_200);
+    let mut late = job("job_late", "p", 0, b"");
+    late.retention_ms = 3 * day;
+    store.insert_jobs(&[late]).await.unwrap();
+    store
+        .expire_jobs(day, &std::collections::HashMap::new())
+        .await
+        .unwrap();
+    store
+        .insert_jobs(&[job("job_open", "p", day, b"")])
+        .await
+        .unwrap();
+    assert_eq!(store.delete_retained(2 * day - 1).await.unwrap(), 0);
+    let mut deleted = 0;
+    for _ in 0..100 {
+        match store.delete_retained(2 * day).await.unwrap() {
+            0 => break,
+            n => deleted += n,
+        }
+    }
+    assert_eq!(deleted, 1_200);
+    assert!(store.get_job("p", "job_00000").await.unwrap().is_none());
+    assert!(store.job_events("job_00000").await.unwrap().is_empty());
+    assert!(store.get_job("p", "job_late").await.unwrap().is_some());
+    assert_eq!(store.count_unfinished_jobs("p").await.unwrap(), 1);
 }
