@@ -44,7 +44,14 @@ async fn accepted_jobs_survive_kill_9() {
         pool_toml("p", &up, &format!("limit = {LIMIT}\nqueue_size = 10000")),
         webhook_toml("http://127.0.0.1:9/hook"),
     );
-    let mut server = Server::start(BIN, "warn", reqwest::Client::new(), &rest).await;
+    // Every request bounded: once, under a full suite's load, this test sat for 15 minutes with
+    // no connection open and its server idle; a bound turns any such wait into a failure that
+    // says where.
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let mut server = Server::start(BIN, "info", client, &rest).await;
 
     // Accept 500 jobs, 16 submissions at a time.
     let ids = server
