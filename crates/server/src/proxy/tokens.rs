@@ -40,7 +40,9 @@ pub(super) async fn admit(
             let e = tokens::estimate::estimate(&bytes, defaults);
             (CallBody::Whole(bytes), e)
         }
-        CallBody::Streamed(incoming) if content_length(&call.parts.headers) > Some(max) => {
+        CallBody::Streamed(incoming)
+            if crate::core::extract::content_length(&call.parts.headers) > Some(max) =>
+        {
             (CallBody::Streamed(incoming), Estimate::fallback(defaults))
         }
         CallBody::Streamed(incoming) => {
@@ -72,16 +74,6 @@ pub(super) async fn admit(
         }
         Err(refusal) => Err((body, tokens::refusal_error(&estimate, refusal))),
     }
-}
-
-fn content_length(headers: &HeaderMap) -> Option<u64> {
-    headers
-        .get(http::header::CONTENT_LENGTH)?
-        .to_str()
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
 }
 
 /// Sets `x-nthpool-tpm-remaining` when the pool has a token budget in force.
