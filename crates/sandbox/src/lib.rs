@@ -69,3 +69,13 @@ pub async fn serve(
         .with_graceful_shutdown(shutdown)
         .await
 }
+
+/// A sandbox with `cfg` on a free loopback port, served in the background until the runtime
+/// ends (what tests and benchmarks start as their origin): its state and its base URL.
+pub async fn start_on_loopback(cfg: SandboxConfig) -> std::io::Result<(Arc<Sandbox>, String)> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let sandbox = Sandbox::new(cfg);
+    tokio::spawn(serve(listener, sandbox.clone(), std::future::pending()));
+    Ok((sandbox, format!("http://{addr}")))
+}

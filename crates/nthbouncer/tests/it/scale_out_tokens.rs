@@ -15,25 +15,15 @@ use crate::scale_out::{nodes, redis_url, state, Space, SERIAL};
 
 /// A sandbox whose only limit is a hidden token budget of `tpm` refilling over `window_ms`.
 async fn sandbox(tpm: u64, window_ms: u64) -> (Arc<Sandbox>, String) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let sb = Sandbox::new(SandboxConfig {
+    nthbouncer_sandbox::start_on_loopback(SandboxConfig {
         limit: 0,
-        rpm: 0,
         latency_ms: 5,
-        latency_jitter_ms: 0,
-        announce: true,
         tpm,
         token_window_ms: window_ms,
-        input_tpm: 0,
-        output_tpm: 0,
-    });
-    tokio::spawn(nthbouncer_sandbox::serve(
-        listener,
-        sb.clone(),
-        std::future::pending(),
-    ));
-    (sb, format!("http://{addr}"))
+        ..SandboxConfig::default()
+    })
+    .await
+    .unwrap()
 }
 
 /// The `i`-th request of a burst: prompts of mixed length, mixed output caps.

@@ -15,25 +15,15 @@ const FRAMING: u64 = 7;
 
 /// A sandbox with a hidden token limit of `tpm` refilling over `window_ms`, and no other limit.
 async fn sandbox(tpm: u64, window_ms: u64) -> (Arc<Sandbox>, String) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let sb = Sandbox::new(SandboxConfig {
+    nthbouncer_sandbox::start_on_loopback(SandboxConfig {
         limit: 0,
-        rpm: 0,
         latency_ms: 5,
-        latency_jitter_ms: 0,
-        announce: true,
         tpm,
         token_window_ms: window_ms,
-        input_tpm: 0,
-        output_tpm: 0,
-    });
-    tokio::spawn(nthbouncer_sandbox::serve(
-        listener,
-        sb.clone(),
-        std::future::pending(),
-    ));
-    (sb, format!("http://{addr}"))
+        ..SandboxConfig::default()
+    })
+    .await
+    .unwrap()
 }
 
 /// A chat completion whose estimate is `cost` tokens (`cost - FRAMING` of output).
@@ -391,25 +381,16 @@ async fn a_shared_budget_whose_redis_is_away_fails_closed_or_open_on_the_nodes_s
 /// split budget, announced with `anthropic-ratelimit-{input,output}-tokens-*`), each refilling
 /// over a second.
 async fn split_sandbox(input_tpm: u64, output_tpm: u64) -> (Arc<Sandbox>, String) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let sb = Sandbox::new(SandboxConfig {
+    nthbouncer_sandbox::start_on_loopback(SandboxConfig {
         limit: 0,
-        rpm: 0,
         latency_ms: 5,
-        latency_jitter_ms: 0,
-        announce: true,
-        tpm: 0,
         token_window_ms: 1_000,
         input_tpm,
         output_tpm,
-    });
-    tokio::spawn(nthbouncer_sandbox::serve(
-        listener,
-        sb.clone(),
-        std::future::pending(),
-    ));
-    (sb, format!("http://{addr}"))
+        ..SandboxConfig::default()
+    })
+    .await
+    .unwrap()
 }
 
 /// An origin that announces its input and output tokens apart: a request's output cap must fit
