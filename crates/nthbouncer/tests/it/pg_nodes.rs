@@ -53,14 +53,23 @@ async fn webhook_receiver() -> (std::net::SocketAddr, Received) {
 
 /// A call on `pool`'s host with `key`; its status (0 if the node did not answer within 5 s).
 async fn pool_status(node: &Server, pool: &str, key: &str) -> u16 {
-    node.client
+    pool_answer(node, pool, key).await.0
+}
+
+/// [`pool_status`] with the answer's body, for a failure's message.
+async fn pool_answer(node: &Server, pool: &str, key: &str) -> (u16, String) {
+    let sent = node
+        .client
         .get(node.url("/hello"))
         .header("host", format!("{pool}.localhost"))
         .header("x-nthpool-key", key)
         .timeout(Duration::from_secs(5))
         .send()
-        .await
-        .map_or(0, |r| r.status().as_u16())
+        .await;
+    match sent {
+        Ok(r) => (r.status().as_u16(), r.text().await.unwrap_or_default()),
+        Err(e) => (0, e.to_string()),
+    }
 }
 
 async fn count(db: &tokio_postgres::Client, sql: &str) -> i64 {
@@ -118,18 +127,25 @@ async fn three_nodes_on_postgres_run_every_job_once_through_a_kill_and_share_adm
         key["id"].as_str().unwrap().to_owned(),
         key["key"].as_str().unwrap().to_owned(),
     );
-    let last = std::sync::atomic::AtomicU16::new(0);
-    let served = wait_until(1000, Duration::from_millis(20), async || {
-        let status = pool_status(&nodes[2], "made", &key).await;
-        last.store(status, std::sync::atomic::Ordering::Relaxed);
-        status == 200
+    // A probe every 250 ms, not faster (each answer before the change arrives may count as a
+    // failed authentication on C, and ten within a minute throttle the address), for up to 75 s:
+    // twice in CI (one run in five or so) C answered 429 for the whole of a 20 s wait, cause not
+    // yet known; a throttle or a pause outlasts 20 s, and the message below now carries the
+    // answer's body and C's pool state to tell which.
+    let last = std::sync::Mutex::new((0, String::new()));
+    let served = wait_until(300, Duration::from_millis(250), async || {
+        let answer = pool_answer(&nodes[2], "made", &key).await;
+        let ok = answer.0 == 200;
+        *last.lock().unwrap() = answer;
+        ok
     })
     .await;
     assert!(
         served,
-        "the pool made on node A never served on node C (last answer {})\n\
+        "the pool made on node A never served on node C (last answer {:?}; its state there: {})\n\
          node A's log:\n{}\nnode C's log:\n{}",
-        last.into_inner(),
+        last.into_inner().unwrap(),
+        nodes[2].admin_json("/admin/pools/made/state").await,
         nodes[0].log_tail(8_000),
         nodes[2].log_tail(8_000)
     );
