@@ -308,17 +308,10 @@ impl Serving {
             let Some(tls) = this.dispatcher.state.tls.clone() else {
                 return this.run(io, None, conn).await;
             };
-            let budget = Duration::from_millis(timeouts.header_read_ms);
-            match tokio::time::timeout(budget, tls.acceptor().accept(io)).await {
-                Ok(Ok(stream)) => {
-                    let peer_tls = Arc::new(PeerTls::of(stream.get_ref().1));
-                    this.run(stream, Some(peer_tls), conn).await;
-                }
-                Ok(Err(e)) => tracing::debug!(error = %e, %peer, "TLS handshake failed"),
-                Err(_) => {
-                    tracing::debug!(%peer, "TLS handshake not done within the header timeout")
-                }
-            }
+            // Boxed: a TLS stream (rustls' connection state) makes its handshake and its
+            // connection's future several KiB larger, and a task is as large as its largest
+            // state; unboxed, every plain connection's task would carry that size too.
+            Box::pin(serve_tls(this, tls, io, conn, timeouts, peer)).await
         });
     }
 
@@ -372,6 +365,26 @@ impl Serving {
                 tracing::debug!(?why, %peer, "connection closed by its timeout");
             }
         }
+    }
+}
+
+/// A TLS connection: the handshake within the header timeout, then the connection to its end.
+async fn serve_tls(
+    this: Arc<Serving>,
+    tls: Arc<crate::tls::ListenerTls>,
+    io: ConnIo,
+    conn: Conn,
+    timeouts: Timeouts,
+    peer: SocketAddr,
+) {
+    let budget = Duration::from_millis(timeouts.header_read_ms);
+    match tokio::time::timeout(budget, tls.acceptor().accept(io)).await {
+        Ok(Ok(stream)) => {
+            let peer_tls = Arc::new(PeerTls::of(stream.get_ref().1));
+            this.run(stream, Some(peer_tls), conn).await;
+        }
+        Ok(Err(e)) => tracing::debug!(error = %e, %peer, "TLS handshake failed"),
+        Err(_) => tracing::debug!(%peer, "TLS handshake not done within the header timeout"),
     }
 }
 
