@@ -1253,7 +1253,13 @@ impl RedisGate {
                 drop(waiters);
                 return Ok(s.grant(&g, kind, queued_ms));
             }
-            waiters.insert(ticket.clone(), tx);
+            // `close` marks the gate closed before it drops the parked senders under this
+            // lock: a waiter queued in Redis just before the close must not park after it (it
+            // would wait its whole budget). Not parked, its sender is dropped here, so it is
+            // refused `PoolClosed` below and its guard leaves the queue.
+            if !s.closed.load(Ordering::Acquire) {
+                waiters.insert(ticket.clone(), tx);
+            }
         }
         // The ticker collects this node's grants: when woken by a grant's wake-up, at the
         // script's next wake-up time, and at least every poll interval while anyone waits.
