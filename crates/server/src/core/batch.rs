@@ -137,19 +137,24 @@ async fn run<C: Commit>(
     }
 }
 
-/// Lets the batch fill until `until`, unless it is full or someone waits for a flush.
+/// Lets the batch fill until `until`, then takes what came meanwhile (up to a full batch).
+/// It sleeps through the window rather than waking for each item: the items come from the
+/// connection threads, and every wake-up of this task from another thread is a futex call and
+/// a context switch, about as much CPU as the item's whole row (see `app::serve::threads`). A
+/// flush asked for during the window waits for its end.
 async fn fill<T, D>(
     rx: &mut mpsc::Receiver<Msg<T, D>>,
     msgs: &mut Vec<Msg<T, D>>,
     max_batch: usize,
     until: tokio::time::Instant,
 ) {
-    while msgs.len() < max_batch && !msgs.iter().any(|m| matches!(m, Msg::Flush(_))) {
-        let room = max_batch - msgs.len();
-        tokio::select! {
-            biased;
-            n = rx.recv_many(msgs, room) => if n == 0 { break },
-            () = tokio::time::sleep_until(until) => break,
+    if msgs.len() < max_batch && !msgs.iter().any(|m| matches!(m, Msg::Flush(_))) {
+        tokio::time::sleep_until(until).await;
+    }
+    while msgs.len() < max_batch {
+        match rx.try_recv() {
+            Ok(msg) => msgs.push(msg),
+            Err(_) => break,
         }
     }
 }
