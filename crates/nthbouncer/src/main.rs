@@ -237,6 +237,8 @@ async fn serve(config_path: Option<PathBuf>, demo: bool) -> Result<(), String> {
     // The demo's pools are not in the file: a reload would remove them, so `--demo` has none.
     let options = nthbouncer_server::Options {
         config_path: config_path.filter(|_| !demo),
+        // One connection thread per core, as nginx runs a worker per core.
+        connection_threads: Some(std::thread::available_parallelism().map_or(1, |n| n.get())),
         ..Default::default()
     };
     let running = nthbouncer_server::start(config, options)

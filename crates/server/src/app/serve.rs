@@ -4,6 +4,7 @@
 //! graceful shutdown (stop accepting, let in-flight requests finish within a bound).
 
 mod conn;
+mod threads;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -28,8 +29,9 @@ use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 
 use self::conn::{
-    Activity, Admission, ConnIo, Connections, Expired, Timeouts, TrackedBody, Watchdog,
+    Activity, Admission, ConnIo, Connections, Counted, Expired, Timeouts, TrackedBody, Watchdog,
 };
+pub(crate) use self::threads::ConnectionThreads;
 use crate::app::state::AppState;
 use crate::core::error::{ApiError, ErrorCode};
 use crate::core::peer::Peer;
@@ -166,11 +168,14 @@ struct Serving {
     builder: auto::Builder<TokioExecutor>,
     connections: Arc<Connections>,
     drain: watch::Sender<()>,
+    /// Where connections are served: their own threads (`threads`), or this runtime's tasks.
+    threads: Option<ConnectionThreads>,
 }
 
 pub(super) async fn accept_loop(
     listener: TcpListener,
     dispatcher: Arc<Dispatcher>,
+    threads: Option<ConnectionThreads>,
     cancel: CancellationToken,
     access_log_task: JoinHandle<()>,
 ) {
@@ -189,6 +194,7 @@ pub(super) async fn accept_loop(
         builder,
         connections: Connections::new(),
         drain: watch::channel(()).0,
+        threads,
     });
     // Pools' own listeners, opened at start and whenever the admin API gives a pool one.
     let mut opened = state.pools.listeners.take_opened();
@@ -208,6 +214,9 @@ pub(super) async fn accept_loop(
     }
     drop(listener);
     shut_down(&state, &serving.drain).await;
+    if let Some(threads) = &serving.threads {
+        threads.stop();
+    }
     drop(serving);
     drop(state);
     // The writer ends once the last sender is gone; if a handle is still held elsewhere, the
@@ -295,24 +304,48 @@ impl Serving {
             idle_ms: if refused { 0 } else { bounds.idle_ms },
             ..bounds
         };
-        let activity = Activity::new(timeouts);
-        let io = ConnIo::new(stream, activity.clone(), counted);
+        let conn = Conn {
+            peer,
+            route,
+            refused,
+            activity: Activity::new(timeouts),
+        };
         let this = self.clone();
-        tokio::spawn(async move {
-            let conn = Conn {
-                peer,
-                route,
-                refused,
-                activity,
-            };
-            let Some(tls) = this.dispatcher.state.tls.clone() else {
-                return this.run(io, None, conn).await;
-            };
-            // Boxed: a TLS stream (rustls' connection state) makes its handshake and its
-            // connection's future several KiB larger, and a task is as large as its largest
-            // state; unboxed, every plain connection's task would carry that size too.
-            Box::pin(serve_tls(this, tls, io, conn, timeouts, peer)).await
+        let Some(threads) = &self.threads else {
+            tokio::spawn(this.connection(stream, counted, conn, timeouts));
+            return;
+        };
+        // The socket moves to the thread's own I/O driver: out of this runtime's, into that
+        // one's (registered there, by `from_std`, on that thread).
+        let stream = match stream.into_std() {
+            Ok(s) => s,
+            Err(e) => return tracing::debug!(error = %e, %peer, "cannot hand a connection over"),
+        };
+        threads.spawn(async move {
+            match TcpStream::from_std(stream) {
+                Ok(stream) => this.connection(stream, counted, conn, timeouts).await,
+                Err(e) => tracing::debug!(error = %e, %peer, "cannot take a connection over"),
+            }
         });
+    }
+
+    /// One connection's task: with `[server.tls]` the handshake first.
+    async fn connection(
+        self: Arc<Self>,
+        stream: TcpStream,
+        counted: Counted,
+        conn: Conn,
+        timeouts: Timeouts,
+    ) {
+        let io = ConnIo::new(stream, conn.activity.clone(), counted);
+        let Some(tls) = self.dispatcher.state.tls.clone() else {
+            return self.run(io, None, conn).await;
+        };
+        // Boxed: a TLS stream (rustls' connection state) makes its handshake and its
+        // connection's future several KiB larger, and a task is as large as its largest
+        // state; unboxed, every plain connection's task would carry that size too.
+        let peer = conn.peer;
+        Box::pin(serve_tls(self, tls, io, conn, timeouts, peer)).await
     }
 
     /// Serves one connection (plain, or TLS after its handshake) to its end.

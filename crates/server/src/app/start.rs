@@ -16,7 +16,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::serve::{accept_loop, Dispatcher};
+use super::serve::{accept_loop, ConnectionThreads, Dispatcher};
 use crate::access::keys::Accept;
 use crate::access::{NonceJournal, NonceSource};
 use crate::admin::Admin;
@@ -40,6 +40,10 @@ pub struct Options {
     pub clock: Option<Arc<dyn Clock>>,
     /// The file `config` was read from: a reload (SIGHUP, `POST /admin/reload`) re-reads it.
     pub config_path: Option<std::path::PathBuf>,
+    /// Serve connections on this many threads of their own, one runtime each
+    /// (`app::serve::threads`); `None`: on the caller's runtime, as tasks (tests, benchmarks
+    /// that embed the server). The binary gives one per core.
+    pub connection_threads: Option<usize>,
 }
 
 /// A running server.
@@ -90,6 +94,7 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
         job_store,
         access_log,
         shared: shared.clone(),
+        connection_threads: options.connection_threads.unwrap_or(0),
     })?;
     state.pools.load_pools(&config).await?;
     if let Some(path) = options.config_path {
@@ -132,10 +137,14 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
         api: crate::app::router::router(&state),
         state: state.clone(),
     });
+    let threads = match options.connection_threads {
+        Some(count) => Some(ConnectionThreads::start(count).map_err(StartError::Threads)?),
+        None => None,
+    };
     let cancel = CancellationToken::new();
     let cancel2 = cancel.clone();
     let task = tokio::spawn(async move {
-        accept_loop(listener, dispatcher, cancel2, access_log_task).await;
+        accept_loop(listener, dispatcher, threads, cancel2, access_log_task).await;
         // Unfinished jobs stay in the store and resume at the next start.
         background.abort();
         webhooks.abort();
@@ -165,6 +174,8 @@ struct Parts {
     access_log: AccessLog,
     /// The shared coordination (Redis) when configured; `None`: in process.
     shared: Option<Arc<RedisCoordination>>,
+    /// How many connection threads will serve: each gets its own upstream client.
+    connection_threads: usize,
 }
 
 /// Builds every feature's state from the shared parts: the one place that sees them all.
@@ -177,9 +188,11 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
         job_store,
         access_log,
         shared,
+        connection_threads,
     } = parts;
     let timeouts = crate::upstream::ClientTimeouts::of(&live.load());
-    let client = Arc::new(SharedClient::new(timeouts).map_err(StartError::Client)?);
+    let lanes = 1 + connection_threads;
+    let client = Arc::new(SharedClient::new(timeouts, lanes).map_err(StartError::Client)?);
     let deliveries_pending = Arc::new(Notify::new());
     let (coordination, nonces, leases) = coordination_parts(shared.clone(), &store, &clock);
     let pools = Arc::new(Pools::new(PoolsParts {

@@ -67,6 +67,8 @@ pub enum StartError {
     Client(#[source] rustls::Error),
     #[error("cannot coordinate through Redis: {0}")]
     Coordination(String),
+    #[error("cannot start the connection threads: {0}")]
+    Threads(#[source] std::io::Error),
 }
 
 impl From<LoadError> for StartError {

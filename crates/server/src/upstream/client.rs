@@ -1,6 +1,7 @@
 //! The one HTTP client every call to an origin goes through (proxy, job runner, JWKS fetches),
 //! and its replacement when a reload changes its timeouts ([`SharedClient`]).
 
+use std::cell::Cell;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -35,44 +36,86 @@ impl ClientTimeouts {
 /// ([`SharedClient::get`]) and keeps it to its end: a reload that changes the timeouts builds
 /// a new client for the calls after it, and the old one (with its pooled connections) goes
 /// away once its last call is done.
+///
+/// One client per lane: lane 0 for the main runtime (job runners, JWKS fetches), one for each
+/// connection thread (`app::serve::threads`). A pooled connection's task runs where it was
+/// opened, so a connection thread's calls reuse connections driven on that same thread and
+/// an answer never crosses threads (a cross-thread wake-up costs a futex and a context
+/// switch, as much as the rest of a small call). The price: each thread keeps its own idle
+/// connections to an origin.
 pub struct SharedClient {
     current: ArcSwap<Built>,
+    lanes: usize,
 }
 
 struct Built {
     timeouts: ClientTimeouts,
-    client: Arc<UpstreamClient>,
+    /// Lane 0 first, then one per connection thread.
+    clients: Clients,
 }
 
-impl SharedClient {
-    pub fn new(timeouts: ClientTimeouts) -> Result<SharedClient, rustls::Error> {
-        let client = Arc::new(build_client(timeouts)?);
-        Ok(SharedClient {
-            current: ArcSwap::from_pointee(Built { timeouts, client }),
+/// A client for each lane, built together.
+pub struct Clients {
+    main: Arc<UpstreamClient>,
+    /// Lanes 1.. (the connection threads).
+    threads: Vec<Arc<UpstreamClient>>,
+}
+
+thread_local! {
+    /// This thread's lane: 0 unless [`enter_lane`] said otherwise.
+    static LANE: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Makes this thread's calls use lane `lane`'s client (a connection thread, at its start).
+pub fn enter_lane(lane: usize) {
+    LANE.with(|l| l.set(lane));
+}
+
+impl Clients {
+    fn build(timeouts: ClientTimeouts, lanes: usize) -> Result<Clients, rustls::Error> {
+        Ok(Clients {
+            main: Arc::new(build_client(timeouts)?),
+            threads: (1..lanes)
+                .map(|_| build_client(timeouts).map(Arc::new))
+                .collect::<Result<Vec<_>, _>>()?,
         })
     }
 
-    /// The client for a call starting now.
-    pub fn get(&self) -> Arc<UpstreamClient> {
-        self.current.load().client.clone()
+    fn of_lane(&self, lane: usize) -> &Arc<UpstreamClient> {
+        lane.checked_sub(1)
+            .and_then(|i| self.threads.get(i))
+            .unwrap_or(&self.main)
+    }
+}
+
+impl SharedClient {
+    /// `lanes`: 1 plus the number of connection threads.
+    pub fn new(timeouts: ClientTimeouts, lanes: usize) -> Result<SharedClient, rustls::Error> {
+        let clients = Clients::build(timeouts, lanes)?;
+        Ok(SharedClient {
+            current: ArcSwap::from_pointee(Built { timeouts, clients }),
+            lanes,
+        })
     }
 
-    /// A client with `timeouts`, when they differ from the current one's: built before a
+    /// The client for a call starting now, on this thread's lane.
+    pub fn get(&self) -> Arc<UpstreamClient> {
+        self.current.load().clients.of_lane(LANE.with(Cell::get)).clone()
+    }
+
+    /// Clients with `timeouts`, when they differ from the current ones': built before a
     /// reload publishes anything (so a failure changes nothing), put in place by
     /// [`SharedClient::install`].
-    pub fn prepare(
-        &self,
-        timeouts: ClientTimeouts,
-    ) -> Result<Option<Arc<UpstreamClient>>, rustls::Error> {
+    pub fn prepare(&self, timeouts: ClientTimeouts) -> Result<Option<Clients>, rustls::Error> {
         if self.current.load().timeouts == timeouts {
             return Ok(None);
         }
-        build_client(timeouts).map(|c| Some(Arc::new(c)))
+        Clients::build(timeouts, self.lanes).map(Some)
     }
 
-    /// Makes `client` (built by [`SharedClient::prepare`] with `timeouts`) the current one.
-    pub fn install(&self, timeouts: ClientTimeouts, client: Arc<UpstreamClient>) {
-        self.current.store(Arc::new(Built { timeouts, client }));
+    /// Makes `clients` (built by [`SharedClient::prepare`] with `timeouts`) the current ones.
+    pub fn install(&self, timeouts: ClientTimeouts, clients: Clients) {
+        self.current.store(Arc::new(Built { timeouts, clients }));
     }
 }
 

@@ -22,7 +22,9 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tokio::time::Instant;
 
-pub use client::{build_client, build_tls_client, ClientTimeouts, SharedClient, UpstreamClient};
+pub use client::{
+    build_client, build_tls_client, enter_lane, ClientTimeouts, SharedClient, UpstreamClient,
+};
 pub use connector::ConnectionClosed;
 pub use error::{Stage, UpstreamError};
 pub use slot::{Exchange, Fence, Fenced, SlotBody, SlotGuard};
