@@ -22,7 +22,7 @@ mod sqlite_log;
 pub use jobs::{
     AttemptApplied, AttemptQuery, AttemptRecord, DeliveryAttempt, DeliveryNext, DeliveryState,
     DueDelivery, Finish, JobCursor, JobEvent, JobRequest, JobResult, JobStore, NewJob, Redeliver,
-    StoredDestination, StoredJob, UnfinishedJob,
+    Released, StoredDestination, StoredJob, UnfinishedJob,
 };
 
 use serde::{Deserialize, Serialize};

@@ -20,7 +20,7 @@ use crate::sqlite_jobs::{encode, RequestHead, ResultHead};
 use crate::{
     AttemptApplied, AttemptQuery, AttemptRecord, DeliveryAttempt, DeliveryNext, DeliveryState,
     DueDelivery, Finish, JobCursor, JobEvent, JobRequest, JobResult, JobStore, NewJob, Redeliver,
-    Result, StoreError, StoredDestination, StoredJob, UnfinishedJob,
+    Released, Result, StoreError, StoredDestination, StoredJob, UnfinishedJob,
 };
 
 /// A terminal job's `destinations` is the number of its deliveries (see `sqlite_jobs`).
@@ -570,6 +570,29 @@ impl JobStore for PgStore {
         })?;
         claimed.sort_by(|a, b| (a.job.created_at, &a.job.id).cmp(&(b.job.created_at, &b.job.id)));
         Ok(Some(claimed))
+    }
+
+    async fn release_claims(&self, deliveries: bool) -> Result<Released> {
+        let conn = self.conn().await?;
+        // One statement: both releases commit together. Only rows this node still holds: one
+        // another node took over meanwhile (this node stalled past its lease) is not touched.
+        // A `running` job keeps its claim (see the trait): its attempt may still be live at
+        // the origin, and `start_attempt` refuses it to every other node until the lease lapses.
+        let row = query_one(
+            &conn,
+            "release_claims",
+            "WITH j AS (UPDATE jobs SET claimed_by = NULL, claim_until = NULL \
+               WHERE claimed_by = $1 AND status IN ('accepted', 'queued') RETURNING 1), \
+             d AS (UPDATE deliveries SET claimed_by = NULL, claim_until = NULL \
+               WHERE $2 AND claimed_by = $1 AND status = 'pending' RETURNING 1) \
+             SELECT (SELECT COUNT(*) FROM j), (SELECT COUNT(*) FROM d)",
+            &[&self.inner.node, &deliveries],
+        )
+        .await?;
+        Ok(Released {
+            jobs: get_u(&row, 0)?,
+            deliveries: get_u(&row, 1)?,
+        })
     }
 
     async fn job_request_body(&self, id: &str) -> Result<Option<Vec<u8>>> {

@@ -180,6 +180,85 @@ async fn deliveries_and_jobs_are_claimed_by_one_node_at_a_time() {
     assert_eq!(ids(a.claim_jobs(later, &[], 10).await.unwrap()), ["j5"]);
 }
 
+/// A node stopping gracefully gives back its claims on the jobs it has not started and (when
+/// asked) on its pending deliveries, so another node takes them at once; a job of its still
+/// `running` keeps its claim, and another node's claims are not touched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_node_gives_back_the_claims_of_what_it_has_not_started() {
+    let db = TestDb::create().await;
+    let (a, b) = (
+        PgStore::connect_node(&db.url, CLAIM_LEASE_MS)
+            .await
+            .unwrap(),
+        PgStore::connect_node(&db.url, CLAIM_LEASE_MS)
+            .await
+            .unwrap(),
+    );
+    a.create_destination(&dest("d")).await.unwrap();
+    let now = 1_000;
+    // On a: j1 accepted, j2 queued, j3 running, j4 completed (its delivery claimed); on b: j5.
+    a.insert_jobs(&[job("j1", now), job("j2", now + 1), job("j3", now + 2)])
+        .await
+        .unwrap();
+    a.insert_jobs(&[job("j4", now + 3)]).await.unwrap();
+    b.insert_jobs(&[job("j5", now + 4)]).await.unwrap();
+    a.mark_queued("j2", now + 5).await.unwrap();
+    assert_eq!(a.start_attempt("j3", now + 5).await.unwrap(), Some(1));
+    let attempt = a.start_attempt("j4", now + 5).await.unwrap().unwrap();
+    let done = Finish::Completed(JobResult {
+        status: 200,
+        headers: vec![],
+        body: b"ok".to_vec(),
+        truncated: false,
+    });
+    assert!(a
+        .finish_attempt("j4", attempt, &done, now + 6, &["d".into()])
+        .await
+        .unwrap());
+    assert_eq!(
+        a.due_deliveries("d", now + 7, 10, &[]).await.unwrap().len(),
+        1
+    );
+    let ids = |page: Option<Vec<UnfinishedJob>>| -> Vec<String> {
+        page.unwrap().into_iter().map(|u| u.job.id).collect()
+    };
+    assert!(ids(b.claim_jobs(now + 8, &[], 10).await.unwrap()).is_empty());
+    assert!(b
+        .due_deliveries("d", now + 8, 10, &[])
+        .await
+        .unwrap()
+        .is_empty());
+
+    // Deliveries stay claimed unless asked for; b's own job is not a's to give back.
+    let released = a.release_claims(false).await.unwrap();
+    assert_eq!((released.jobs, released.deliveries), (2, 0));
+    assert!(b
+        .due_deliveries("d", now + 9, 10, &[])
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        ids(b.claim_jobs(now + 9, &[], 10).await.unwrap()),
+        ["j1", "j2"],
+        "b takes what a gave back at once; j3's attempt may still be live on a"
+    );
+    assert_eq!(b.start_attempt("j3", now + 9).await.unwrap(), None);
+    let released = a.release_claims(true).await.unwrap();
+    assert_eq!((released.jobs, released.deliveries), (0, 1));
+    assert_eq!(
+        b.due_deliveries("d", now + 10, 10, &[])
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    // Released again by b (its claims now): nothing of a's left, j3 still a's.
+    let released = b.release_claims(true).await.unwrap();
+    assert_eq!((released.jobs, released.deliveries), (3, 1));
+    assert!(ids(b.claim_jobs(now + 11, &[], 10).await.unwrap()).len() == 3);
+    assert_eq!(b.start_attempt("j3", now + 11).await.unwrap(), None);
+}
+
 /// The settings version moves with every change to pools, keys and destinations (so the other
 /// nodes re-read them), and not with jobs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
