@@ -165,47 +165,6 @@ fn attempt_from_row(row: &Row) -> Result<DeliveryAttempt> {
     })
 }
 
-async fn event(
-    tx: &Transaction<'_>,
-    id: &str,
-    at: u64,
-    status: &str,
-    attempt: u32,
-    detail: Option<&str>,
-) -> Result<()> {
-    tx.execute(
-        "INSERT INTO job_events (job_id, at, status, attempt, detail) VALUES ($1, $2, $3, $4, $5)",
-        &[&id, &big(at), &status, &i64::from(attempt), &detail],
-    )
-    .await
-    .ctx("job event")
-    .map(drop)
-}
-
-/// One pending delivery per destination (in order; one already there is left alone).
-async fn enqueue_deliveries(
-    tx: &Transaction<'_>,
-    id: &str,
-    now: u64,
-    destination_ids: &[String],
-) -> Result<()> {
-    if destination_ids.is_empty() {
-        return Ok(());
-    }
-    tx.execute(
-        "INSERT INTO deliveries (job_id, destination_id, status, attempts, next_attempt_at, \
-         created_at, updated_at, request_id) \
-         SELECT $1, d, 'pending', 0, $2, $2, $2, (SELECT request_id FROM jobs WHERE id = $1) \
-         FROM (SELECT d, MIN(n) AS n FROM UNNEST($3::TEXT[]) WITH ORDINALITY AS t(d, n) \
-               GROUP BY d) AS u ORDER BY n \
-         ON CONFLICT (job_id, destination_id) DO NOTHING",
-        &[&id, &big(now), &destination_ids],
-    )
-    .await
-    .ctx("outbox")
-    .map(drop)
-}
-
 /// Applies one attempt inside the caller's transaction (see [`JobStore::record_attempts`]).
 async fn apply_attempt(tx: &Transaction<'_>, r: &AttemptRecord) -> Result<AttemptApplied> {
     let mut applied = apply_streak(tx, r).await?;
@@ -673,21 +632,22 @@ impl JobStore for PgStore {
     }
 
     async fn retry_attempt(&self, id: &str, attempt: u32, now: u64, detail: &str) -> Result<bool> {
-        let mut conn = self.conn().await?;
-        let tx = conn.transaction().await.ctx("retry_attempt")?;
-        let n = tx
-            .execute(
-                "UPDATE jobs SET status = 'queued', updated_at = $3, error = $4 \
-                 WHERE id = $1 AND attempt = $2 AND status = 'running'",
-                &[&id, &i64::from(attempt), &big(now), &detail],
-            )
-            .await
-            .ctx("retry_attempt")?;
-        if n > 0 {
-            event(&tx, id, now, status::QUEUED, attempt, Some(detail)).await?;
-        }
-        tx.commit().await.ctx("retry_attempt")?;
-        Ok(n > 0)
+        let conn = self.conn().await?;
+        // One statement: the step back to `queued` and its history row commit together, and
+        // neither unless the attempt still holds the job.
+        let found = query(
+            &conn,
+            "retry_attempt",
+            "WITH u AS (UPDATE jobs SET status = 'queued', updated_at = $3, error = $4 \
+             WHERE id = $1 AND attempt = $2 AND status = 'running' RETURNING id), \
+             e AS (INSERT INTO job_events (job_id, at, status, attempt, detail) \
+             SELECT id, $3, 'queued', $2, $4 FROM u) \
+             SELECT COUNT(*) FROM u",
+            &[&id, &i64::from(attempt), &big(now), &detail],
+        )
+        .await?;
+        let n = found.first().map(|r| get_u::<u64>(r, 0)).transpose()?;
+        Ok(n.unwrap_or(0) > 0)
     }
 
     async fn finish_attempt(
@@ -754,40 +714,42 @@ impl JobStore for PgStore {
         now: u64,
         active_destinations: &std::collections::HashMap<String, Vec<String>>,
     ) -> Result<Vec<String>> {
-        let mut conn = self.conn().await?;
-        let tx = conn.transaction().await.ctx("expire_jobs")?;
-        // Rows another node is expiring (or finishing) right now are left to it.
-        let due = tx
-            .query(
-                &format!(
-                    "UPDATE jobs SET status = 'expired', updated_at = $1, claimed_by = NULL, \
-                     claim_until = NULL WHERE id IN (SELECT id FROM jobs WHERE {UNFINISHED} \
-                     AND expires_at <= $1 ORDER BY created_at, id FOR UPDATE SKIP LOCKED) \
-                     RETURNING id, pool, created_at"
-                ),
-                &[&big(now)],
-            )
-            .await
-            .ctx("expire_jobs")?;
-        let mut due = rows(due, |r| {
-            Ok((
-                get_u::<u64>(r, 2)?,
-                get::<String>(r, 0)?,
-                get::<String>(r, 1)?,
-            ))
-        })?;
-        due.sort();
-        let mut expired = Vec::with_capacity(due.len());
-        for (_, id, pool) in due {
-            event(&tx, &id, now, status::EXPIRED, 0, None).await?;
-            let dests = active_destinations
-                .get(&pool)
-                .map_or(&[][..], Vec::as_slice);
-            enqueue_deliveries(&tx, &id, now, dests).await?;
-            expired.push(id);
+        // The map as two parallel arrays (pool, destination), in the map's per-pool order.
+        let (mut pools, mut dests) = (Vec::new(), Vec::new());
+        for (pool, ids) in active_destinations {
+            for id in ids {
+                pools.push(pool.as_str());
+                dests.push(id.as_str());
+            }
         }
-        tx.commit().await.ctx("expire_jobs")?;
-        Ok(expired)
+        let conn = self.conn().await?;
+        // One statement (one round trip, one transaction): the jobs expired, their history
+        // steps and their outbox rows (one per active destination of their pool, in order,
+        // duplicates once) commit together, in the jobs' order (oldest first). Rows another
+        // node is expiring (or finishing) right now are left to it.
+        let found = query(
+            &conn,
+            "expire_jobs",
+            &format!(
+                "WITH u AS (UPDATE jobs SET status = 'expired', updated_at = $1, \
+                 claimed_by = NULL, claim_until = NULL WHERE id IN (SELECT id FROM jobs \
+                 WHERE {UNFINISHED} AND expires_at <= $1 ORDER BY created_at, id \
+                 FOR UPDATE SKIP LOCKED) RETURNING id, pool, created_at, request_id), \
+                 e AS (INSERT INTO job_events (job_id, at, status, attempt, detail) \
+                 SELECT id, $1, 'expired', 0, NULL FROM u ORDER BY created_at, id), \
+                 o AS (SELECT p, d, MIN(n) AS n FROM UNNEST($2::TEXT[], $3::TEXT[]) \
+                 WITH ORDINALITY AS t(p, d, n) GROUP BY p, d), \
+                 d AS (INSERT INTO deliveries (job_id, destination_id, status, attempts, \
+                 next_attempt_at, created_at, updated_at, request_id) \
+                 SELECT u.id, o.d, 'pending', 0, $1, $1, $1, u.request_id \
+                 FROM u JOIN o ON o.p = u.pool COLLATE \"C\" ORDER BY u.created_at, u.id, o.n \
+                 ON CONFLICT (job_id, destination_id) DO NOTHING) \
+                 SELECT id FROM u ORDER BY created_at, id"
+            ),
+            &[&big(now), &pools, &dests],
+        )
+        .await?;
+        rows(found, |r| get::<String>(r, 0))
     }
 
     async fn delete_retained(&self, now: u64) -> Result<u64> {

@@ -16,6 +16,7 @@ conformance!(
     streaks_deactivation_gone_and_manual,
     redelivery_rounds_are_fenced,
     undeliverable_rotation_and_retention,
+    expiry_writes_history_and_outbox_and_retries_are_fenced,
 );
 
 fn job(id: &str, now: u64) -> NewJob {
@@ -491,4 +492,102 @@ async fn upgrades_a_v2_database_with_data() {
     let j = store.get_job("p", "job_old").await.unwrap().unwrap();
     assert_eq!((j.destinations, j.delivered, j.failed), (1, 1, 0));
     assert_eq!(destination(&store, "wh_a").await.consecutive_failures, 0);
+}
+
+/// Expiry: each job with its `expired` step and one pending delivery per active
+/// destination of its pool (in order, a duplicate once, the request id copied), nothing for a
+/// pool without any, nothing twice. A retry applies only while its attempt holds the job.
+async fn expiry_writes_history_and_outbox_and_retries_are_fenced(b: &Backend) {
+    let store = b.open().await;
+    let mut late = job("job_late", 20);
+    late.expires_at = 1_000;
+    let mut early = job("job_early", 10);
+    early.expires_at = 1_000;
+    let mut other = job("job_other", 5);
+    other.pool = "q".into();
+    other.expires_at = 900;
+    let open = job("job_open", 30);
+    store
+        .insert_jobs(&[late, early, other, open])
+        .await
+        .unwrap();
+    let active = std::collections::HashMap::from([(
+        "p".to_string(),
+        vec!["wh_b".to_string(), "wh_a".to_string(), "wh_b".to_string()],
+    )]);
+    let mut expired = store.expire_jobs(1_000, &active).await.unwrap();
+    expired.sort();
+    assert_eq!(expired, ["job_early", "job_late", "job_other"]);
+    assert!(store.expire_jobs(1_001, &active).await.unwrap().is_empty());
+    for id in ["job_early", "job_late"] {
+        let j = store.get_job("p", id).await.unwrap().unwrap();
+        assert_eq!((j.status.as_str(), j.updated_at), ("expired", 1_000));
+        let last = store.job_events(id).await.unwrap().pop().unwrap();
+        assert_eq!(
+            (last.status.as_str(), last.at, last.attempt),
+            ("expired", 1_000, 0)
+        );
+        let deliveries = store.job_deliveries(id).await.unwrap();
+        let to: Vec<&str> = deliveries
+            .iter()
+            .map(|d| d.destination_id.as_str())
+            .collect();
+        assert_eq!(to, ["wh_b", "wh_a"], "{id}");
+        for d in &deliveries {
+            assert_eq!(d.status, "pending");
+            assert_eq!(d.next_attempt_at, Some(1_000));
+            assert_eq!(d.request_id.as_deref(), Some(format!("req-{id}").as_str()));
+        }
+    }
+    assert!(store.job_deliveries("job_other").await.unwrap().is_empty());
+    assert_eq!(
+        store
+            .get_job("q", "job_other")
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
+        "expired"
+    );
+    assert_eq!(
+        store
+            .get_job("p", "job_open")
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
+        "accepted"
+    );
+
+    // Retries: fenced by the attempt number and the running status.
+    let attempt = store.start_attempt("job_open", 40).await.unwrap().unwrap();
+    assert!(!store
+        .retry_attempt("job_open", attempt + 1, 41, "refused")
+        .await
+        .unwrap());
+    assert!(store
+        .retry_attempt("job_open", attempt, 42, "connect refused")
+        .await
+        .unwrap());
+    assert!(!store
+        .retry_attempt("job_open", attempt, 43, "again")
+        .await
+        .unwrap());
+    let j = store.get_job("p", "job_open").await.unwrap().unwrap();
+    assert_eq!(
+        (j.status.as_str(), j.updated_at, j.error.as_deref()),
+        ("queued", 42, Some("connect refused"))
+    );
+    let steps = store.job_events("job_open").await.unwrap();
+    let last = steps.last().unwrap();
+    assert_eq!(
+        (
+            last.status.as_str(),
+            last.at,
+            last.attempt,
+            last.detail.as_deref()
+        ),
+        ("queued", 42, attempt, Some("connect refused"))
+    );
+    assert_eq!(steps.iter().filter(|s| s.status == "queued").count(), 1);
 }
