@@ -17,6 +17,7 @@ conformance!(
     redelivery_rounds_are_fenced,
     undeliverable_rotation_and_retention,
     expiry_writes_history_and_outbox_and_retries_are_fenced,
+    a_batch_of_attempts_applies_in_order,
 );
 
 fn job(id: &str, now: u64) -> NewJob {
@@ -590,4 +591,147 @@ async fn expiry_writes_history_and_outbox_and_retries_are_fenced(b: &Backend) {
         ("queued", 42, attempt, Some("connect refused"))
     );
     assert_eq!(steps.iter().filter(|s| s.status == "queued").count(), 1);
+}
+
+/// One batch, applied record by record as if each were recorded alone: streaks that reset and
+/// climb within the batch, a deactivation midway that fails what is still pending (deliveries
+/// recorded before it, after it, and not at all), a delivery after it that still lands, two
+/// records of one delivery, and a record whose delivery is gone.
+async fn a_batch_of_attempts_applies_in_order(b: &Backend) {
+    let store = b.open().await;
+    store.create_destination(&dest("wh_a", 3)).await.unwrap();
+    store.create_destination(&dest("wh_c", 20)).await.unwrap();
+    let jobs = ["job_1", "job_2", "job_3", "job_4", "job_5"];
+    for id in jobs {
+        finished(&*store, id, 1_000, &["wh_a", "wh_c"]).await;
+    }
+    let a = store.due_deliveries("wh_a", 1_000, 10, &[]).await.unwrap();
+    let c = store.due_deliveries("wh_c", 1_000, 10, &[]).await.unwrap();
+    assert_eq!((a.len(), c.len()), (5, 5));
+    let retry = DeliveryNext::Retry { at: 9_000 };
+    let mut gone_delivery = record(&c[1], 2_090, Some(500), retry);
+    gone_delivery.delivery_id = 999_999;
+    let batch = [
+        record(&a[0], 2_010, Some(500), retry),
+        record(&a[1], 2_020, Some(200), DeliveryNext::Delivered),
+        record(&c[0], 2_030, Some(500), retry),
+        record(&a[2], 2_040, Some(500), retry),
+        record(&a[2], 2_050, Some(502), retry),
+        record(&a[3], 2_060, Some(500), retry),
+        record(&a[4], 2_070, Some(200), DeliveryNext::Delivered),
+        record(&a[0], 2_080, Some(500), retry),
+        gone_delivery,
+    ];
+    let applied = store.record_attempts(&batch).await.unwrap();
+    let got: Vec<(bool, bool, bool)> = applied
+        .iter()
+        .map(|a| (a.recorded, a.streak_changed, a.deactivated))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (true, true, false),
+            (true, true, false),
+            (true, true, false),
+            (true, true, false),
+            (true, true, false),
+            (true, true, true),
+            (true, true, false),
+            (true, false, false),
+            (false, true, false),
+        ]
+    );
+    let wh_a = destination(&*store, "wh_a").await;
+    assert_eq!(
+        (wh_a.active, wh_a.consecutive_failures, wh_a.deactivated_at),
+        (false, 0, Some(2_060))
+    );
+    let wh_c = destination(&*store, "wh_c").await;
+    assert_eq!((wh_c.active, wh_c.consecutive_failures), (true, 2));
+
+    let to_a = async |job: &str| {
+        store
+            .job_deliveries(job)
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|d| d.destination_id == "wh_a")
+            .unwrap()
+    };
+    let state = |d: &nthbouncer_store::DeliveryState| {
+        (
+            d.status.clone(),
+            d.attempts,
+            d.last_status,
+            d.last_error.clone(),
+            d.delivered_at,
+            d.updated_at,
+        )
+    };
+    let deactivated = Some("destination deactivated".to_string());
+    let failed = "failed".to_string();
+    let delivered = "delivered".to_string();
+    assert_eq!(
+        state(&to_a("job_1").await),
+        (
+            failed.clone(),
+            2,
+            Some(500),
+            deactivated.clone(),
+            None,
+            2_060
+        )
+    );
+    assert_eq!(
+        state(&to_a("job_2").await),
+        (delivered.clone(), 1, Some(200), None, Some(2_020), 2_020)
+    );
+    assert_eq!(
+        state(&to_a("job_3").await),
+        (failed.clone(), 2, Some(502), deactivated, None, 2_060)
+    );
+    assert_eq!(
+        state(&to_a("job_4").await),
+        (failed, 1, Some(500), None, None, 2_060)
+    );
+    assert_eq!(
+        state(&to_a("job_5").await),
+        (delivered, 1, Some(200), None, Some(2_070), 2_070)
+    );
+    let c0 = store
+        .job_deliveries("job_1")
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|d| d.destination_id == "wh_c")
+        .unwrap();
+    assert_eq!(
+        (c0.status.as_str(), c0.attempts, c0.next_attempt_at),
+        ("pending", 1, Some(9_000))
+    );
+
+    // The log: every record whose delivery exists, in order, with what it left behind.
+    let mut log = store
+        .list_attempts(&AttemptQuery {
+            pool: "p".into(),
+            destination_id: Some("wh_a".into()),
+            limit: 100,
+            ..AttemptQuery::default()
+        })
+        .await
+        .unwrap();
+    log.reverse();
+    let outcomes: Vec<(u64, &str)> = log.iter().map(|a| (a.at, a.outcome.as_str())).collect();
+    assert_eq!(
+        outcomes,
+        [
+            (2_010, "retrying"),
+            (2_020, "delivered"),
+            (2_040, "retrying"),
+            (2_050, "retrying"),
+            (2_060, "failed"),
+            (2_070, "delivered"),
+            (2_080, "retrying"),
+        ]
+    );
 }
