@@ -14,6 +14,7 @@ pub mod jobs;
 pub mod postgres;
 mod postgres_jobs;
 mod postgres_log;
+mod postgres_tls;
 pub mod sqlite;
 mod sqlite_jobs;
 mod sqlite_leases;

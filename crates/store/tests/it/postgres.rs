@@ -302,3 +302,72 @@ async fn the_settings_version_moves_with_pools_keys_and_destinations() {
         .unwrap());
     assert!(version().await > v4);
 }
+
+/// `sslmode=verify-ca|verify-full` against the machine's PostgreSQL, when it serves TLS with
+/// Debian's self-signed "snakeoil" certificate (named by host name, never by address): the
+/// server's own certificate as `sslrootcert` passes `verify-ca` on 127.0.0.1 but not
+/// `verify-full` (the address is not a name it carries), and a CA that did not sign it passes
+/// neither. Skipped (saying so) on a server without TLS or with another certificate.
+#[tokio::test]
+async fn verify_modes_check_the_real_servers_certificate() {
+    let db = TestDb::create().await;
+    let raw = db.raw().await;
+    let show = async |what: &str| -> String {
+        raw.query_one(&format!("SHOW {what}"), &[])
+            .await
+            .unwrap()
+            .get(0)
+    };
+    let cert_file = show("ssl_cert_file").await;
+    if show("ssl").await != "on" || !cert_file.contains("snakeoil") {
+        eprintln!("skipped: the local PostgreSQL does not serve TLS with a snakeoil certificate");
+        return;
+    }
+    if std::fs::metadata(&cert_file).is_err() {
+        eprintln!("skipped: cannot read the server's certificate {cert_file}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let stranger = dir.path().join("stranger.pem");
+    std::fs::write(
+        &stranger,
+        nthbouncer_testkit::tls::Ca::new("stranger").pem(),
+    )
+    .unwrap();
+    let url = |mode: &str, root: &std::path::Path| {
+        format!("{}?sslmode={mode}&sslrootcert={}", db.url, root.display())
+    };
+    let ours = std::path::Path::new(&cert_file);
+
+    let store = PgStore::connect(&url("verify-ca", ours)).await;
+    assert!(
+        store.is_ok(),
+        "verify-ca with the server's own CA: {:?}",
+        store.err()
+    );
+    let ssl_used: bool = raw
+        .query_one(
+            "SELECT bool_or(ssl) FROM pg_stat_ssl s JOIN pg_stat_activity a ON a.pid = s.pid \
+             WHERE a.datname = current_database() AND a.application_name = 'nthbouncer'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get::<_, Option<bool>>(0)
+        .unwrap_or(false);
+    assert!(ssl_used, "the store's connections are not encrypted");
+    drop(store);
+
+    for (mode, root) in [
+        ("verify-full", ours),
+        ("verify-full", stranger.as_path()),
+        ("verify-ca", stranger.as_path()),
+        (
+            "require",
+            ours.parent().unwrap().join("nothing.pem").as_path(),
+        ),
+    ] {
+        let refused = PgStore::connect(&url(mode, root)).await;
+        assert!(refused.is_err(), "{mode} with {} connected", root.display());
+    }
+}
