@@ -140,8 +140,10 @@ pub async fn run_claims(state: Arc<Jobs>, lease_ms: u64) {
 }
 
 /// How long a stopping node waits for its claim loop and webhook dispatcher to end (each
-/// finishes the store call it is in, then sees `stopping`), and for the release itself.
-const STOP_WAIT: Duration = Duration::from_secs(5);
+/// finishes the store call it is in, then sees `stopping`), and for the release itself: at most
+/// twice this after the grace, short of the 10 s systemd's `TimeoutStopSec` in the README
+/// leaves past the default grace (an unreachable store costs this much, then the claims lapse).
+const STOP_WAIT: Duration = Duration::from_secs(3);
 
 /// Whether `task` ended within [`STOP_WAIT`]; aborted if not.
 async fn ended(mut task: JoinHandle<()>) -> bool {
