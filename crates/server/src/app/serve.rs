@@ -216,13 +216,13 @@ pub(super) async fn accept_loop(
     drained
 }
 
-/// How the graceful shutdown ended.
+/// How the graceful shutdown left the job and webhook attempts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Drained {
-    /// Every job and webhook attempt in flight had its result recorded.
-    Idle,
+    /// Every attempt in flight had its result recorded.
+    Recorded,
     /// `shutdown_grace_ms` ran out with attempts still in flight: they were abandoned.
-    GraceElapsed,
+    Abandoned,
 }
 
 /// Accepts on a pool's own listener until the pool stops listening there or the server stops.
@@ -265,12 +265,15 @@ async fn shut_down(state: &AppState, drain: &watch::Sender<()>) -> Drained {
     let _ = drain.send(());
     // Every connection task holds a receiver until its connection is closed.
     let both = async { tokio::join!(drain.closed(), attempts.idle()) };
-    let drained = if tokio::time::timeout(grace, both).await.is_ok() {
-        Drained::Idle
+    let timed_out = tokio::time::timeout(grace, both).await.is_err();
+    // Counted before `stopping` cancels what is left (no attempt enters once draining): a grace
+    // that ran out on a slow connection alone abandoned no attempt.
+    let drained = if attempts.in_flight() == 0 {
+        Drained::Recorded
     } else {
-        Drained::GraceElapsed
+        Drained::Abandoned
     };
-    if drained == Drained::GraceElapsed {
+    if timed_out {
         tracing::warn!(
             attempts_in_flight = attempts.in_flight(),
             "shutdown grace elapsed with requests or attempts still in flight; those attempts \

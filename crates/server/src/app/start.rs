@@ -144,7 +144,7 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
             None => webhooks.abort(),
             Some((claims, settings)) => {
                 settings.abort();
-                let idle = drained == Drained::Idle;
+                let idle = drained == Drained::Recorded;
                 crate::jobs::claims::release_on_stop(&jobs, claims, webhooks, idle).await;
             }
         }
