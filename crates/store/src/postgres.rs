@@ -794,19 +794,8 @@ impl Store for PgStore {
         if entries.is_empty() && bumps.is_empty() {
             return Ok(Vec::new());
         }
-        let mut conn = self.conn().await?;
-        let tx = conn.transaction().await.ctx("append_access_log")?;
-        let ids = crate::postgres_log::append(&tx, entries).await?;
-        for (id, more) in bumps {
-            tx.execute(
-                "UPDATE access_log SET count = count + $2 WHERE id = $1",
-                &[&big(*id), &big(*more)],
-            )
-            .await
-            .ctx("append_access_log")?;
-        }
-        tx.commit().await.ctx("append_access_log")?;
-        Ok(ids)
+        let conn = self.conn().await?;
+        crate::postgres_log::append(&conn, entries, bumps).await
     }
 
     async fn query_access_log(
