@@ -133,6 +133,15 @@ impl JobCursor {
     }
 }
 
+/// What [`JobStore::release_claims`] gave back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Released {
+    /// Unfinished jobs whose claim this node gave up.
+    pub jobs: u64,
+    /// Pending deliveries whose claim this node gave up.
+    pub deliveries: u64,
+}
+
 /// One step of a job's history.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobEvent {
@@ -336,6 +345,18 @@ pub trait JobStore: Send + Sync + 'static {
         held: &[String],
         limit: u32,
     ) -> Result<Option<Vec<UnfinishedJob>>>;
+    /// For a store several nodes share, what a node stopping gracefully does once its runners
+    /// have stopped: it gives up its claims on its unfinished jobs that have no attempt running
+    /// (`accepted` or `queued`: never started, or put back after an attempt the origin cannot
+    /// have acted on), so another node's next claim pass takes them at once rather than one
+    /// claim lease later. A job of this node's still `running` (an attempt abandoned when the
+    /// shutdown grace ran out: the origin may still be working on it) keeps its claim until the
+    /// lease lapses, so no other node calls the origin for it meanwhile. With `deliveries`
+    /// (no webhook attempt of this node's is in flight any more) its claims on pending
+    /// deliveries go too.
+    ///
+    /// Nothing to do on a store of one node (SQLite): nothing is ever claimed there.
+    async fn release_claims(&self, deliveries: bool) -> Result<Released>;
     /// A job's request body, loaded when its turn comes; `None` if the job is gone.
     async fn job_request_body(&self, id: &str) -> Result<Option<Vec<u8>>>;
     /// How many of `pool`'s jobs are accepted and not yet terminal (`async.max_pending`).

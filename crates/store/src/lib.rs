@@ -14,6 +14,7 @@ pub mod jobs;
 pub mod postgres;
 mod postgres_jobs;
 mod postgres_log;
+mod postgres_tls;
 pub mod sqlite;
 mod sqlite_jobs;
 mod sqlite_leases;
@@ -22,7 +23,7 @@ mod sqlite_log;
 pub use jobs::{
     AttemptApplied, AttemptQuery, AttemptRecord, DeliveryAttempt, DeliveryNext, DeliveryState,
     DueDelivery, Finish, JobCursor, JobEvent, JobRequest, JobResult, JobStore, NewJob, Redeliver,
-    StoredDestination, StoredJob, UnfinishedJob,
+    Released, StoredDestination, StoredJob, UnfinishedJob,
 };
 
 use serde::{Deserialize, Serialize};

@@ -1,8 +1,8 @@
 //! The PostgreSQL implementation of [`Store`] (and, in `postgres_jobs`, of [`crate::JobStore`]):
 //! one database shared by every node (`server.store = "postgres://…"`).
 //!
-//! This module owns the connection pools (tokio-postgres under deadpool, rustls for
-//! `sslmode=require`), the schema and its versioned migrations, and the error mapping. Like
+//! This module owns the connection pools (tokio-postgres under deadpool, rustls for `sslmode`
+//! `prefer`, `require`, `verify-ca` and `verify-full`, see `postgres_tls`), the schema and its versioned migrations, and the error mapping. Like
 //! `sqlite.rs` it must not interpret pool specs (they stay opaque JSON) and must not grow
 //! behaviour the traits do not promise, so both implementations pass the same conformance tests.
 //!
@@ -290,7 +290,7 @@ pub async fn connect(url: &str) -> Result<PgStore> {
 
 impl PgStore {
     /// Connects to `url` (`postgres://user[:password]@host[:port]/db[?sslmode=disable|prefer|
-    /// require]`), brings the
+    /// require|verify-ca|verify-full][&sslrootcert=FILE]`), brings the
     /// schema up to [`SCHEMA_VERSION`] and returns the store. Fails if the database does not
     /// answer, or holds a schema newer than this build knows. Error messages never quote the
     /// URL (it may carry a password).
@@ -310,14 +310,16 @@ impl PgStore {
     }
 
     async fn open(url: &str, claim_lease_ms: u64, claims_inserts: bool) -> Result<Self> {
-        let mut config = tokio_postgres::Config::from_str(url)
+        let (url, tls_options) = crate::postgres_tls::TlsOptions::take_from(url)?;
+        let mut config = tokio_postgres::Config::from_str(&url)
             .map_err(|e| StoreError::Backend(format!("reading the PostgreSQL URL: {e}")))?;
         // As for database pools (crates/sqlhttp): no `sslmode` means plain TCP; `prefer` and
         // `require` verify the server's certificate against the web's roots (stricter than
-        // libpq's `require`).
+        // libpq's `require`), or against `sslrootcert`'s CAs when the URL names a file.
         if !url.contains("sslmode=") {
             config.ssl_mode(tokio_postgres::config::SslMode::Disable);
         }
+        let tls = tls_options.connector()?;
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(CONNECT_TIMEOUT);
         }
@@ -332,8 +334,8 @@ impl PgStore {
         let target = describe(&config);
         let store = PgStore {
             inner: Arc::new(Inner {
-                pool: build_pool(config, POOL_SIZE)?,
-                intake: build_pool(intake, INTAKE_POOL_SIZE)?,
+                pool: build_pool(config, POOL_SIZE, tls.clone())?,
+                intake: build_pool(intake, INTAKE_POOL_SIZE, tls)?,
                 node: format!("node-{:016x}", rand::random::<u64>()),
                 target,
                 claim_lease_ms: claim_lease_ms.max(1),
@@ -433,10 +435,14 @@ impl PgStore {
 }
 
 /// A pool of at most `size` connections made with `config` (none is made before it is needed).
-fn build_pool(config: tokio_postgres::Config, size: usize) -> Result<Pool> {
+fn build_pool(
+    config: tokio_postgres::Config,
+    size: usize,
+    tls: tokio_postgres_rustls::MakeRustlsConnect,
+) -> Result<Pool> {
     let manager = Manager::from_config(
         config,
-        tls()?,
+        tls,
         ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         },
@@ -449,25 +455,6 @@ fn build_pool(config: tokio_postgres::Config, size: usize) -> Result<Pool> {
         .recycle_timeout(Some(CONNECT_TIMEOUT))
         .build()
         .map_err(|e| StoreError::Backend(format!("building the PostgreSQL pool: {e}")))
-}
-
-/// rustls with the web's roots, for `sslmode=prefer|require` (plain connections unaffected).
-fn tls() -> Result<tokio_postgres_rustls::MakeRustlsConnect> {
-    let roots = rustls::RootCertStore {
-        roots: webpki_roots_list(),
-    };
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .map_err(|e| StoreError::Backend(format!("setting up TLS: {e}")))?
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config))
-}
-
-fn webpki_roots_list() -> Vec<rustls::pki_types::TrustAnchor<'static>> {
-    webpki_roots::TLS_SERVER_ROOTS.to_vec()
 }
 
 /// `user@host:port/db` for messages: never the password.
@@ -807,19 +794,8 @@ impl Store for PgStore {
         if entries.is_empty() && bumps.is_empty() {
             return Ok(Vec::new());
         }
-        let mut conn = self.conn().await?;
-        let tx = conn.transaction().await.ctx("append_access_log")?;
-        let ids = crate::postgres_log::append(&tx, entries).await?;
-        for (id, more) in bumps {
-            tx.execute(
-                "UPDATE access_log SET count = count + $2 WHERE id = $1",
-                &[&big(*id), &big(*more)],
-            )
-            .await
-            .ctx("append_access_log")?;
-        }
-        tx.commit().await.ctx("append_access_log")?;
-        Ok(ids)
+        let conn = self.conn().await?;
+        crate::postgres_log::append(&conn, entries, bumps).await
     }
 
     async fn query_access_log(

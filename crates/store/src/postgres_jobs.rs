@@ -9,7 +9,6 @@
 //! deliveries and jobs are claimed under `FOR UPDATE SKIP LOCKED` with a claim lease
 //! ([`crate::postgres::CLAIM_LEASE_MS`] unless told otherwise), so two nodes never work on one row at once while its claimant lives.
 
-use deadpool_postgres::Transaction;
 use tokio_postgres::Row;
 
 use crate::jobs::{delivery_status, status};
@@ -20,7 +19,7 @@ use crate::sqlite_jobs::{encode, RequestHead, ResultHead};
 use crate::{
     AttemptApplied, AttemptQuery, AttemptRecord, DeliveryAttempt, DeliveryNext, DeliveryState,
     DueDelivery, Finish, JobCursor, JobEvent, JobRequest, JobResult, JobStore, NewJob, Redeliver,
-    Result, StoreError, StoredDestination, StoredJob, UnfinishedJob,
+    Released, Result, StoreError, StoredDestination, StoredJob, UnfinishedJob,
 };
 
 /// A terminal job's `destinations` is the number of its deliveries (see `sqlite_jobs`).
@@ -165,195 +164,106 @@ fn attempt_from_row(row: &Row) -> Result<DeliveryAttempt> {
     })
 }
 
-async fn event(
-    tx: &Transaction<'_>,
-    id: &str,
-    at: u64,
-    status: &str,
-    attempt: u32,
-    detail: Option<&str>,
-) -> Result<()> {
-    tx.execute(
-        "INSERT INTO job_events (job_id, at, status, attempt, detail) VALUES ($1, $2, $3, $4, $5)",
-        &[&id, &big(at), &status, &i64::from(attempt), &detail],
-    )
-    .await
-    .ctx("job event")
-    .map(drop)
-}
-
-/// One pending delivery per destination (in order; one already there is left alone).
-async fn enqueue_deliveries(
-    tx: &Transaction<'_>,
-    id: &str,
-    now: u64,
-    destination_ids: &[String],
-) -> Result<()> {
-    if destination_ids.is_empty() {
-        return Ok(());
-    }
-    tx.execute(
-        "INSERT INTO deliveries (job_id, destination_id, status, attempts, next_attempt_at, \
-         created_at, updated_at, request_id) \
-         SELECT $1, d, 'pending', 0, $2, $2, $2, (SELECT request_id FROM jobs WHERE id = $1) \
-         FROM (SELECT d, MIN(n) AS n FROM UNNEST($3::TEXT[]) WITH ORDINALITY AS t(d, n) \
-               GROUP BY d) AS u ORDER BY n \
-         ON CONFLICT (job_id, destination_id) DO NOTHING",
-        &[&id, &big(now), &destination_ids],
-    )
-    .await
-    .ctx("outbox")
-    .map(drop)
-}
-
-/// Applies one attempt inside the caller's transaction (see [`JobStore::record_attempts`]).
-async fn apply_attempt(tx: &Transaction<'_>, r: &AttemptRecord) -> Result<AttemptApplied> {
-    let mut applied = apply_streak(tx, r).await?;
-    // A deactivated destination gets no retries.
-    let next = match r.next {
-        DeliveryNext::Retry { .. } if applied.deactivated => DeliveryNext::Failed,
-        other => other,
-    };
-    applied.recorded = apply_delivery(tx, r, next).await?;
-    if applied.deactivated {
-        tx.execute(
-            "UPDATE deliveries SET status = 'failed', last_error = 'destination deactivated', \
-             updated_at = $2 WHERE destination_id = $1 AND status = 'pending'",
-            &[&r.destination_id, &big(r.at)],
-        )
-        .await
-        .ctx("record_attempts")?;
-    }
-    Ok(applied)
-}
-
-/// The destination's failure streak and deactivation after one attempt.
-async fn apply_streak(tx: &Transaction<'_>, r: &AttemptRecord) -> Result<AttemptApplied> {
-    let mut applied = AttemptApplied::default();
-    if r.next == DeliveryNext::Delivered {
-        let n = exec(
-            tx,
-            "record_attempts",
-            "UPDATE webhook_destinations SET consecutive_failures = 0 \
-                 WHERE id = $1 AND consecutive_failures != 0",
-            &[&r.destination_id],
-        )
-        .await?;
-        applied.streak_changed = n > 0;
-        return Ok(applied);
-    }
-    if !r.manual {
-        let n = exec(
-            tx,
-            "record_attempts",
-            "UPDATE webhook_destinations SET consecutive_failures = consecutive_failures + 1 \
-                 WHERE id = $1 AND active",
-            &[&r.destination_id],
-        )
-        .await?;
-        applied.streak_changed = n > 0;
-    }
-    let n = if r.gone {
-        exec(
-            tx,
-            "record_attempts",
-            "UPDATE webhook_destinations SET active = FALSE, deactivated_at = $2 \
-             WHERE id = $1 AND active",
-            &[&r.destination_id, &big(r.at)],
-        )
-        .await?
-    } else if !r.manual {
-        exec(
-            tx,
-            "record_attempts",
-            "UPDATE webhook_destinations SET active = FALSE, deactivated_at = $2 \
-             WHERE id = $1 AND active AND consecutive_failures >= deactivate_after",
-            &[&r.destination_id, &big(r.at)],
-        )
-        .await?
-    } else {
-        0
-    };
-    applied.deactivated = n > 0;
-    Ok(applied)
-}
-
-/// The delivery's new state and the attempt's log row; `false` if the delivery is gone.
-async fn apply_delivery(
-    tx: &Transaction<'_>,
-    r: &AttemptRecord,
-    next: DeliveryNext,
-) -> Result<bool> {
-    let id = big(r.delivery_id);
-    // The attempt is over: its claim goes with it.
-    let exists = exec(
-        tx,
-        "record_attempts",
-        "UPDATE deliveries SET attempts = attempts + 1, claimed_by = NULL, claim_until = NULL \
-             WHERE id = $1",
-        &[&id],
-    )
-    .await?
-        > 0;
-    if !exists {
-        return Ok(false);
-    }
-    let (round, code, at) = (i64::from(r.round), r.status_code.map(i64::from), big(r.at));
-    // Fenced by the round: a redelivery asked for while this attempt ran stays pending.
-    let retry_at = match next {
-        DeliveryNext::Retry { at } => big(at),
-        _ => 0,
-    };
-    let (sql, params): (&str, &[&(dyn tokio_postgres::types::ToSql + Sync)]) = match next {
-        DeliveryNext::Delivered => (
-            "UPDATE deliveries SET status = 'delivered', round_attempts = round_attempts + 1, \
-             last_status = $3, last_error = NULL, delivered_at = $4, updated_at = $4 \
-             WHERE id = $1 AND round = $2 AND status != 'delivered'",
-            &[&id, &round, &code, &at],
-        ),
-        DeliveryNext::Retry { .. } => (
-            "UPDATE deliveries SET round_attempts = round_attempts + 1, next_attempt_at = $5, \
-             last_status = $3, last_error = $6, updated_at = $4 \
-             WHERE id = $1 AND round = $2 AND status = 'pending'",
-            &[&id, &round, &code, &at, &retry_at, &r.error],
-        ),
-        DeliveryNext::Failed => (
-            "UPDATE deliveries SET status = 'failed', round_attempts = round_attempts + 1, \
-             last_status = $3, last_error = $5, updated_at = $4 \
-             WHERE id = $1 AND round = $2 AND status = 'pending'",
-            &[&id, &round, &code, &at, &r.error],
-        ),
-    };
-    exec(tx, "record_attempts", sql, params).await?;
-    let outcome = match next {
-        DeliveryNext::Delivered => delivery_status::DELIVERED,
-        DeliveryNext::Retry { .. } => "retrying",
-        DeliveryNext::Failed => delivery_status::FAILED,
-    };
-    exec(
-        tx,
-        "record_attempts",
-        "INSERT INTO delivery_attempts (delivery_id, job_id, destination_id, pool, attempt, at, \
-         status_code, latency_ms, response_body, error, manual, outcome) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
-        &[
-            &id,
-            &r.job_id,
-            &r.destination_id,
-            &r.pool,
-            &i64::from(r.attempt),
-            &at,
-            &code,
-            &big(r.latency_ms),
-            &r.response_body,
-            &r.error,
-            &r.manual,
-            &outcome,
-        ],
-    )
-    .await?;
-    Ok(true)
-}
+/// [`JobStore::record_attempts`] as one statement, with SQLite's semantics: the records apply
+/// one after another, in order. A statement sees one snapshot, so "in order" is a fold over the
+/// records, in recursive CTEs:
+/// - `s`: each destination's streak record by record (reset on a delivery; +1 on a failure
+///   that was not manual while active; deactivated on `gone`, or at `deactivate_after`), from
+///   the row as it stands (locked); `fd`/`da` are its end state and the record that
+///   deactivated it (at most one: nothing reactivates within a batch).
+/// - `f`: each delivery recorded, event by event: its own records (the attempt count, the
+///   claim, and the new state when the round and status still allow it), and, after the record
+///   that deactivated its destination, the failure of what is still pending.
+///
+/// Pending deliveries of a deactivated destination that no record names are failed by `sw`.
+/// Rows are locked (in id order) before they are read, so the fold starts from their latest
+/// committed state, as the one-statement-per-step version did.
+const RECORD_ATTEMPTS: &str = "WITH RECURSIVE \
+    r AS (SELECT * FROM UNNEST($1::BIGINT[], $2::BIGINT[], $3::TEXT[], $4::TEXT[], $5::TEXT[], \
+      $6::BIGINT[], $7::BIGINT[], $8::BIGINT[], $9::BIGINT[], $10::TEXT[], $11::TEXT[], \
+      $12::BOOLEAN[], $13::TEXT[], $14::BIGINT[], $15::BOOLEAN[]) WITH ORDINALITY AS t(delivery_id, \
+      round, job_id, destination_id, pool, attempt, at, status_code, latency_ms, response_body, \
+      error, manual, next, retry_at, gone, n)), \
+    dl AS (SELECT id, active, consecutive_failures AS cf, deactivate_after \
+      FROM webhook_destinations WHERE id IN (SELECT destination_id FROM r) ORDER BY id FOR UPDATE), \
+    rk AS (SELECT r.*, row_number() OVER (PARTITION BY destination_id ORDER BY n) AS k FROM r), \
+    s (destination_id, k, active, cf, changed, deactivated) AS ( \
+      SELECT id, 0::BIGINT, active, cf, FALSE, FALSE FROM dl \
+      UNION ALL \
+      SELECT s.destination_id, rk.k, s.active AND NOT c.deact, \
+        CASE WHEN rk.next = 'delivered' THEN 0 WHEN c.inc THEN s.cf + 1 ELSE s.cf END, \
+        CASE WHEN rk.next = 'delivered' THEN s.cf <> 0 ELSE c.inc END, c.deact \
+      FROM s JOIN rk ON rk.destination_id = s.destination_id AND rk.k = s.k + 1 \
+        JOIN dl ON dl.id = s.destination_id \
+        CROSS JOIN LATERAL (SELECT \
+          rk.next <> 'delivered' AND NOT rk.manual AND s.active AS inc, \
+          rk.next <> 'delivered' AND s.active AND (rk.gone OR \
+            (NOT rk.manual AND s.cf + 1 >= dl.deactivate_after)) AS deact) c), \
+    rs AS (SELECT rk.*, COALESCE(s.changed, FALSE) AS changed, \
+        COALESCE(s.deactivated, FALSE) AS deact, \
+        CASE WHEN rk.next = 'retry' AND COALESCE(s.deactivated, FALSE) THEN 'failed' \
+          ELSE rk.next END AS outcome \
+      FROM rk LEFT JOIN s ON s.destination_id = rk.destination_id AND s.k = rk.k), \
+    da AS (SELECT destination_id, n, at FROM rs WHERE deact), \
+    fd AS (SELECT DISTINCT ON (destination_id) destination_id, active, cf FROM s \
+      WHERE k > 0 ORDER BY destination_id, k DESC), \
+    ud AS (UPDATE webhook_destinations w SET consecutive_failures = fd.cf, active = fd.active, \
+        deactivated_at = COALESCE(da.at, w.deactivated_at) \
+      FROM fd LEFT JOIN da ON da.destination_id = fd.destination_id \
+      WHERE w.id = fd.destination_id \
+        AND (w.consecutive_failures <> fd.cf OR w.active <> fd.active)), \
+    dv AS (SELECT id, destination_id, status, round, attempts, round_attempts, next_attempt_at, \
+        last_status, last_error, delivered_at, updated_at \
+      FROM deliveries WHERE id IN (SELECT delivery_id FROM r) ORDER BY id FOR UPDATE), \
+    ev AS (SELECT dv.id AS did, rs.n AS pos, 0 AS kind, rs.outcome AS next, rs.round, rs.at, \
+        rs.status_code, rs.error, rs.retry_at \
+      FROM rs JOIN dv ON dv.id = rs.delivery_id \
+      UNION ALL \
+      SELECT dv.id, da.n, 1, NULL::TEXT, NULL::BIGINT, da.at, NULL::BIGINT, NULL::TEXT, \
+        NULL::BIGINT \
+      FROM dv JOIN da ON da.destination_id = dv.destination_id), \
+    evk AS (SELECT ev.*, row_number() OVER (PARTITION BY did ORDER BY pos, kind) AS k FROM ev), \
+    f (id, k, status, round, attempts, round_attempts, next_attempt_at, last_status, last_error, \
+        delivered_at, updated_at) AS ( \
+      SELECT id, 0::BIGINT, status, round, attempts, round_attempts, next_attempt_at, \
+        last_status, last_error, delivered_at, updated_at FROM dv \
+      UNION ALL \
+      SELECT f.id, e.k, \
+        CASE WHEN c.ap AND e.next = 'delivered' THEN 'delivered' \
+          WHEN c.ap AND e.next = 'failed' THEN 'failed' WHEN c.sw THEN 'failed' \
+          ELSE f.status END, \
+        f.round, \
+        f.attempts + CASE WHEN e.kind = 0 THEN 1 ELSE 0 END, \
+        f.round_attempts + CASE WHEN c.ap THEN 1 ELSE 0 END, \
+        CASE WHEN c.ap AND e.next = 'retry' THEN e.retry_at ELSE f.next_attempt_at END, \
+        CASE WHEN c.ap THEN e.status_code ELSE f.last_status END, \
+        CASE WHEN c.ap AND e.next = 'delivered' THEN NULL WHEN c.ap THEN e.error \
+          WHEN c.sw THEN 'destination deactivated' ELSE f.last_error END, \
+        CASE WHEN c.ap AND e.next = 'delivered' THEN e.at ELSE f.delivered_at END, \
+        CASE WHEN c.ap OR c.sw THEN e.at ELSE f.updated_at END \
+      FROM f JOIN evk e ON e.did = f.id AND e.k = f.k + 1 \
+        CROSS JOIN LATERAL (SELECT \
+          e.kind = 0 AND e.round = f.round AND CASE WHEN e.next = 'delivered' \
+            THEN f.status <> 'delivered' ELSE f.status = 'pending' END AS ap, \
+          e.kind = 1 AND f.status = 'pending' AS sw) c), \
+    fdv AS (SELECT DISTINCT ON (id) * FROM f WHERE k > 0 ORDER BY id, k DESC), \
+    uv AS (UPDATE deliveries d SET status = x.status, attempts = x.attempts, \
+        round_attempts = x.round_attempts, next_attempt_at = x.next_attempt_at, \
+        last_status = x.last_status, last_error = x.last_error, delivered_at = x.delivered_at, \
+        updated_at = x.updated_at, claimed_by = NULL, claim_until = NULL \
+      FROM fdv x WHERE d.id = x.id), \
+    sw AS (UPDATE deliveries d SET status = 'failed', last_error = 'destination deactivated', \
+        updated_at = da.at FROM da \
+      WHERE d.destination_id = da.destination_id AND d.status = 'pending' \
+        AND d.id NOT IN (SELECT id FROM dv)), \
+    ins AS (INSERT INTO delivery_attempts (delivery_id, job_id, destination_id, pool, attempt, \
+        at, status_code, latency_ms, response_body, error, manual, outcome) \
+      SELECT delivery_id, job_id, destination_id, pool, attempt, at, status_code, latency_ms, \
+        response_body, error, manual, \
+        CASE outcome WHEN 'delivered' THEN 'delivered' WHEN 'retry' THEN 'retrying' \
+          ELSE 'failed' END \
+      FROM rs WHERE delivery_id IN (SELECT id FROM dv) ORDER BY n) \
+    SELECT delivery_id IN (SELECT id FROM dv), changed, deact FROM rs ORDER BY n";
 
 impl PgStore {
     async fn insert_batch(&self, jobs: &[NewJob]) -> Result<()> {
@@ -572,6 +482,29 @@ impl JobStore for PgStore {
         Ok(Some(claimed))
     }
 
+    async fn release_claims(&self, deliveries: bool) -> Result<Released> {
+        let conn = self.conn().await?;
+        // One statement: both releases commit together. Only rows this node still holds: one
+        // another node took over meanwhile (this node stalled past its lease) is not touched.
+        // A `running` job keeps its claim (see the trait): its attempt may still be live at
+        // the origin, and `start_attempt` refuses it to every other node until the lease lapses.
+        let row = query_one(
+            &conn,
+            "release_claims",
+            "WITH j AS (UPDATE jobs SET claimed_by = NULL, claim_until = NULL \
+               WHERE claimed_by = $1 AND status IN ('accepted', 'queued') RETURNING 1), \
+             d AS (UPDATE deliveries SET claimed_by = NULL, claim_until = NULL \
+               WHERE $2 AND claimed_by = $1 AND status = 'pending' RETURNING 1) \
+             SELECT (SELECT COUNT(*) FROM j), (SELECT COUNT(*) FROM d)",
+            &[&self.inner.node, &deliveries],
+        )
+        .await?;
+        Ok(Released {
+            jobs: get_u(&row, 0)?,
+            deliveries: get_u(&row, 1)?,
+        })
+    }
+
     async fn job_request_body(&self, id: &str) -> Result<Option<Vec<u8>>> {
         let conn = self.conn().await?;
         let found = query(
@@ -650,21 +583,22 @@ impl JobStore for PgStore {
     }
 
     async fn retry_attempt(&self, id: &str, attempt: u32, now: u64, detail: &str) -> Result<bool> {
-        let mut conn = self.conn().await?;
-        let tx = conn.transaction().await.ctx("retry_attempt")?;
-        let n = tx
-            .execute(
-                "UPDATE jobs SET status = 'queued', updated_at = $3, error = $4 \
-                 WHERE id = $1 AND attempt = $2 AND status = 'running'",
-                &[&id, &i64::from(attempt), &big(now), &detail],
-            )
-            .await
-            .ctx("retry_attempt")?;
-        if n > 0 {
-            event(&tx, id, now, status::QUEUED, attempt, Some(detail)).await?;
-        }
-        tx.commit().await.ctx("retry_attempt")?;
-        Ok(n > 0)
+        let conn = self.conn().await?;
+        // One statement: the step back to `queued` and its history row commit together, and
+        // neither unless the attempt still holds the job.
+        let found = query(
+            &conn,
+            "retry_attempt",
+            "WITH u AS (UPDATE jobs SET status = 'queued', updated_at = $3, error = $4 \
+             WHERE id = $1 AND attempt = $2 AND status = 'running' RETURNING id), \
+             e AS (INSERT INTO job_events (job_id, at, status, attempt, detail) \
+             SELECT id, $3, 'queued', $2, $4 FROM u) \
+             SELECT COUNT(*) FROM u",
+            &[&id, &i64::from(attempt), &big(now), &detail],
+        )
+        .await?;
+        let n = found.first().map(|r| get_u::<u64>(r, 0)).transpose()?;
+        Ok(n.unwrap_or(0) > 0)
     }
 
     async fn finish_attempt(
@@ -731,40 +665,42 @@ impl JobStore for PgStore {
         now: u64,
         active_destinations: &std::collections::HashMap<String, Vec<String>>,
     ) -> Result<Vec<String>> {
-        let mut conn = self.conn().await?;
-        let tx = conn.transaction().await.ctx("expire_jobs")?;
-        // Rows another node is expiring (or finishing) right now are left to it.
-        let due = tx
-            .query(
-                &format!(
-                    "UPDATE jobs SET status = 'expired', updated_at = $1, claimed_by = NULL, \
-                     claim_until = NULL WHERE id IN (SELECT id FROM jobs WHERE {UNFINISHED} \
-                     AND expires_at <= $1 ORDER BY created_at, id FOR UPDATE SKIP LOCKED) \
-                     RETURNING id, pool, created_at"
-                ),
-                &[&big(now)],
-            )
-            .await
-            .ctx("expire_jobs")?;
-        let mut due = rows(due, |r| {
-            Ok((
-                get_u::<u64>(r, 2)?,
-                get::<String>(r, 0)?,
-                get::<String>(r, 1)?,
-            ))
-        })?;
-        due.sort();
-        let mut expired = Vec::with_capacity(due.len());
-        for (_, id, pool) in due {
-            event(&tx, &id, now, status::EXPIRED, 0, None).await?;
-            let dests = active_destinations
-                .get(&pool)
-                .map_or(&[][..], Vec::as_slice);
-            enqueue_deliveries(&tx, &id, now, dests).await?;
-            expired.push(id);
+        // The map as two parallel arrays (pool, destination), in the map's per-pool order.
+        let (mut pools, mut dests) = (Vec::new(), Vec::new());
+        for (pool, ids) in active_destinations {
+            for id in ids {
+                pools.push(pool.as_str());
+                dests.push(id.as_str());
+            }
         }
-        tx.commit().await.ctx("expire_jobs")?;
-        Ok(expired)
+        let conn = self.conn().await?;
+        // One statement (one round trip, one transaction): the jobs expired, their history
+        // steps and their outbox rows (one per active destination of their pool, in order,
+        // duplicates once) commit together, in the jobs' order (oldest first). Rows another
+        // node is expiring (or finishing) right now are left to it.
+        let found = query(
+            &conn,
+            "expire_jobs",
+            &format!(
+                "WITH u AS (UPDATE jobs SET status = 'expired', updated_at = $1, \
+                 claimed_by = NULL, claim_until = NULL WHERE id IN (SELECT id FROM jobs \
+                 WHERE {UNFINISHED} AND expires_at <= $1 ORDER BY created_at, id \
+                 FOR UPDATE SKIP LOCKED) RETURNING id, pool, created_at, request_id), \
+                 e AS (INSERT INTO job_events (job_id, at, status, attempt, detail) \
+                 SELECT id, $1, 'expired', 0, NULL FROM u ORDER BY created_at, id), \
+                 o AS (SELECT p, d, MIN(n) AS n FROM UNNEST($2::TEXT[], $3::TEXT[]) \
+                 WITH ORDINALITY AS t(p, d, n) GROUP BY p, d), \
+                 d AS (INSERT INTO deliveries (job_id, destination_id, status, attempts, \
+                 next_attempt_at, created_at, updated_at, request_id) \
+                 SELECT u.id, o.d, 'pending', 0, $1, $1, $1, u.request_id \
+                 FROM u JOIN o ON o.p = u.pool COLLATE \"C\" ORDER BY u.created_at, u.id, o.n \
+                 ON CONFLICT (job_id, destination_id) DO NOTHING) \
+                 SELECT id FROM u ORDER BY created_at, id"
+            ),
+            &[&big(now), &pools, &dests],
+        )
+        .await?;
+        rows(found, |r| get::<String>(r, 0))
     }
 
     async fn delete_retained(&self, now: u64) -> Result<u64> {
@@ -998,14 +934,56 @@ impl JobStore for PgStore {
         if records.is_empty() {
             return Ok(Vec::new());
         }
-        let mut conn = self.conn().await?;
-        let tx = conn.transaction().await.ctx("record_attempts")?;
-        let mut applied = Vec::with_capacity(records.len());
-        for r in records {
-            applied.push(apply_attempt(&tx, r).await?);
-        }
-        tx.commit().await.ctx("record_attempts")?;
-        Ok(applied)
+        let col = |f: fn(&AttemptRecord) -> i64| records.iter().map(f).collect::<Vec<i64>>();
+        let text = |f: fn(&AttemptRecord) -> &str| records.iter().map(f).collect::<Vec<&str>>();
+        let opt = |f: fn(&AttemptRecord) -> Option<&str>| {
+            records.iter().map(f).collect::<Vec<Option<&str>>>()
+        };
+        let flag = |f: fn(&AttemptRecord) -> bool| records.iter().map(f).collect::<Vec<bool>>();
+        let codes: Vec<Option<i64>> = records
+            .iter()
+            .map(|r| r.status_code.map(i64::from))
+            .collect();
+        let next = text(|r| match r.next {
+            DeliveryNext::Delivered => "delivered",
+            DeliveryNext::Retry { .. } => "retry",
+            DeliveryNext::Failed => "failed",
+        });
+        let conn = self.conn().await?;
+        // One statement (one round trip, one transaction): see `RECORD_ATTEMPTS`.
+        let found = query(
+            &conn,
+            "record_attempts",
+            RECORD_ATTEMPTS,
+            &[
+                &col(|r| big(r.delivery_id)),
+                &col(|r| i64::from(r.round)),
+                &text(|r| &r.job_id),
+                &text(|r| &r.destination_id),
+                &text(|r| &r.pool),
+                &col(|r| i64::from(r.attempt)),
+                &col(|r| big(r.at)),
+                &codes,
+                &col(|r| big(r.latency_ms)),
+                &opt(|r| r.response_body.as_deref()),
+                &opt(|r| r.error.as_deref()),
+                &flag(|r| r.manual),
+                &next,
+                &col(|r| match r.next {
+                    DeliveryNext::Retry { at } => big(at),
+                    _ => 0,
+                }),
+                &flag(|r| r.gone),
+            ],
+        )
+        .await?;
+        rows(found, |row| {
+            Ok(AttemptApplied {
+                recorded: get(row, 0)?,
+                streak_changed: get(row, 1)?,
+                deactivated: get(row, 2)?,
+            })
+        })
     }
 
     async fn fail_undeliverable(&self, active_destination_ids: &[String], now: u64) -> Result<u64> {

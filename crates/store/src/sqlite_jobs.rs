@@ -9,7 +9,7 @@ use crate::sqlite::{clamp_i64, Ctx, SqliteStore};
 use crate::{
     AttemptApplied, AttemptQuery, AttemptRecord, DeliveryAttempt, DeliveryNext, DeliveryState,
     DueDelivery, Finish, JobCursor, JobEvent, JobRequest, JobResult, JobStore, NewJob, Redeliver,
-    Result, StoreError, StoredDestination, StoredJob, UnfinishedJob,
+    Released, Result, StoreError, StoredDestination, StoredJob, UnfinishedJob,
 };
 
 // A terminal job's `destinations` is the number of its deliveries (the destinations that were
@@ -551,6 +551,10 @@ impl JobStore for SqliteStore {
         _limit: u32,
     ) -> Result<Option<Vec<UnfinishedJob>>> {
         Ok(None) // one node: every unfinished job is its own, resumed at start
+    }
+
+    async fn release_claims(&self, _deliveries: bool) -> Result<Released> {
+        Ok(Released::default()) // one node: nothing is claimed
     }
 
     async fn job_request_body(&self, id: &str) -> Result<Option<Vec<u8>>> {

@@ -13,6 +13,7 @@ mod nonce_restart;
 mod pg_migrate;
 mod pg_nodes;
 mod pg_outage;
+mod pg_sigterm;
 mod pg_store;
 mod reload;
 mod scale_out;

@@ -178,7 +178,7 @@ pub(super) async fn accept_loop(
     threads: Option<ConnectionThreads>,
     cancel: CancellationToken,
     access_log_task: JoinHandle<()>,
-) {
+) -> Drained {
     let state = dispatcher.state.clone();
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -213,7 +213,7 @@ pub(super) async fn accept_loop(
         }
     }
     drop(listener);
-    shut_down(&state, &serving.drain).await;
+    let drained = shut_down(&state, &serving.drain).await;
     if let Some(threads) = &serving.threads {
         threads.stop();
     }
@@ -222,6 +222,16 @@ pub(super) async fn accept_loop(
     // The writer ends once the last sender is gone; if a handle is still held elsewhere, the
     // flush above already committed everything.
     access_log_task.abort();
+    drained
+}
+
+/// How the graceful shutdown left the job and webhook attempts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Drained {
+    /// Every attempt in flight had its result recorded.
+    Recorded,
+    /// `shutdown_grace_ms` ran out with attempts still in flight: they were abandoned.
+    Abandoned,
 }
 
 /// Accepts on a pool's own listener until the pool stops listening there or the server stops.
@@ -251,7 +261,7 @@ async fn accept_failed(e: std::io::Error) {
 /// flight, HTTP/2 with a GOAWAY), no job is accepted and no job or webhook attempt starts, and
 /// the requests and attempts in flight get `shutdown_grace_ms` to finish (an attempt: to have
 /// its result recorded); then the rest is closed down.
-async fn shut_down(state: &AppState, drain: &watch::Sender<()>) {
+async fn shut_down(state: &AppState, drain: &watch::Sender<()>) -> Drained {
     state.draining.store(true, Ordering::Relaxed);
     let attempts = state.jobs.drain.clone();
     attempts.start();
@@ -264,7 +274,15 @@ async fn shut_down(state: &AppState, drain: &watch::Sender<()>) {
     let _ = drain.send(());
     // Every connection task holds a receiver until its connection is closed.
     let both = async { tokio::join!(drain.closed(), attempts.idle()) };
-    if tokio::time::timeout(grace, both).await.is_err() {
+    let timed_out = tokio::time::timeout(grace, both).await.is_err();
+    // Counted before `stopping` cancels what is left (no attempt enters once draining): a grace
+    // that ran out on a slow connection alone abandoned no attempt.
+    let drained = if attempts.in_flight() == 0 {
+        Drained::Recorded
+    } else {
+        Drained::Abandoned
+    };
+    if timed_out {
         tracing::warn!(
             attempts_in_flight = attempts.in_flight(),
             "shutdown grace elapsed with requests or attempts still in flight; those attempts \
@@ -276,6 +294,7 @@ async fn shut_down(state: &AppState, drain: &watch::Sender<()>) {
     for pool in state.pools.snapshot().pools.values() {
         pool.gate.close().await;
     }
+    drained
 }
 
 impl Serving {

@@ -16,7 +16,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::serve::{accept_loop, ConnectionThreads, Dispatcher};
+use super::serve::{accept_loop, ConnectionThreads, Dispatcher, Drained};
 use crate::access::keys::Accept;
 use crate::access::{NonceJournal, NonceSource};
 use crate::admin::Admin;
@@ -143,14 +143,19 @@ pub async fn start(config: Config, options: Options) -> Result<Running, StartErr
     };
     let cancel = CancellationToken::new();
     let cancel2 = cancel.clone();
+    let jobs = state.jobs.clone();
     let task = tokio::spawn(async move {
-        accept_loop(listener, dispatcher, threads, cancel2, access_log_task).await;
-        // Unfinished jobs stay in the store and resume at the next start.
+        let drained = accept_loop(listener, dispatcher, threads, cancel2, access_log_task).await;
+        // Unfinished jobs stay in the store and resume at the next start (on a shared store:
+        // are taken over by the other nodes, at once for those given back here).
         background.abort();
-        webhooks.abort();
-        if let Some((jobs, settings)) = shared_store {
-            jobs.abort();
-            settings.abort();
+        match shared_store {
+            None => webhooks.abort(),
+            Some((claims, settings)) => {
+                settings.abort();
+                let idle = drained == Drained::Recorded;
+                crate::jobs::claims::release_on_stop(&jobs, claims, webhooks, idle).await;
+            }
         }
     });
     let pools = state.pools.snapshot().pools.len();

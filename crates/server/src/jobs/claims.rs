@@ -11,6 +11,13 @@
 //! The pass also wakes the webhook dispatcher, whose scan then picks up the deliveries whose
 //! claims lapsed on a dead node.
 //!
+//! A node stopping gracefully gives its claims back once its runners have stopped
+//! ([`release_on_stop`]): the jobs it accepted or took over but has not started (or put back
+//! after an attempt the origin cannot have acted on) are taken by another node's next claim
+//! pass, not one claim lease later. A job whose attempt it abandoned (the shutdown grace ran
+//! out mid-fetch) keeps its claim until the lease lapses, so the origin is never called for it
+//! by two nodes at once.
+//!
 //! On a store of one node (SQLite) there are no claims: every unfinished job is resumed at start
 //! ([`super::sweep::resume`]) and [`Running`] only keeps one job from two runners.
 
@@ -19,6 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use tokio::task::JoinHandle;
 
 use crate::jobs::runner::spawn_runner;
 use crate::jobs::Jobs;
@@ -114,6 +122,8 @@ pub async fn run_claims(state: Arc<Jobs>, lease_ms: u64) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
+            // Biased: once stopping, no further pass starts (the release waits for this loop).
+            biased;
             _ = state.stopping.cancelled() => return,
             _ = tick.tick() => {}
         }
@@ -126,5 +136,50 @@ pub async fn run_claims(state: Arc<Jobs>, lease_ms: u64) {
         }
         // Deliveries whose claims lapsed on a node that died are due again.
         state.notify_deliveries();
+    }
+}
+
+/// How long a stopping node waits for its claim loop and webhook dispatcher to end (each
+/// finishes the store call it is in, then sees `stopping`), and for the release itself: at most
+/// twice this after the grace, short of the 10 s systemd's `TimeoutStopSec` in the README
+/// leaves past the default grace (an unreachable store costs this much, then the claims lapse).
+const STOP_WAIT: Duration = Duration::from_secs(3);
+
+/// Whether `task` ended within [`STOP_WAIT`]; aborted if not.
+async fn ended(mut task: JoinHandle<()>) -> bool {
+    if tokio::time::timeout(STOP_WAIT, &mut task).await.is_ok() {
+        return true;
+    }
+    task.abort();
+    false
+}
+
+/// The last step of a graceful stop on a shared store, once the drain is over and `stopping`
+/// is cancelled: waits for the claim loop (`claims`) and the webhook dispatcher (`webhooks`) to
+/// end, so neither claims anything after the release, then gives this node's claims back
+/// ([`nthbouncer_store::JobStore::release_claims`]). Deliveries go back only if every webhook
+/// attempt was recorded (`attempts_idle`) and the dispatcher has ended: a delivery being sent
+/// keeps its claim. A loop that did not end in time may still claim a page after the release;
+/// those rows wait one lease, as a crashed node's do. A failure is logged: the claims then
+/// lapse with their lease.
+pub async fn release_on_stop(
+    state: &Arc<Jobs>,
+    claims: JoinHandle<()>,
+    webhooks: JoinHandle<()>,
+    attempts_idle: bool,
+) {
+    let (_, dispatcher_ended) = tokio::join!(ended(claims), ended(webhooks));
+    let deliveries = attempts_idle && dispatcher_ended;
+    match tokio::time::timeout(STOP_WAIT, state.store.release_claims(deliveries)).await {
+        Ok(Ok(released)) => tracing::info!(
+            jobs = released.jobs,
+            deliveries = released.deliveries,
+            "gave back this node's claims: other nodes take those jobs and deliveries now"
+        ),
+        Ok(Err(e)) => tracing::warn!(error = %e,
+            "cannot give back this node's claims; they lapse with their lease"),
+        Err(_) => {
+            tracing::warn!("giving back this node's claims timed out; they lapse with their lease")
+        }
     }
 }

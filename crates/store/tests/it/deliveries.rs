@@ -16,6 +16,8 @@ conformance!(
     streaks_deactivation_gone_and_manual,
     redelivery_rounds_are_fenced,
     undeliverable_rotation_and_retention,
+    expiry_writes_history_and_outbox_and_retries_are_fenced,
+    a_batch_of_attempts_applies_in_order,
 );
 
 fn job(id: &str, now: u64) -> NewJob {
@@ -491,4 +493,245 @@ async fn upgrades_a_v2_database_with_data() {
     let j = store.get_job("p", "job_old").await.unwrap().unwrap();
     assert_eq!((j.destinations, j.delivered, j.failed), (1, 1, 0));
     assert_eq!(destination(&store, "wh_a").await.consecutive_failures, 0);
+}
+
+/// Expiry: each job with its `expired` step and one pending delivery per active
+/// destination of its pool (in order, a duplicate once, the request id copied), nothing for a
+/// pool without any, nothing twice. A retry applies only while its attempt holds the job.
+async fn expiry_writes_history_and_outbox_and_retries_are_fenced(b: &Backend) {
+    let store = b.open().await;
+    let mut late = job("job_late", 20);
+    late.expires_at = 1_000;
+    let mut early = job("job_early", 10);
+    early.expires_at = 1_000;
+    let mut other = job("job_other", 5);
+    other.pool = "q".into();
+    other.expires_at = 900;
+    let open = job("job_open", 30);
+    store
+        .insert_jobs(&[late, early, other, open])
+        .await
+        .unwrap();
+    let active = std::collections::HashMap::from([(
+        "p".to_string(),
+        vec!["wh_b".to_string(), "wh_a".to_string(), "wh_b".to_string()],
+    )]);
+    let mut expired = store.expire_jobs(1_000, &active).await.unwrap();
+    expired.sort();
+    assert_eq!(expired, ["job_early", "job_late", "job_other"]);
+    assert!(store.expire_jobs(1_001, &active).await.unwrap().is_empty());
+    for id in ["job_early", "job_late"] {
+        let j = store.get_job("p", id).await.unwrap().unwrap();
+        assert_eq!((j.status.as_str(), j.updated_at), ("expired", 1_000));
+        let last = store.job_events(id).await.unwrap().pop().unwrap();
+        assert_eq!(
+            (last.status.as_str(), last.at, last.attempt),
+            ("expired", 1_000, 0)
+        );
+        let deliveries = store.job_deliveries(id).await.unwrap();
+        let to: Vec<&str> = deliveries
+            .iter()
+            .map(|d| d.destination_id.as_str())
+            .collect();
+        assert_eq!(to, ["wh_b", "wh_a"], "{id}");
+        for d in &deliveries {
+            assert_eq!(d.status, "pending");
+            assert_eq!(d.next_attempt_at, Some(1_000));
+            assert_eq!(d.request_id.as_deref(), Some(format!("req-{id}").as_str()));
+        }
+    }
+    assert!(store.job_deliveries("job_other").await.unwrap().is_empty());
+    assert_eq!(
+        store
+            .get_job("q", "job_other")
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
+        "expired"
+    );
+    assert_eq!(
+        store
+            .get_job("p", "job_open")
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
+        "accepted"
+    );
+
+    // Retries: fenced by the attempt number and the running status.
+    let attempt = store.start_attempt("job_open", 40).await.unwrap().unwrap();
+    assert!(!store
+        .retry_attempt("job_open", attempt + 1, 41, "refused")
+        .await
+        .unwrap());
+    assert!(store
+        .retry_attempt("job_open", attempt, 42, "connect refused")
+        .await
+        .unwrap());
+    assert!(!store
+        .retry_attempt("job_open", attempt, 43, "again")
+        .await
+        .unwrap());
+    let j = store.get_job("p", "job_open").await.unwrap().unwrap();
+    assert_eq!(
+        (j.status.as_str(), j.updated_at, j.error.as_deref()),
+        ("queued", 42, Some("connect refused"))
+    );
+    let steps = store.job_events("job_open").await.unwrap();
+    let last = steps.last().unwrap();
+    assert_eq!(
+        (
+            last.status.as_str(),
+            last.at,
+            last.attempt,
+            last.detail.as_deref()
+        ),
+        ("queued", 42, attempt, Some("connect refused"))
+    );
+    assert_eq!(steps.iter().filter(|s| s.status == "queued").count(), 1);
+}
+
+/// One batch, applied record by record as if each were recorded alone: streaks that reset and
+/// climb within the batch, a deactivation midway that fails what is still pending (deliveries
+/// recorded before it, after it, and not at all), a delivery after it that still lands, two
+/// records of one delivery, and a record whose delivery is gone.
+async fn a_batch_of_attempts_applies_in_order(b: &Backend) {
+    let store = b.open().await;
+    store.create_destination(&dest("wh_a", 3)).await.unwrap();
+    store.create_destination(&dest("wh_c", 20)).await.unwrap();
+    let jobs = ["job_1", "job_2", "job_3", "job_4", "job_5"];
+    for id in jobs {
+        finished(&*store, id, 1_000, &["wh_a", "wh_c"]).await;
+    }
+    let a = store.due_deliveries("wh_a", 1_000, 10, &[]).await.unwrap();
+    let c = store.due_deliveries("wh_c", 1_000, 10, &[]).await.unwrap();
+    assert_eq!((a.len(), c.len()), (5, 5));
+    let retry = DeliveryNext::Retry { at: 9_000 };
+    let mut gone_delivery = record(&c[1], 2_090, Some(500), retry);
+    gone_delivery.delivery_id = 999_999;
+    let batch = [
+        record(&a[0], 2_010, Some(500), retry),
+        record(&a[1], 2_020, Some(200), DeliveryNext::Delivered),
+        record(&c[0], 2_030, Some(500), retry),
+        record(&a[2], 2_040, Some(500), retry),
+        record(&a[2], 2_050, Some(502), retry),
+        record(&a[3], 2_060, Some(500), retry),
+        record(&a[4], 2_070, Some(200), DeliveryNext::Delivered),
+        record(&a[0], 2_080, Some(500), retry),
+        gone_delivery,
+    ];
+    let applied = store.record_attempts(&batch).await.unwrap();
+    let got: Vec<(bool, bool, bool)> = applied
+        .iter()
+        .map(|a| (a.recorded, a.streak_changed, a.deactivated))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (true, true, false),
+            (true, true, false),
+            (true, true, false),
+            (true, true, false),
+            (true, true, false),
+            (true, true, true),
+            (true, true, false),
+            (true, false, false),
+            (false, true, false),
+        ]
+    );
+    let wh_a = destination(&*store, "wh_a").await;
+    assert_eq!(
+        (wh_a.active, wh_a.consecutive_failures, wh_a.deactivated_at),
+        (false, 0, Some(2_060))
+    );
+    let wh_c = destination(&*store, "wh_c").await;
+    assert_eq!((wh_c.active, wh_c.consecutive_failures), (true, 2));
+
+    let to_a = async |job: &str| {
+        store
+            .job_deliveries(job)
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|d| d.destination_id == "wh_a")
+            .unwrap()
+    };
+    let state = |d: &nthbouncer_store::DeliveryState| {
+        (
+            d.status.clone(),
+            d.attempts,
+            d.last_status,
+            d.last_error.clone(),
+            d.delivered_at,
+            d.updated_at,
+        )
+    };
+    let deactivated = Some("destination deactivated".to_string());
+    let failed = "failed".to_string();
+    let delivered = "delivered".to_string();
+    assert_eq!(
+        state(&to_a("job_1").await),
+        (
+            failed.clone(),
+            2,
+            Some(500),
+            deactivated.clone(),
+            None,
+            2_060
+        )
+    );
+    assert_eq!(
+        state(&to_a("job_2").await),
+        (delivered.clone(), 1, Some(200), None, Some(2_020), 2_020)
+    );
+    assert_eq!(
+        state(&to_a("job_3").await),
+        (failed.clone(), 2, Some(502), deactivated, None, 2_060)
+    );
+    assert_eq!(
+        state(&to_a("job_4").await),
+        (failed, 1, Some(500), None, None, 2_060)
+    );
+    assert_eq!(
+        state(&to_a("job_5").await),
+        (delivered, 1, Some(200), None, Some(2_070), 2_070)
+    );
+    let c0 = store
+        .job_deliveries("job_1")
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|d| d.destination_id == "wh_c")
+        .unwrap();
+    assert_eq!(
+        (c0.status.as_str(), c0.attempts, c0.next_attempt_at),
+        ("pending", 1, Some(9_000))
+    );
+
+    // The log: every record whose delivery exists, in order, with what it left behind.
+    let mut log = store
+        .list_attempts(&AttemptQuery {
+            pool: "p".into(),
+            destination_id: Some("wh_a".into()),
+            limit: 100,
+            ..AttemptQuery::default()
+        })
+        .await
+        .unwrap();
+    log.reverse();
+    let outcomes: Vec<(u64, &str)> = log.iter().map(|a| (a.at, a.outcome.as_str())).collect();
+    assert_eq!(
+        outcomes,
+        [
+            (2_010, "retrying"),
+            (2_020, "delivered"),
+            (2_040, "retrying"),
+            (2_050, "retrying"),
+            (2_060, "failed"),
+            (2_070, "delivered"),
+            (2_080, "retrying"),
+        ]
+    );
 }

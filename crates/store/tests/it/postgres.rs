@@ -180,6 +180,85 @@ async fn deliveries_and_jobs_are_claimed_by_one_node_at_a_time() {
     assert_eq!(ids(a.claim_jobs(later, &[], 10).await.unwrap()), ["j5"]);
 }
 
+/// A node stopping gracefully gives back its claims on the jobs it has not started and (when
+/// asked) on its pending deliveries, so another node takes them at once; a job of its still
+/// `running` keeps its claim, and another node's claims are not touched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_node_gives_back_the_claims_of_what_it_has_not_started() {
+    let db = TestDb::create().await;
+    let (a, b) = (
+        PgStore::connect_node(&db.url, CLAIM_LEASE_MS)
+            .await
+            .unwrap(),
+        PgStore::connect_node(&db.url, CLAIM_LEASE_MS)
+            .await
+            .unwrap(),
+    );
+    a.create_destination(&dest("d")).await.unwrap();
+    let now = 1_000;
+    // On a: j1 accepted, j2 queued, j3 running, j4 completed (its delivery claimed); on b: j5.
+    a.insert_jobs(&[job("j1", now), job("j2", now + 1), job("j3", now + 2)])
+        .await
+        .unwrap();
+    a.insert_jobs(&[job("j4", now + 3)]).await.unwrap();
+    b.insert_jobs(&[job("j5", now + 4)]).await.unwrap();
+    a.mark_queued("j2", now + 5).await.unwrap();
+    assert_eq!(a.start_attempt("j3", now + 5).await.unwrap(), Some(1));
+    let attempt = a.start_attempt("j4", now + 5).await.unwrap().unwrap();
+    let done = Finish::Completed(JobResult {
+        status: 200,
+        headers: vec![],
+        body: b"ok".to_vec(),
+        truncated: false,
+    });
+    assert!(a
+        .finish_attempt("j4", attempt, &done, now + 6, &["d".into()])
+        .await
+        .unwrap());
+    assert_eq!(
+        a.due_deliveries("d", now + 7, 10, &[]).await.unwrap().len(),
+        1
+    );
+    let ids = |page: Option<Vec<UnfinishedJob>>| -> Vec<String> {
+        page.unwrap().into_iter().map(|u| u.job.id).collect()
+    };
+    assert!(ids(b.claim_jobs(now + 8, &[], 10).await.unwrap()).is_empty());
+    assert!(b
+        .due_deliveries("d", now + 8, 10, &[])
+        .await
+        .unwrap()
+        .is_empty());
+
+    // Deliveries stay claimed unless asked for; b's own job is not a's to give back.
+    let released = a.release_claims(false).await.unwrap();
+    assert_eq!((released.jobs, released.deliveries), (2, 0));
+    assert!(b
+        .due_deliveries("d", now + 9, 10, &[])
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        ids(b.claim_jobs(now + 9, &[], 10).await.unwrap()),
+        ["j1", "j2"],
+        "b takes what a gave back at once; j3's attempt may still be live on a"
+    );
+    assert_eq!(b.start_attempt("j3", now + 9).await.unwrap(), None);
+    let released = a.release_claims(true).await.unwrap();
+    assert_eq!((released.jobs, released.deliveries), (0, 1));
+    assert_eq!(
+        b.due_deliveries("d", now + 10, 10, &[])
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    // Released again by b (its claims now): nothing of a's left, j3 still a's.
+    let released = b.release_claims(true).await.unwrap();
+    assert_eq!((released.jobs, released.deliveries), (3, 1));
+    assert!(ids(b.claim_jobs(now + 11, &[], 10).await.unwrap()).len() == 3);
+    assert_eq!(b.start_attempt("j3", now + 11).await.unwrap(), None);
+}
+
 /// The settings version moves with every change to pools, keys and destinations (so the other
 /// nodes re-read them), and not with jobs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -222,4 +301,73 @@ async fn the_settings_version_moves_with_pools_keys_and_destinations() {
         .await
         .unwrap());
     assert!(version().await > v4);
+}
+
+/// `sslmode=verify-ca|verify-full` against the machine's PostgreSQL, when it serves TLS with
+/// Debian's self-signed "snakeoil" certificate (named by host name, never by address): the
+/// server's own certificate as `sslrootcert` passes `verify-ca` on 127.0.0.1 but not
+/// `verify-full` (the address is not a name it carries), and a CA that did not sign it passes
+/// neither. Skipped (saying so) on a server without TLS or with another certificate.
+#[tokio::test]
+async fn verify_modes_check_the_real_servers_certificate() {
+    let db = TestDb::create().await;
+    let raw = db.raw().await;
+    let show = async |what: &str| -> String {
+        raw.query_one(&format!("SHOW {what}"), &[])
+            .await
+            .unwrap()
+            .get(0)
+    };
+    let cert_file = show("ssl_cert_file").await;
+    if show("ssl").await != "on" || !cert_file.contains("snakeoil") {
+        eprintln!("skipped: the local PostgreSQL does not serve TLS with a snakeoil certificate");
+        return;
+    }
+    if std::fs::metadata(&cert_file).is_err() {
+        eprintln!("skipped: cannot read the server's certificate {cert_file}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let stranger = dir.path().join("stranger.pem");
+    std::fs::write(
+        &stranger,
+        nthbouncer_testkit::tls::Ca::new("stranger").pem(),
+    )
+    .unwrap();
+    let url = |mode: &str, root: &std::path::Path| {
+        format!("{}?sslmode={mode}&sslrootcert={}", db.url, root.display())
+    };
+    let ours = std::path::Path::new(&cert_file);
+
+    let store = PgStore::connect(&url("verify-ca", ours)).await;
+    assert!(
+        store.is_ok(),
+        "verify-ca with the server's own CA: {:?}",
+        store.err()
+    );
+    let ssl_used: bool = raw
+        .query_one(
+            "SELECT bool_or(ssl) FROM pg_stat_ssl s JOIN pg_stat_activity a ON a.pid = s.pid \
+             WHERE a.datname = current_database() AND a.application_name = 'nthbouncer'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get::<_, Option<bool>>(0)
+        .unwrap_or(false);
+    assert!(ssl_used, "the store's connections are not encrypted");
+    drop(store);
+
+    for (mode, root) in [
+        ("verify-full", ours),
+        ("verify-full", stranger.as_path()),
+        ("verify-ca", stranger.as_path()),
+        (
+            "require",
+            ours.parent().unwrap().join("nothing.pem").as_path(),
+        ),
+    ] {
+        let refused = PgStore::connect(&url(mode, root)).await;
+        assert!(refused.is_err(), "{mode} with {} connected", root.display());
+    }
 }

@@ -29,6 +29,7 @@ conformance!(
     lease_records_fold_and_stay_exact_over_many_batches,
     nonces_are_remembered_once_and_survive_a_reopen,
     access_log_pages_trim_and_read_across_batches,
+    folded_access_log_rows_count_every_bump,
 );
 
 fn open(dir: &Path) -> SqliteStore {
@@ -1045,4 +1046,38 @@ async fn access_log_pages_trim_and_read_across_batches(b: &Backend) {
                 .collect::<Vec<_>>()
         );
     }
+}
+
+/// A batch's new rows get increasing ids in their order, and its bumps add to older rows'
+/// counts: a row bumped twice in one batch gets both, an unknown id is ignored.
+async fn folded_access_log_rows_count_every_bump(b: &Backend) {
+    let store = b.open().await;
+    let first = store
+        .append_access_log_folded(&[entry("p", 1, "401", None)], &[])
+        .await
+        .unwrap();
+    let mut folded = entry("p", 2, "401", None);
+    folded.count = 4;
+    let ids = store
+        .append_access_log_folded(
+            &[folded, entry("p", 3, "admitted", Some("k"))],
+            &[(first[0], 2), (9_999, 5), (first[0], 3)],
+        )
+        .await
+        .unwrap();
+    assert_eq!(ids.len(), 2);
+    assert!(first[0] < ids[0] && ids[0] < ids[1], "{first:?} {ids:?}");
+    let rows = store.query_access_log("p", &q(10)).await.unwrap();
+    let count_of = |id: u64| rows.iter().find(|r| r.id == id).unwrap().count;
+    assert_eq!(
+        (count_of(first[0]), count_of(ids[0]), count_of(ids[1])),
+        (6, 4, 1)
+    );
+    let bumps_only = store
+        .append_access_log_folded(&[], &[(ids[1], 1)])
+        .await
+        .unwrap();
+    assert!(bumps_only.is_empty());
+    let rows = store.query_access_log("p", &q(10)).await.unwrap();
+    assert_eq!(rows.iter().map(|r| r.count).sum::<u64>(), 12);
 }
