@@ -20,7 +20,7 @@ pub const SECONDS: usize = 900;
 /// Buckets allocated together: one minute. Divides [`SECONDS`].
 const CHUNK: usize = 60;
 const CHUNKS: usize = SECONDS / CHUNK;
-const _: () = assert!(SECONDS % CHUNK == 0);
+const _: () = assert!(SECONDS.is_multiple_of(CHUNK));
 
 /// One minute of buckets, four counters each.
 type Chunk = [[AtomicU64; 4]; CHUNK];
