@@ -1,15 +1,29 @@
 //! A pool's last 15 minutes, second by second (SPEC §12 "Dashboard data"): how many callers
 //! were admitted, refused, waited in the queue, and how many origin `429`s were seen.
 //!
-//! Fixed memory: [`SECONDS`] buckets of four counters, reused round-robin. Each counter is one
+//! Bounded memory: [`SECONDS`] buckets of four counters, reused round-robin. Each counter is one
 //! `AtomicU64` holding the second it counts (high bits) beside its count (low bits), so a bump
 //! is a compare-and-swap with no lock, and a bucket left over from an older lap of the ring reads
 //! as zero without anyone having to clear it. Times come from the caller (the injected clock).
+//!
+//! The ring is allocated a minute ([`CHUNK`] buckets) at a time, the first time a second in that
+//! minute is counted: the whole ring is 28.8 KB, and a server with many configured pools that
+//! are mostly idle must not pay that for each (1,000 idle pools were 28 MiB of history alone,
+//! bench/RESULTS.md). A chunk never allocated reads as zeros, like a bucket of an older lap.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 
 /// How many seconds the ring remembers.
 pub const SECONDS: usize = 900;
+
+/// Buckets allocated together: one minute. Divides [`SECONDS`].
+const CHUNK: usize = 60;
+const CHUNKS: usize = SECONDS / CHUNK;
+const _: () = assert!(SECONDS.is_multiple_of(CHUNK));
+
+/// One minute of buckets, four counters each.
+type Chunk = [[AtomicU64; 4]; CHUNK];
 
 /// Bits of a counter word that hold the count; the rest hold the epoch second.
 const COUNT_BITS: u32 = 24;
@@ -37,16 +51,9 @@ pub struct Second {
     pub origin429: u32,
 }
 
+#[derive(Default)]
 pub struct History {
-    cells: Box<[[AtomicU64; 4]]>,
-}
-
-impl Default for History {
-    fn default() -> Self {
-        History {
-            cells: (0..SECONDS).map(|_| Default::default()).collect(),
-        }
-    }
+    chunks: [OnceLock<Box<Chunk>>; CHUNKS],
 }
 
 impl History {
@@ -56,7 +63,10 @@ impl History {
             return;
         }
         let second = now_ms / 1000;
-        let cell = &self.cells[slot(second)][event as usize];
+        let (chunk, offset) = slot(second);
+        let chunk = self.chunks[chunk]
+            .get_or_init(|| Box::new(std::array::from_fn(|_| Default::default())));
+        let cell = &chunk[offset][event as usize];
         let mut current = cell.load(Ordering::Relaxed);
         loop {
             let count = if current >> COUNT_BITS == second {
@@ -79,8 +89,10 @@ impl History {
         let first = now.saturating_sub(SECONDS as u64 - 1);
         (first..=now)
             .map(|at| {
-                let cells = &self.cells[slot(at)];
+                let (chunk, offset) = slot(at);
+                let cells = self.chunks[chunk].get().map(|c| &c[offset]);
                 let read = |e: Event| {
+                    let Some(cells) = cells else { return 0 };
                     let word = cells[e as usize].load(Ordering::Relaxed);
                     if word >> COUNT_BITS == at {
                         (word & COUNT_MASK) as u32
@@ -100,8 +112,10 @@ impl History {
     }
 }
 
-fn slot(second: u64) -> usize {
-    (second % SECONDS as u64) as usize
+/// The chunk and the bucket within it that count `second`.
+fn slot(second: u64) -> (usize, usize) {
+    let slot = (second % SECONDS as u64) as usize;
+    (slot / CHUNK, slot % CHUNK)
 }
 
 #[cfg(test)]
@@ -134,5 +148,25 @@ mod tests {
             (1, 0)
         );
         assert!(last.iter().all(|s| s.refused == 0 && s.admitted == 0));
+    }
+
+    #[test]
+    fn allocates_only_the_minutes_it_counts() {
+        let h = History::default();
+        assert!(h.chunks.iter().all(|c| c.get().is_none()));
+        assert!(h.last(T).iter().all(|s| *s
+            == Second {
+                at: s.at,
+                ..Second::default()
+            }));
+        h.add(T, Event::Admitted, 1);
+        h.add(T + 1000, Event::Admitted, 1);
+        assert_eq!(h.chunks.iter().filter(|c| c.get().is_some()).count(), 1);
+        // A second in the next minute of the ring takes the next chunk.
+        h.add(T + CHUNK as u64 * 1000, Event::Refused, 1);
+        assert_eq!(h.chunks.iter().filter(|c| c.get().is_some()).count(), 2);
+        let last = h.last(T + CHUNK as u64 * 1000);
+        let counted: u32 = last.iter().map(|s| s.admitted + s.refused).sum();
+        assert_eq!(counted, 3);
     }
 }

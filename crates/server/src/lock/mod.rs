@@ -247,18 +247,25 @@ pub async fn acquire(
     headers: HeaderMap,
     BodyBytes(bytes): BodyBytes<MAX_LOCK_BODY_BYTES>,
 ) -> Response {
-    let log = LogLine {
-        log: &state.access_log,
-        pool: &pool.name,
-        at: state.now(),
-        peer,
-        peer_text: None,
-        route: "lock acquire".into(),
-        request_id: RequestId::in_header(&headers),
-        // Refusals carry the client certificate (logged by the guard); admissions do not.
-        client_cert: None,
+    // The headers and the body are read here, in a block, and not kept: this future is what a
+    // lock waiter parked in the queue holds (bench/run scale), and a local that was borrowed
+    // stays in an `async fn`'s state until its scope ends.
+    let (log, parsed, asked) = {
+        let (headers, bytes) = (headers, bytes);
+        let log = LogLine {
+            log: &state.access_log,
+            pool: &pool.name,
+            at: state.now(),
+            peer,
+            peer_text: None,
+            route: "lock acquire".into(),
+            request_id: RequestId::in_header(&headers),
+            // Refusals carry the client certificate (logged by the guard); admissions do not.
+            client_cert: None,
+        };
+        let parsed = acquire_params(&bytes, &headers, &pool.concurrency);
+        (log, parsed, tokens_asked(&bytes))
     };
-    let parsed = acquire_params(&bytes, &headers, &pool.concurrency);
     let (wait_ms, priority) = match parsed {
         Ok(v) => v,
         Err(e) => {
@@ -273,8 +280,14 @@ pub async fn acquire(
     };
     match pool.gate.acquire(request).await {
         Ok(grant) => {
-            let asked = tokens_asked(&bytes);
-            if let Err(e) = admit_tokens(&pool, &grant, asked, wait_ms, priority).await {
+            // Boxed, and only with a budget in force: its wait would otherwise size every
+            // waiter's state, budget or not.
+            let charged = if pool.tokens.active() {
+                Box::pin(admit_tokens(&pool, &grant, asked, wait_ms, priority)).await
+            } else {
+                Ok(())
+            };
+            if let Err(e) = charged {
                 let mut resp = log.refuse(Some(&caller.key_id), e);
                 crate::tokens::mark(resp.headers_mut(), &pool.tokens);
                 return resp;
@@ -285,7 +298,9 @@ pub async fn acquire(
                 pool: pool.name.to_string(),
                 request_deadline: grant.request_deadline,
             };
-            if let Err(e) = state.leases.granted(lease).await {
+            // Boxed for the same reason (the store's batch submit): one allocation per grant,
+            // none per waiter.
+            if let Err(e) = Box::pin(state.leases.granted(lease)).await {
                 pool.gate.release(grant.slot_id, None).await;
                 tracing::error!(pool = %pool.name, error = %e, "cannot record a lock lease");
                 let e = ApiError::new(

@@ -86,6 +86,13 @@ enum CallBody {
 }
 
 /// Serves one request on a proxy pool's host.
+///
+/// Shaped for the waiter parked in the pool's queue, whose whole state machine is this
+/// future's (bench/run scale): everything before admission runs in one boxed future
+/// ([`front`]), so its locals and the request it took apart are not kept beside the call while
+/// it waits; the call is then moved, once, into [`admit`]. An `async fn` keeps its arguments
+/// for its whole life and every local that was ever borrowed until its scope ends, which is
+/// what made this future 3,792 bytes.
 pub async fn handle(
     state: Arc<Proxy>,
     pool: Arc<PoolRuntime>,
@@ -93,22 +100,48 @@ pub async fn handle(
     peer: Peer,
     original_host: Option<HeaderValue>,
 ) -> Response<Body> {
-    if pool.spec.cache.is_none() {
-        return serve(state, pool, req, peer, original_host).await;
+    let cached = pool.spec.cache.is_some();
+    // Taken apart in the `let`: a named `Front` matched later would stay in the state while
+    // the call waits, beside the call moved out of it.
+    let (call, body, plan, mark) =
+        match Box::pin(front(&state, &pool, req, peer, original_host)).await {
+            Front::Answered(resp) => return marked(resp, cached),
+            Front::Admit(call, body, plan, mark) => (call, body, plan, mark),
+        };
+    let mut resp = admit(call, body, plan).await;
+    if let Some(mark) = mark {
+        cache::mark(&mut resp, mark);
     }
-    // Every answer of a cache-enabled pool says what the cache did (SPEC §12).
-    let mut resp = serve(state, pool, req, peer, original_host).await;
-    cache::mark_unmarked(&mut resp);
+    marked(resp, cached)
+}
+
+/// Every answer of a cache-enabled pool says what the cache did (SPEC §12).
+fn marked(mut resp: Response<Body>, cached: bool) -> Response<Body> {
+    if cached {
+        cache::mark_unmarked(&mut resp);
+    }
     resp
 }
 
-async fn serve(
-    state: Arc<Proxy>,
-    pool: Arc<PoolRuntime>,
+/// What [`front`] leaves for admission.
+// Not boxed: it lives only until it is taken apart, and a box would cost every request an
+// allocation.
+#[allow(clippy::large_enum_variant)]
+enum Front<'a> {
+    /// Refused, or a cache hit.
+    Answered(Response<Body>),
+    /// To admit; with the cache's mark when the pool has a cache.
+    Admit(Call<'a>, CallBody, Plan, Option<cache::Mark>),
+}
+
+/// Authorize, verify a signed body, plan, and look the cache up: all but admission.
+async fn front<'a>(
+    state: &'a Arc<Proxy>,
+    pool: &'a Arc<PoolRuntime>,
     req: Request<Incoming>,
     peer: Peer,
     original_host: Option<HeaderValue>,
-) -> Response<Body> {
+) -> Front<'a> {
     let (parts, body) = req.into_parts();
     let client = access::client_addr(
         peer.ip(),
@@ -125,27 +158,31 @@ async fn serve(
         request_id: RequestId::of(&parts.extensions),
         client_cert: crate::tls::PeerTls::client_of(&parts.extensions),
     };
-    // Boxed, like the promotion and `forward`: an `async fn`'s state is as large as its largest
-    // await, and a parked waiter should carry only what waiting needs.
-    let authorized = Box::pin(authorize(&state, &pool, client, &parts, &body, log.at)).await;
+    let authorized = authorize(state, pool, client, &parts, &body, log.at).await;
     let (caller, signed) = match authorized {
         Ok(a) => (a.caller, a.pending),
-        Err(failure) => return access::refuse(&pool.metrics, log, None, failure),
+        Err(failure) => {
+            return Front::Answered(access::refuse(&pool.metrics, log, None, failure));
+        }
     };
     let body = match signed {
         None => CallBody::Streamed(body),
-        Some(pending) => match Box::pin(verify_body(&state, &pool, pending, body)).await {
+        // Boxed: only a signed request with a body needs it.
+        Some(pending) => match Box::pin(verify_body(state, pool, pending, body)).await {
             Ok(bytes) => CallBody::Whole(bytes),
-            Err(Refused::TooLarge(e)) => return log.refuse(Some(&caller.key_id), e),
+            Err(Refused::TooLarge(e)) => {
+                return Front::Answered(log.refuse(Some(&caller.key_id), e));
+            }
             Err(Refused::Unverified(failure)) => {
                 pool.access.record_failure(client, log.at, failure);
-                return access::refuse(&pool.metrics, log, Some(&caller.key_id), failure);
+                let refused = access::refuse(&pool.metrics, log, Some(&caller.key_id), failure);
+                return Front::Answered(refused);
             }
         },
     };
     let mut call = Call {
-        state: &state,
-        pool: &pool,
+        state,
+        pool,
         log,
         parts,
         peer,
@@ -155,22 +192,20 @@ async fn serve(
     };
     let plan = match plan(&call) {
         Ok(p) => p,
-        Err(e) => return call.log.refuse(Some(&call.caller.key_id), e),
+        Err(e) => return Front::Answered(call.log.refuse(Some(&call.caller.key_id), e)),
     };
     if pool.spec.cache.is_none() {
-        return admit(call, body, plan).await;
+        return Front::Admit(call, body, plan, None);
     }
-    let mark = match Box::pin(cache_lookup(&call, &body, &plan)).await {
-        cache::Lookup::Hit(resp) => return cache_hit(call, resp),
+    let mark = match cache_lookup(&call, &body, &plan).await {
+        cache::Lookup::Hit(resp) => return Front::Answered(cache_hit(call, resp)),
         cache::Lookup::Miss(fill) => {
             call.cache = fill.map(Box::new);
             cache::Mark::Miss
         }
         cache::Lookup::Bypass => cache::Mark::Bypass,
     };
-    let mut resp = admit(call, body, plan).await;
-    cache::mark(&mut resp, mark);
-    resp
+    Front::Admit(call, body, plan, Some(mark))
 }
 
 /// The shared response cache's lookup (SPEC §4): after authentication and every access
@@ -277,43 +312,56 @@ fn plan(call: &Call<'_>) -> Result<Plan, ApiError> {
 
 /// Admission (SPEC §3, §6, §12): a job when asked for or promoted from a wait, else the token
 /// budget (when the pool has one) and then the gate.
-async fn admit(call: Call<'_>, body: CallBody, plan: Plan) -> Response<Body> {
-    let (body, charge) = if plan.asked_async {
-        (body, None)
-    } else {
-        match Box::pin(tokens::admit(&call, body, &plan)).await {
-            Ok(admitted) => admitted,
-            Err((_, e)) => {
-                let gate = call.pool.tokens.clone();
-                let mut resp = call.log.refuse(Some(&call.caller.key_id), e);
-                tokens::mark(resp.headers_mut(), &gate);
-                return resp;
+///
+/// An `async` block rather than an `async fn`: the block uses the call where it was moved to,
+/// where an `async fn` would keep its argument and a copy of it (568 bytes each) while waiting.
+#[allow(clippy::manual_async_fn)] // the `async` block is the point (above)
+fn admit<'a>(
+    call: Call<'a>,
+    body: CallBody,
+    plan: Plan,
+) -> impl std::future::Future<Output = Response<Body>> + 'a {
+    async move {
+        let mut body = body;
+        let charge = if plan.asked_async {
+            None
+        } else {
+            // The body is read in place (for an estimate), not moved through: one copy of it
+            // in the state of a waiting call.
+            match Box::pin(tokens::admit(&call, &mut body, &plan)).await {
+                Ok(charge) => charge,
+                Err(e) => {
+                    let gate = call.pool.tokens.clone();
+                    let mut resp = call.log.refuse(Some(&call.caller.key_id), e);
+                    tokens::mark(resp.headers_mut(), &gate);
+                    return resp;
+                }
             }
+        };
+        let admitted = crate::jobs::admit_or_promote(call.pool, call.caller.fairness, &plan).await;
+        if let (Some(c), false) = (&charge, matches!(admitted, crate::jobs::Admission::Slot(_))) {
+            // Not sent now: the charge is taken back (a job is charged when it runs).
+            c.gate.refund(c.id);
         }
-    };
-    let admitted = crate::jobs::admit_or_promote(call.pool, call.caller.fairness, &plan).await;
-    if let (Some(c), false) = (&charge, matches!(admitted, crate::jobs::Admission::Slot(_))) {
-        // Not sent now: the charge is taken back (a job is charged when it runs).
-        c.gate.refund(c.id);
+        let grant = match admitted {
+            crate::jobs::Admission::Slot(grant) => grant,
+            crate::jobs::Admission::Job(reason) => {
+                return Box::pin(promote::accept_job(call, body, plan.priority, reason)).await;
+            }
+            crate::jobs::Admission::Refused(refusal) => {
+                let key_id = call.caller.key_id.clone();
+                return admission::refuse(&call.pool.metrics, call.log, &key_id, &refusal);
+            }
+        };
+        call.pool.metrics.admitted_proxy.increment(1);
+        call.pool
+            .metrics
+            .queue_wait
+            .record(grant.headers.queued_ms as f64 / 1000.0);
+        // Forwarding runs in its own boxed future: a waiter parked in the queue then holds only
+        // what admission needs, not the forwarding machinery as well (see `bench/run scale`).
+        Box::pin(forward(call, body, grant, charge)).await
     }
-    let grant = match admitted {
-        crate::jobs::Admission::Slot(grant) => grant,
-        crate::jobs::Admission::Job(reason) => {
-            return Box::pin(promote::accept_job(call, body, plan.priority, reason)).await;
-        }
-        crate::jobs::Admission::Refused(refusal) => {
-            let key_id = call.caller.key_id.clone();
-            return admission::refuse(&call.pool.metrics, call.log, &key_id, &refusal);
-        }
-    };
-    call.pool.metrics.admitted_proxy.increment(1);
-    call.pool
-        .metrics
-        .queue_wait
-        .record(grant.headers.queued_ms as f64 / 1000.0);
-    // Forwarding runs in its own boxed future: a waiter parked in the queue then holds only
-    // what admission needs, not the forwarding machinery as well (see `bench/run scale`).
-    Box::pin(forward(call, body, grant, charge)).await
 }
 
 /// Sends an admitted request upstream and streams the answer back, holding the slot.

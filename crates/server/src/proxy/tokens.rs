@@ -21,21 +21,23 @@ use crate::core::error::ApiError;
 pub(super) use crate::tokens::Charge;
 use crate::tokens::{self, Estimate, ReadBody, TokenGate, UsageTap};
 
-/// Estimates the request and waits for the budget. `Ok((body, None))` when the pool has no
-/// token budget in force (its body untouched).
+/// Estimates the request and waits for the budget. `Ok(None)` when the pool has no token
+/// budget in force (its body untouched). The body is replaced by what was read of it.
 pub(super) async fn admit(
     call: &Call<'_>,
-    body: CallBody,
+    body: &mut CallBody,
     plan: &Plan,
-) -> Result<(CallBody, Option<Charge>), (CallBody, ApiError)> {
+) -> Result<Option<Charge>, ApiError> {
     let gate = &call.pool.tokens;
     if !gate.active() {
-        return Ok((body, None));
+        return Ok(None);
     }
+    // An empty stand-in while the body is read; put back (as read) below.
+    let taken = std::mem::replace(body, CallBody::Whole(Bytes::new()));
     let spec = call.pool.spec.tokens.as_ref();
     let max = spec.cloned().unwrap_or_default().max_body_bytes;
     let defaults = tokens::defaults(spec);
-    let (body, estimate) = match body {
+    let (read, estimate) = match taken {
         CallBody::Whole(bytes) => {
             let e = tokens::estimate::estimate(&bytes, defaults);
             (CallBody::Whole(bytes), e)
@@ -55,8 +57,10 @@ pub(super) async fn admit(
                     (CallBody::Partial(read, rest), Estimate::fallback(defaults))
                 }
                 Err(_) => {
-                    let e = ApiError::invalid("body", "the request body could not be read");
-                    return Err((CallBody::Whole(Bytes::new()), e));
+                    return Err(ApiError::invalid(
+                        "body",
+                        "the request body could not be read",
+                    ));
                 }
             }
         }
@@ -64,15 +68,16 @@ pub(super) async fn admit(
             (CallBody::Partial(read, rest), Estimate::fallback(defaults))
         }
     };
+    *body = read;
     match Charge::take(gate, &estimate, plan.priority, plan.wait_ms).await {
         Ok(charge) => {
             call.pool
                 .metrics
                 .admitted_tokens
                 .increment(estimate.total());
-            Ok((body, Some(charge)))
+            Ok(Some(charge))
         }
-        Err(refusal) => Err((body, tokens::refusal_error(&estimate, refusal))),
+        Err(refusal) => Err(tokens::refusal_error(&estimate, refusal)),
     }
 }
 

@@ -1,8 +1,11 @@
 //! A pool's token budget as the serving path uses it: the pure [`TokenBudget`] behind a lock,
 //! waiters parked on oneshot channels, and one task per pool that wakes when the budget says
 //! something may change (a charge leaves the window, the announced budget refills, a waiter's
-//! hold starts). With coordination on Redis the budget itself is in Redis, shared by every
-//! node (`shared`); this node's budget then serves only while Redis is away (fail open).
+//! hold starts). The task starts with the pool's first waiter: it only ever hands waiters
+//! their grants, and most pools never have a budget (1,000 pools would otherwise keep 1,000
+//! tasks waking every second). With coordination on Redis the budget itself is in Redis,
+//! shared by every node (`shared`); this node's budget then serves only while Redis is away
+//! (fail open).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -50,11 +53,16 @@ pub struct TokenGate {
     /// The budget shared on Redis, when coordination is there; `state` then holds this node's
     /// own budget for while Redis is away (fail open).
     shared: Option<Arc<Shared>>,
+    /// This gate, for the wake-up task it starts (which holds no strong reference).
+    me: Weak<TokenGate>,
+    /// Whether the wake-up task was started (with the first waiter).
+    ticking: AtomicBool,
 }
 
 impl TokenGate {
-    /// A gate with its wake-up task (which ends when the gate is dropped). With `ledger` (the
-    /// pool's ledger on Redis) the budget is the one every node sharing it admits against.
+    /// A gate; its wake-up task starts with its first waiter and ends when the gate is
+    /// dropped. With `ledger` (the pool's ledger on Redis) the budget is the one every node
+    /// sharing it admits against.
     pub fn open(
         settings: TokenSettings,
         clock: Arc<dyn Clock>,
@@ -65,7 +73,7 @@ impl TokenGate {
             Some(expected) => shared::share(settings, expected),
             None => settings,
         };
-        let gate = Arc::new(TokenGate {
+        let gate = Arc::new_cyclic(|me| TokenGate {
             state: Mutex::new(State {
                 budget: TokenBudget::new(own),
                 waiters: HashMap::new(),
@@ -75,14 +83,25 @@ impl TokenGate {
             engaged: Arc::new(AtomicBool::new(settings.tpm > 0)),
             engage_check_at: AtomicU64::new(0),
             shared,
+            me: me.clone(),
+            ticking: AtomicBool::new(false),
         });
-        if tokio::runtime::Handle::try_current().is_ok() {
-            tokio::spawn(ticker(Arc::downgrade(&gate), gate.wake.clone()));
-            if gate.shared.is_some() {
-                tokio::spawn(shared::ticker(Arc::downgrade(&gate)));
-            }
+        if gate.shared.is_some() && tokio::runtime::Handle::try_current().is_ok() {
+            tokio::spawn(shared::ticker(Arc::downgrade(&gate)));
         }
         gate
+    }
+
+    /// Starts the wake-up task if it is not running yet: a waiter is about to park.
+    fn ensure_ticking(&self) {
+        if self.ticking.load(Ordering::Acquire) || self.ticking.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if tokio::runtime::Handle::try_current().is_ok() {
+            tokio::spawn(ticker(self.me.clone(), self.wake.clone()));
+        } else {
+            self.ticking.store(false, Ordering::Release);
+        }
     }
 
     pub(super) fn now(&self) -> u64 {
@@ -197,6 +216,7 @@ impl TokenGate {
                 }
             }
         };
+        self.ensure_ticking();
         self.wake.notify_one();
         let mut parked = Parked {
             gate: self,
