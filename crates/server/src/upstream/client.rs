@@ -100,7 +100,11 @@ impl SharedClient {
 
     /// The client for a call starting now, on this thread's lane.
     pub fn get(&self) -> Arc<UpstreamClient> {
-        self.current.load().clients.of_lane(LANE.with(Cell::get)).clone()
+        self.current
+            .load()
+            .clients
+            .of_lane(LANE.with(Cell::get))
+            .clone()
     }
 
     /// Clients with `timeouts`, when they differ from the current ones': built before a
