@@ -195,23 +195,13 @@ fn tls_config(extra_roots_pem: Option<&[u8]>) -> Result<Arc<rustls::ClientConfig
     Ok(Arc::new(config))
 }
 
-/// Decodes `%XX` escapes (URL user, password and database may carry them).
-fn percent_decode(s: &str) -> Option<String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = bytes.get(i + 1..i + 3)?;
-            let hex = std::str::from_utf8(hex).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
+/// `%XX` escapes decoded (the `percent-encoding` crate, as the URL's other values are); `None`
+/// if the result is not UTF-8. A `%` not followed by two hex digits stays as it is.
+fn percent_decode(value: &str) -> Option<String> {
+    percent_encoding::percent_decode_str(value)
+        .decode_utf8()
+        .ok()
+        .map(std::borrow::Cow::into_owned)
 }
 
 #[cfg(test)]

@@ -107,23 +107,13 @@ impl TlsOptions {
     }
 }
 
-/// `%XX` escapes decoded, as tokio-postgres decodes the URL's other values; `None` if an
-/// escape is malformed or the result is not UTF-8.
+/// `%XX` escapes decoded (the `percent-encoding` crate, as the URL's other values are); `None`
+/// if the result is not UTF-8. A `%` not followed by two hex digits stays as it is.
 fn percent_decoded(value: &str) -> Option<String> {
-    let bytes = value.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
+    percent_encoding::percent_decode_str(value)
+        .decode_utf8()
+        .ok()
+        .map(std::borrow::Cow::into_owned)
 }
 
 /// The CA certificates of a PEM file; at least one, or an error naming the file.
@@ -233,7 +223,7 @@ mod tests {
         for bad in [
             "postgres://u:secret@db/x?sslmode=verify",
             "postgres://u:secret@db/x?sslmode=allow",
-            "postgres://u:secret@db/x?sslrootcert=%zz",
+            "postgres://u:secret@db/x?sslrootcert=%ff",
         ] {
             let e = TlsOptions::take_from(bad).unwrap_err().to_string();
             assert!(!e.contains("secret"), "{e}");
