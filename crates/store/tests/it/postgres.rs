@@ -34,6 +34,13 @@ fn job(id: &str, now: u64) -> NewJob {
     }
 }
 
+/// One node's store on the test database, claiming with [`CLAIM_LEASE_MS`].
+async fn node(db: &TestDb) -> PgStore {
+    PgStore::connect_node(&db.url, CLAIM_LEASE_MS)
+        .await
+        .unwrap()
+}
+
 fn dest(id: &str) -> StoredDestination {
     StoredDestination {
         id: id.into(),
@@ -96,14 +103,7 @@ async fn a_database_that_does_not_answer_fails_fast_and_names_no_password() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deliveries_and_jobs_are_claimed_by_one_node_at_a_time() {
     let db = TestDb::create().await;
-    let (a, b) = (
-        PgStore::connect_node(&db.url, CLAIM_LEASE_MS)
-            .await
-            .unwrap(),
-        PgStore::connect_node(&db.url, CLAIM_LEASE_MS)
-            .await
-            .unwrap(),
-    );
+    let (a, b) = (node(&db).await, node(&db).await);
     assert_ne!(a.node_id(), b.node_id());
     a.create_destination(&dest("d")).await.unwrap();
     let now = 1_000;
@@ -186,14 +186,7 @@ async fn deliveries_and_jobs_are_claimed_by_one_node_at_a_time() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopping_node_gives_back_the_claims_of_what_it_has_not_started() {
     let db = TestDb::create().await;
-    let (a, b) = (
-        PgStore::connect_node(&db.url, CLAIM_LEASE_MS)
-            .await
-            .unwrap(),
-        PgStore::connect_node(&db.url, CLAIM_LEASE_MS)
-            .await
-            .unwrap(),
-    );
+    let (a, b) = (node(&db).await, node(&db).await);
     a.create_destination(&dest("d")).await.unwrap();
     let now = 1_000;
     // On a: j1 accepted, j2 queued, j3 running, j4 completed (its delivery claimed); on b: j5.
