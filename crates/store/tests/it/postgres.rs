@@ -41,6 +41,16 @@ async fn node(db: &TestDb) -> PgStore {
         .unwrap()
 }
 
+/// A job's attempt finished: 200, body `ok`.
+fn completed_ok() -> Finish {
+    Finish::Completed(JobResult {
+        status: 200,
+        headers: vec![],
+        body: b"ok".to_vec(),
+        truncated: false,
+    })
+}
+
 fn dest(id: &str) -> StoredDestination {
     StoredDestination {
         id: id.into(),
@@ -112,12 +122,7 @@ async fn deliveries_and_jobs_are_claimed_by_one_node_at_a_time() {
         .unwrap();
     for id in ["j1", "j2"] {
         let attempt = a.start_attempt(id, now).await.unwrap().unwrap();
-        let done = Finish::Completed(JobResult {
-            status: 200,
-            headers: vec![],
-            body: b"ok".to_vec(),
-            truncated: false,
-        });
+        let done = completed_ok();
         assert!(a
             .finish_attempt(id, attempt, &done, now + 2, &["d".into()])
             .await
@@ -198,12 +203,7 @@ async fn a_stopping_node_gives_back_the_claims_of_what_it_has_not_started() {
     a.mark_queued("j2", now + 5).await.unwrap();
     assert_eq!(a.start_attempt("j3", now + 5).await.unwrap(), Some(1));
     let attempt = a.start_attempt("j4", now + 5).await.unwrap().unwrap();
-    let done = Finish::Completed(JobResult {
-        status: 200,
-        headers: vec![],
-        body: b"ok".to_vec(),
-        truncated: false,
-    });
+    let done = completed_ok();
     assert!(a
         .finish_attempt("j4", attempt, &done, now + 6, &["d".into()])
         .await
