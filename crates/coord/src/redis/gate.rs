@@ -199,6 +199,10 @@ pub(crate) struct Shared {
     offset: AtomicI64,
     signal: Arc<Notify>,
     closed: AtomicBool,
+    /// Turns `true` at `close`: a parked waiter watches it too, so it is refused `PoolClosed`
+    /// even if its sender escaped the waiters' map when `close` cleared it (being handed over
+    /// by a ticker, say) and would otherwise wait its whole budget.
+    closing: tokio::sync::watch::Sender<bool>,
     ticker_started: AtomicBool,
     /// Fail open: until this monotonic ms, admission skips Redis (it just failed).
     down_until: AtomicU64,
@@ -281,6 +285,7 @@ impl RedisGate {
             offset: AtomicI64::new(0),
             signal: Arc::new(Notify::new()),
             closed: AtomicBool::new(false),
+            closing: tokio::sync::watch::channel(false).0,
             ticker_started: AtomicBool::new(false),
             down_until: AtomicU64::new(0),
             fallback: Mutex::new(None),
@@ -1276,9 +1281,13 @@ impl RedisGate {
             armed: true,
         };
         let deadline = start.saturating_add(req.wait_ms);
+        let mut closing = s.closing.subscribe();
         let received = tokio::select! {
             biased;
             received = &mut guard.rx => Some(received),
+            // Closed: refused like a waiter whose sender `close` dropped; the armed guard leaves
+            // the queue (and frees a grant that raced in).
+            _ = closing.wait_for(|closed| *closed) => return Err(Refusal::PoolClosed),
             () = s.node.clock.sleep_until_monotonic(deadline) => None,
         };
         let granted = match received {
@@ -1517,6 +1526,7 @@ impl PoolGate for RedisGate {
     async fn close(&self) {
         let s = &self.shared;
         s.closed.store(true, Ordering::Release);
+        s.closing.send_replace(true);
         // Dropping the senders wakes each waiter with `PoolClosed`; their guards leave the
         // queue in Redis.
         s.waiters.lock().clear();
