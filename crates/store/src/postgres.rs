@@ -224,6 +224,22 @@ const MIGRATIONS: &[&str] = &[
     // second) finds the ones due through an index rather than reading every terminal job.
     r#"CREATE INDEX jobs_terminal_due ON jobs ((updated_at + retention_ms))
         WHERE status IN ('completed', 'failed', 'expired');"#,
+    // v4: every column that holds a job id, a destination id or a pool name compares bytewise
+    // (`COLLATE "C"`) like the key it refers to. A comparison of a "C" column with one in the
+    // database's collation is made in "C", which an index in the database's collation cannot
+    // answer: every job read (its delivery counts) scanned all of `deliveries`, and retention
+    // all of `job_events`, whatever the indexes. And the due deliveries of a destination in
+    // the order they are sent, so the dispatcher's claim and its next wake-up read only those.
+    r#"ALTER TABLE job_events ALTER COLUMN job_id TYPE TEXT COLLATE "C";
+    ALTER TABLE deliveries ALTER COLUMN job_id TYPE TEXT COLLATE "C",
+        ALTER COLUMN destination_id TYPE TEXT COLLATE "C";
+    ALTER TABLE delivery_attempts ALTER COLUMN job_id TYPE TEXT COLLATE "C",
+        ALTER COLUMN destination_id TYPE TEXT COLLATE "C",
+        ALTER COLUMN pool TYPE TEXT COLLATE "C";
+    ALTER TABLE access_log ALTER COLUMN pool TYPE TEXT COLLATE "C";
+    DROP INDEX deliveries_pending;
+    CREATE INDEX deliveries_pending ON deliveries (destination_id, next_attempt_at, id)
+        WHERE status = 'pending';"#,
 ];
 
 /// The schema version this build writes (`nthbouncer_schema.version`).

@@ -96,6 +96,77 @@ async fn migrates_once_and_refuses_a_newer_schema() {
     );
 }
 
+/// The joins the store makes between jobs, their events, deliveries and destinations can use
+/// an index. Columns compared across tables must share a collation: a "C" key against a column
+/// in the database's collation is compared in "C", and no index in the other collation answers
+/// it (every job read used to scan all of `deliveries`). With sequential scans priced out, a
+/// plan that still scans a table has no index it could use.
+#[tokio::test]
+async fn joins_between_jobs_and_their_deliveries_use_indexes() {
+    let db = TestDb::create().await;
+    let store = node(&db).await;
+    store.create_destination(&dest("wh_1")).await.unwrap();
+    store.insert_jobs(&[job("job_1", 1)]).await.unwrap();
+    let raw = db.raw().await;
+    let collations = raw
+        .query(
+            "SELECT table_name || '.' || column_name, COALESCE(collation_name, 'default') \
+             FROM information_schema.columns WHERE table_schema = current_schema() AND \
+             column_name IN ('job_id', 'destination_id', 'pool', 'id') AND data_type = 'text' \
+             ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap();
+    let collations: Vec<(String, String)> =
+        collations.iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert!(collations.len() >= 10, "{collations:?}");
+    for (column, collation) in &collations {
+        assert_eq!(collation, "C", "{column} (all: {collations:?})");
+    }
+
+    raw.execute("SET enable_seqscan = off", &[]).await.unwrap();
+    for (what, sql) in [
+        (
+            "a job with its delivery counts",
+            "SELECT j.id, (SELECT COUNT(*) FROM deliveries d WHERE d.job_id = j.id) \
+             FROM jobs j WHERE j.id = ANY('{job_1}'::TEXT[])",
+        ),
+        (
+            "the events of retained jobs",
+            "DELETE FROM job_events WHERE job_id IN (SELECT id FROM jobs WHERE id = 'job_1')",
+        ),
+        (
+            "a destination's next due delivery",
+            "SELECT MIN(next_attempt_at) FROM deliveries \
+             WHERE destination_id = 'wh_1' AND status = 'pending' AND next_attempt_at > 5",
+        ),
+        (
+            "the attempts of a job",
+            "SELECT a.id FROM jobs j JOIN delivery_attempts a ON a.job_id = j.id \
+             WHERE j.id = 'job_1'",
+        ),
+        (
+            "deliveries with their destination",
+            "SELECT d.id FROM webhook_destinations w JOIN deliveries d \
+             ON d.destination_id = w.id WHERE w.id = 'wh_1'",
+        ),
+    ] {
+        let plan: Vec<String> = raw
+            .query(&format!("EXPLAIN {sql}"), &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        assert!(
+            !plan.iter().any(|line| line.contains("Seq Scan")),
+            "{what}: {}",
+            plan.join("\n")
+        );
+    }
+}
+
 #[tokio::test]
 async fn a_database_that_does_not_answer_fails_fast_and_names_no_password() {
     // Nothing listens on port 1.
