@@ -369,6 +369,18 @@ pub trait JobStore: Send + Sync + 'static {
     /// gone (nothing to run), or, on a store several nodes share, held by another node's
     /// claim (that node runs it).
     async fn start_attempt(&self, id: &str, now: u64) -> Result<Option<u32>>;
+    /// [`JobStore::start_attempt`] with the job's request body for the attempt
+    /// ([`JobStore::job_request_body`]): `None` if the job is gone, terminal or held by another
+    /// node. A store that can do both in one round trip does.
+    async fn start_attempt_with_body(&self, id: &str, now: u64) -> Result<Option<(u32, Vec<u8>)>> {
+        let Some(body) = self.job_request_body(id).await? else {
+            return Ok(None);
+        };
+        Ok(self
+            .start_attempt(id, now)
+            .await?
+            .map(|attempt| (attempt, body)))
+    }
     /// Back to `queued` after a retryable failure, if `attempt` still holds the job.
     async fn retry_attempt(&self, id: &str, attempt: u32, now: u64, detail: &str) -> Result<bool>;
     /// Ends the job if `attempt` still holds it, writing one pending delivery per destination

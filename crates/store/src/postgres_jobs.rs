@@ -266,6 +266,30 @@ const RECORD_ATTEMPTS: &str = "WITH RECURSIVE \
     SELECT delivery_id IN (SELECT id FROM dv), changed, deact FROM rs ORDER BY n";
 
 impl PgStore {
+    /// Starts a run attempt ([`JobStore::start_attempt`]), returning `columns` of the started
+    /// job (none if it is terminal, gone or held by another live node). The attempt claims the
+    /// job for this node until the lease ends, unless another live node holds it (that node runs
+    /// it: the origin must not be called twice). One statement: the attempt and its history row
+    /// commit together.
+    async fn start(&self, id: &str, now: u64, columns: &str) -> Result<Vec<Row>> {
+        let conn = self.conn().await?;
+        query(
+            &conn,
+            "start_attempt",
+            &format!(
+                "WITH u AS (UPDATE jobs SET status = 'running', attempt = attempt + 1, \
+                 updated_at = $2, claimed_by = $3, claim_until = $4 WHERE id = $1 AND \
+                 {UNFINISHED} AND (claimed_by IS NULL OR claimed_by = $3 OR claim_until <= $2) \
+                 RETURNING id, attempt, request_body), \
+                 e AS (INSERT INTO job_events (job_id, at, status, attempt, detail) \
+                 SELECT id, $2, 'running', attempt, NULL FROM u) \
+                 SELECT {columns} FROM u"
+            ),
+            &[&id, &big(now), &self.inner.node, &self.claim_until(now)],
+        )
+        .await
+    }
+
     async fn insert_batch(&self, jobs: &[NewJob]) -> Result<()> {
         let mut heads = Vec::with_capacity(jobs.len());
         for j in jobs {
@@ -560,26 +584,17 @@ impl JobStore for PgStore {
     }
 
     async fn start_attempt(&self, id: &str, now: u64) -> Result<Option<u32>> {
-        let conn = self.conn().await?;
-        // The attempt claims the job for this node until the lease ends, unless another live
-        // node holds it (that node runs it: the origin must not be called twice). One
-        // statement: the attempt and its history row commit together.
-        let found = query(
-            &conn,
-            "start_attempt",
-            &format!(
-                "WITH u AS (UPDATE jobs SET status = 'running', attempt = attempt + 1, \
-                 updated_at = $2, claimed_by = $3, claim_until = $4 WHERE id = $1 AND \
-                 {UNFINISHED} AND (claimed_by IS NULL OR claimed_by = $3 OR claim_until <= $2) \
-                 RETURNING id, attempt), \
-                 e AS (INSERT INTO job_events (job_id, at, status, attempt, detail) \
-                 SELECT id, $2, 'running', attempt, NULL FROM u) \
-                 SELECT attempt FROM u"
-            ),
-            &[&id, &big(now), &self.inner.node, &self.claim_until(now)],
-        )
-        .await?;
+        let found = self.start(id, now, "attempt").await?;
         found.first().map(|r| get_u::<u32>(r, 0)).transpose()
+    }
+
+    async fn start_attempt_with_body(&self, id: &str, now: u64) -> Result<Option<(u32, Vec<u8>)>> {
+        // The same statement, returning the body too: one round trip for the attempt's start.
+        let found = self.start(id, now, "attempt, request_body").await?;
+        found
+            .first()
+            .map(|r| Ok((get_u::<u32>(r, 0)?, get::<Vec<u8>>(r, 1)?)))
+            .transpose()
     }
 
     async fn retry_attempt(&self, id: &str, attempt: u32, now: u64, detail: &str) -> Result<bool> {

@@ -235,22 +235,12 @@ async fn attempt(
 ) -> Pass {
     let store = &state.store;
     // The body comes from disk only now, and is dropped with the attempt.
-    let started = match store.job_request_body(&job.id).await {
-        Ok(Some(body)) => store
-            .start_attempt(&job.id, state.now())
-            .await
-            .map(|a| a.map(|a| (a, body))),
-        Ok(None) => {
-            give_back(charge);
-            return Pass::Done; // the job is gone
-        }
-        Err(e) => Err(e),
-    };
+    let started = store.start_attempt_with_body(&job.id, state.now()).await;
     let (attempt, body) = match started {
         Ok(Some(started)) => started,
         Ok(None) => {
             give_back(charge);
-            return Pass::Done; // already terminal (expired meanwhile)
+            return Pass::Done; // gone, or already terminal (expired meanwhile)
         }
         Err(e) => {
             give_back(charge);

@@ -110,11 +110,25 @@ async fn the_backlog_is_counted_paged_without_bodies_and_bodies_load_on_demand(b
 
     // The cursor is a position: it holds even if the job it names finished meanwhile.
     let cursor = JobCursor::after(&listed[1].job);
-    let attempt = store.start_attempt("job_q1", 5_000).await.unwrap().unwrap();
+    // An attempt starts with its body in hand (one round trip where the store can).
+    let body = store.job_request_body("job_q1").await.unwrap().unwrap();
+    let (attempt, started_body) = store
+        .start_attempt_with_body("job_q1", 5_000)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((attempt, started_body), (1, body));
     assert!(store
         .finish_attempt("job_q1", attempt, &Finish::Failed("x".into()), 5_000, &[])
         .await
         .unwrap());
+    // Terminal or gone: nothing to start.
+    for id in ["job_q1", "job_nope"] {
+        assert_eq!(
+            store.start_attempt_with_body(id, 5_001).await.unwrap(),
+            None
+        );
+    }
     let next = store.unfinished_jobs_page(Some(&cursor), 2).await.unwrap();
     let next: Vec<&str> = next.iter().map(|u| u.job.id.as_str()).collect();
     assert_eq!(next, vec!["job_a", "job_b"]);
