@@ -21,8 +21,8 @@ pub mod wait;
 
 pub use gateway::{clocked, clocked_at, gateway, gateway_with, Gateway};
 pub use loopback::{
-    accepted_id, call, expect_error, header, item_where, json_of, ok, read_body, send, serve_http,
-    spawn_send,
+    accepted_id, call, expect_error, header, item_where, json_of, ok, read_body, refused_port,
+    send, serve_http, spawn_send,
 };
 pub use upstream::{Seen, Upstream};
 pub use wait::{bounded, eventually, poll, until, wait_until};

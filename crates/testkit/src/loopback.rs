@@ -155,3 +155,15 @@ pub async fn expect_error(r: reqwest::Response, status: u16, code: &str) -> Valu
     assert_eq!(body["error"], code, "{body}");
     body
 }
+
+/// A loopback port nothing listens on, kept so while the returned socket lives: connections to
+/// it are refused, and no other test's server can be given the port meanwhile (a listener bound
+/// and dropped frees it for the next `bind` to port 0, which made such tests flaky).
+pub fn refused_port() -> (tokio::net::TcpSocket, SocketAddr) {
+    let socket = tokio::net::TcpSocket::new_v4().expect("a TCP socket");
+    socket
+        .bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .expect("a loopback port");
+    let addr = socket.local_addr().expect("its address");
+    (socket, addr)
+}

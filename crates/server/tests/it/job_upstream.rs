@@ -106,10 +106,7 @@ async fn a_job_is_not_sent_again_once_the_origin_may_have_acted() {
 #[tokio::test]
 async fn a_job_retries_an_origin_it_could_not_reach() {
     // A port with nothing listening: the origin never saw anything, so retrying is safe.
-    let closed = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap()
-    };
+    let (_reserved, closed) = refused_port();
     let gw = gateway(&async_pool(&format!("http://{closed}"))).await;
     let job = run_job(&gw, "/work").await;
     let done = terminal(&gw, &job).await;

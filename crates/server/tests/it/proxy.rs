@@ -272,9 +272,8 @@ fn tokio_stream_from(
 #[tokio::test]
 async fn unreachable_and_slow_upstreams() {
     // A port nobody listens on.
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let dead = format!("http://{}", closed.local_addr().unwrap());
-    drop(closed);
+    let (_reserved, closed) = refused_port();
+    let dead = format!("http://{closed}");
     let up = Upstream::start().await;
     let toml = format!(
         "{}{}",

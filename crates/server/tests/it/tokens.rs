@@ -363,10 +363,8 @@ async fn a_shared_budget_whose_redis_is_away_fails_closed_or_open_on_the_nodes_s
     assert_eq!(up.total(), 1);
 
     // A port nobody listens on: the node starts on its own (fail open).
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let (_reserved, refused) = refused_port();
+    let port = refused.port();
     let open = server(port, "coordination_fail = \"open\"\nexpected_nodes = 2\n");
     let open = gateway(&(open + &pool_toml("p", &up.url(), "tpm = 1000"))).await;
     let r = send(post(&open, "/respond", &chat(400))).await;
