@@ -280,7 +280,7 @@ impl PgStore {
                 "WITH u AS (UPDATE jobs SET status = 'running', attempt = attempt + 1, \
                  updated_at = $2, claimed_by = $3, claim_until = $4 WHERE id = $1 AND \
                  {UNFINISHED} AND (claimed_by IS NULL OR claimed_by = $3 OR claim_until <= $2) \
-                 RETURNING id, attempt, request_body), \
+                 RETURNING id, {columns}), \
                  e AS (INSERT INTO job_events (job_id, at, status, attempt, detail) \
                  SELECT id, $2, 'running', attempt, NULL FROM u) \
                  SELECT {columns} FROM u"
