@@ -456,9 +456,13 @@ fn build_pool(
     size: usize,
     tls: tokio_postgres_rustls::MakeRustlsConnect,
 ) -> Result<Pool> {
-    let manager = Manager::from_config(
-        config,
+    let connect = OnHomeRuntime {
         tls,
+        home: tokio::runtime::Handle::current(),
+    };
+    let manager = Manager::from_connect(
+        config,
+        connect,
         ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         },
@@ -471,6 +475,59 @@ fn build_pool(
         .recycle_timeout(Some(CONNECT_TIMEOUT))
         .build()
         .map_err(|e| StoreError::Backend(format!("building the PostgreSQL pool: {e}")))
+}
+
+/// Makes the pools' connections on the runtime the store was opened on (the binary's main one),
+/// whichever task asks for one. A connection's socket belongs to the runtime it was opened on
+/// and its driver task runs there: made from a request served on a connection thread (its own
+/// current-thread runtime), it would die with that thread when a stopping server ends its
+/// threads, and the stop's last statements (giving the claims back) would find it closed.
+struct OnHomeRuntime {
+    tls: tokio_postgres_rustls::MakeRustlsConnect,
+    home: tokio::runtime::Handle,
+}
+
+impl deadpool_postgres::Connect for OnHomeRuntime {
+    fn connect(
+        &self,
+        config: &tokio_postgres::Config,
+    ) -> futures_util::future::BoxFuture<
+        '_,
+        std::result::Result<
+            (tokio_postgres::Client, tokio::task::JoinHandle<()>),
+            tokio_postgres::Error,
+        >,
+    > {
+        let made = self.home.spawn(connect_on(
+            config.clone(),
+            self.tls.clone(),
+            self.home.clone(),
+        ));
+        let (config, tls) = (config.clone(), self.tls.clone());
+        Box::pin(async move {
+            match made.await {
+                Ok(made) => made,
+                // The home runtime is going away (the process is ending): made here instead.
+                Err(_) => connect_on(config, tls, tokio::runtime::Handle::current()).await,
+            }
+        })
+    }
+}
+
+/// A connection made with `config`, its driver running on `runtime`.
+async fn connect_on(
+    config: tokio_postgres::Config,
+    tls: tokio_postgres_rustls::MakeRustlsConnect,
+    runtime: tokio::runtime::Handle,
+) -> std::result::Result<(tokio_postgres::Client, tokio::task::JoinHandle<()>), tokio_postgres::Error>
+{
+    let (client, connection) = config.connect(tls).await?;
+    let driver = runtime.spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::warn!(error = %e, "a PostgreSQL store connection failed");
+        }
+    });
+    Ok((client, driver))
 }
 
 /// `user@host:port/db` for messages: never the password.

@@ -294,7 +294,12 @@ async fn an_attempt_abandoned_when_the_grace_runs_out_keeps_its_claim() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(others_held, 0);
+    assert_eq!(
+        others_held,
+        0,
+        "A kept claims on jobs it had not started\n{}",
+        a.log_tail(6_000)
+    );
 
     // B runs the others at once and leaves the abandoned ones alone (their lease holds).
     wait_completed(&pg, JOBS - LIMIT, &b).await;
