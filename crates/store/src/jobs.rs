@@ -306,6 +306,10 @@ pub enum Redeliver {
 #[async_trait::async_trait]
 pub trait JobStore: Send + Sync + 'static {
     /// Inserts a batch in one transaction (group commit); every job is durable when this returns.
+    /// A job is inserted `queued`, its history `accepted` then `queued`: the caller starts its
+    /// runner (or a node's claim pass does) as soon as this returns, so the step from one to
+    /// the other is written with the job rather than as a transaction of its own per job.
+    /// [`JobStore::mark_queued`] remains for jobs stored `accepted` by an earlier version.
     async fn insert_jobs(&self, jobs: &[NewJob]) -> Result<()>;
     async fn get_job(&self, pool: &str, id: &str) -> Result<Option<StoredJob>>;
     /// Newest first; `before` is the previous page's last id.

@@ -308,7 +308,7 @@ impl PgStore {
         let request_ids: Vec<Option<&str>> = jobs.iter().map(|j| j.request_id.as_deref()).collect();
         let conn = self.intake_conn().await?;
         // One statement, so one round trip and one transaction: the jobs and their `accepted`
-        // steps commit together, on a connection that commits synchronously (a `202` promises
+        // and `queued` steps commit together, on a connection that commits synchronously (a `202` promises
         // the job survives a crash of the database's host too).
         exec(
             &conn,
@@ -321,12 +321,14 @@ impl PgStore {
              j AS (INSERT INTO jobs (id, pool, status, reason, key_id, fairness, priority, \
              created_at, updated_at, expires_at, retention_ms, attempt, destinations, request, \
              request_body, request_id, claimed_by, claim_until) \
-             SELECT id, pool, 'accepted', reason, key_id, fairness, priority, created_at, \
+             SELECT id, pool, 'queued', reason, key_id, fairness, priority, created_at, \
              created_at, expires_at, retention_ms, 0, destinations, request, body, request_id, \
              $14::TEXT, CASE WHEN $14::TEXT IS NULL THEN NULL ELSE created_at + $15::BIGINT END \
              FROM t) \
              INSERT INTO job_events (job_id, at, status, attempt, detail) \
-             SELECT id, created_at, 'accepted', 0, reason FROM t ORDER BY n",
+             SELECT id, created_at, s.status, 0, CASE s.k WHEN 1 THEN reason END \
+             FROM t CROSS JOIN (VALUES (1, 'accepted'), (2, 'queued')) AS s(k, status) \
+             ORDER BY n, s.k",
             &[
                 &text(|j| &j.id),
                 &text(|j| &j.pool),

@@ -372,7 +372,7 @@ fn enqueue_deliveries(
     Ok(())
 }
 
-/// Inserts a batch of jobs and their first history step in one transaction.
+/// Inserts a batch of jobs, `queued`, and their first two history steps in one transaction.
 fn insert_batch(conn: &mut Connection, rows: &[(NewJob, String)]) -> Result<()> {
     let tx = conn.transaction().ctx("insert_jobs")?;
     {
@@ -380,7 +380,7 @@ fn insert_batch(conn: &mut Connection, rows: &[(NewJob, String)]) -> Result<()> 
             .prepare_cached(
                 "INSERT INTO jobs (id, pool, status, reason, key_id, fairness, priority, created_at, updated_at, \
                  expires_at, retention_ms, attempt, destinations, request, request_body, request_id) \
-                 VALUES (?1, ?2, 'accepted', ?3, ?4, ?5, ?6, ?7, ?7, ?8, ?9, 0, ?10, ?11, ?12, ?13)",
+                 VALUES (?1, ?2, 'queued', ?3, ?4, ?5, ?6, ?7, ?7, ?8, ?9, 0, ?10, ?11, ?12, ?13)",
             )
             .ctx("insert_jobs")?;
         for (j, head) in rows {
@@ -408,6 +408,7 @@ fn insert_batch(conn: &mut Connection, rows: &[(NewJob, String)]) -> Result<()> 
                 0,
                 Some(&j.reason),
             )?;
+            event(&tx, &j.id, j.created_at, status::QUEUED, 0, None)?;
         }
     }
     tx.commit().ctx("insert_jobs")

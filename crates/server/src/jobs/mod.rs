@@ -321,7 +321,7 @@ pub async fn accept(
     let stored = StoredJob {
         id: job.id.clone(),
         pool: job.pool.clone(),
-        status: status::ACCEPTED.into(),
+        status: status::QUEUED.into(),
         reason: job.reason.clone(),
         key_id: job.key_id.clone(),
         fairness,

@@ -557,7 +557,7 @@ async fn expiry_writes_history_and_outbox_and_retries_are_fenced(b: &Backend) {
             .unwrap()
             .unwrap()
             .status,
-        "accepted"
+        "queued"
     );
 
     // Retries: fenced by the attempt number and the running status.
@@ -590,7 +590,13 @@ async fn expiry_writes_history_and_outbox_and_retries_are_fenced(b: &Backend) {
         ),
         ("queued", 42, attempt, Some("connect refused"))
     );
-    assert_eq!(steps.iter().filter(|s| s.status == "queued").count(), 1);
+    // Inserted `queued` (both first steps with the job), started, put back by the retry.
+    let statuses: Vec<&str> = steps.iter().map(|s| s.status.as_str()).collect();
+    assert_eq!(statuses, ["accepted", "queued", "running", "queued"]);
+    assert_eq!(
+        (steps[0].detail.as_deref(), steps[1].detail.as_deref()),
+        (Some("requested"), None)
+    );
 }
 
 /// One batch, applied record by record as if each were recorded alone: streaks that reset and

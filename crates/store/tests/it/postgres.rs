@@ -265,13 +265,13 @@ async fn a_stopping_node_gives_back_the_claims_of_what_it_has_not_started() {
     let (a, b) = (node(&db).await, node(&db).await);
     a.create_destination(&dest("d")).await.unwrap();
     let now = 1_000;
-    // On a: j1 accepted, j2 queued, j3 running, j4 completed (its delivery claimed); on b: j5.
+    // On a: j1 and j2 queued (as inserted), j3 running, j4 completed (its delivery claimed); on
+    // b: j5.
     a.insert_jobs(&[job("j1", now), job("j2", now + 1), job("j3", now + 2)])
         .await
         .unwrap();
     a.insert_jobs(&[job("j4", now + 3)]).await.unwrap();
     b.insert_jobs(&[job("j5", now + 4)]).await.unwrap();
-    a.mark_queued("j2", now + 5).await.unwrap();
     assert_eq!(a.start_attempt("j3", now + 5).await.unwrap(), Some(1));
     let attempt = a.start_attempt("j4", now + 5).await.unwrap().unwrap();
     let done = completed_ok();
