@@ -15,6 +15,10 @@
 //! are driven on the same thread as the requests that use them. Background work (the access-log writer, job
 //! runners, webhook deliveries, settings sync) stays on the main runtime, and nothing here
 //! needs to know which runtime it is on: tasks talk through channels and `Arc`s as before.
+//! The exception: a connection shared by every runtime must not be opened here, for its socket
+//! and its driver task would end with this thread, before a stopping server's last statements.
+//! The stores' and Redis's connections are made on the main runtime whoever asks
+//! (`nthbouncer_store::postgres`'s `OnHomeRuntime`, the Redis coordination's runtime handle).
 //! Owns the threads and the choice of one for a new connection; must not look at requests.
 
 use std::future::Future;
