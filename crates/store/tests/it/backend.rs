@@ -40,6 +40,29 @@ impl Backend {
     }
 }
 
+impl Backend {
+    /// Runs `sql` on the backend's database directly, as an earlier version of the store (or an
+    /// operator) could have left it: for states the traits no longer write.
+    pub async fn execute_raw(&self, sql: &str) {
+        match self {
+            Backend::Sqlite(dir) => {
+                let path = dir.path().join(nthbouncer_store::sqlite::DB_FILE_NAME);
+                rusqlite::Connection::open(path)
+                    .unwrap()
+                    .execute_batch(sql)
+                    .unwrap();
+            }
+            Backend::Postgres(db) => {
+                nthbouncer_testkit::pg::admin_client(&db.url)
+                    .await
+                    .batch_execute(sql)
+                    .await
+                    .unwrap();
+            }
+        }
+    }
+}
+
 /// Generates, for each named test body, one `#[tokio::test]` per implementation.
 macro_rules! conformance {
     ($($name:ident),* $(,)?) => {

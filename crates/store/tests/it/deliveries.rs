@@ -18,6 +18,7 @@ conformance!(
     undeliverable_rotation_and_retention,
     expiry_writes_history_and_outbox_and_retries_are_fenced,
     a_batch_of_attempts_applies_in_order,
+    a_job_an_earlier_version_left_accepted_is_queued_once,
 );
 
 fn job(id: &str, now: u64) -> NewJob {
@@ -740,4 +741,49 @@ async fn a_batch_of_attempts_applies_in_order(b: &Backend) {
             (2_080, "retrying"),
         ]
     );
+}
+
+/// Jobs are inserted `queued` (with both first history steps); a row an earlier version stored
+/// `accepted` is still moved on by `mark_queued`, once, and nothing else is.
+async fn a_job_an_earlier_version_left_accepted_is_queued_once(b: &Backend) {
+    let store = b.open().await;
+    store
+        .insert_jobs(&[job("job_old", 1_000), job("job_new", 1_001)])
+        .await
+        .unwrap();
+    let statuses = |steps: Vec<nthbouncer_store::JobEvent>| -> Vec<String> {
+        steps.into_iter().map(|s| s.status).collect()
+    };
+    assert_eq!(
+        statuses(store.job_events("job_new").await.unwrap()),
+        ["accepted", "queued"]
+    );
+    // As an earlier version left it: `accepted`, its one history step.
+    b.execute_raw(
+        "UPDATE jobs SET status = 'accepted' WHERE id = 'job_old'; \
+         DELETE FROM job_events WHERE job_id = 'job_old' AND status = 'queued';",
+    )
+    .await;
+    let store = b.open().await;
+    assert_eq!(
+        store.get_job("p", "job_old").await.unwrap().unwrap().status,
+        "accepted"
+    );
+    for at in [2_000, 2_001] {
+        store.mark_queued("job_old", at).await.unwrap();
+        store.mark_queued("job_new", at).await.unwrap();
+    }
+    for id in ["job_old", "job_new"] {
+        assert_eq!(
+            store.get_job("p", id).await.unwrap().unwrap().status,
+            "queued"
+        );
+        assert_eq!(
+            statuses(store.job_events(id).await.unwrap()),
+            ["accepted", "queued"],
+            "{id}"
+        );
+    }
+    let old = store.job_events("job_old").await.unwrap();
+    assert_eq!((old[0].at, old[1].at), (1_000, 2_000));
 }
