@@ -10,6 +10,7 @@ mod jobs_sigterm;
 mod lock_cli;
 mod lock_restart;
 mod nonce_restart;
+mod pg_backlog;
 mod pg_migrate;
 mod pg_nodes;
 mod pg_outage;

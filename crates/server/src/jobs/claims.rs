@@ -89,9 +89,10 @@ pub fn pass_interval(lease_ms: u64) -> Duration {
     Duration::from_millis((lease_ms / 4).clamp(250, 5_000))
 }
 
-/// One claim pass: renews the claims of the jobs this process runs and starts a runner for
-/// every job taken over. A draining server renews but takes nothing. Returns how many jobs it
-/// took; `None` if the store has no claims (one node).
+/// One claim pass: renews the claims of the jobs this process runs, starts a runner for every
+/// job taken over, and reads every pool's unfinished jobs for the backlog's bound. A draining
+/// server renews but takes nothing. Returns how many jobs it took; `None` if the store has no
+/// claims (one node).
 pub async fn claim_pass(state: &Arc<Jobs>) -> nthbouncer_store::Result<Option<u64>> {
     let mut taken = 0u64;
     loop {
@@ -111,9 +112,13 @@ pub async fn claim_pass(state: &Arc<Jobs>) -> nthbouncer_store::Result<Option<u6
             taken += 1;
         }
         if !full {
-            return Ok(Some(taken));
+            break;
         }
     }
+    // `async.max_pending` is a pool's bound, not each node's: the other nodes' jobs count too.
+    let stored = state.store.unfinished_job_counts().await?;
+    state.backlog.observe_store(&stored);
+    Ok(Some(taken))
 }
 
 /// Runs the claim pass every [`pass_interval`] until the server stops.
