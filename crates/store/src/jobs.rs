@@ -385,6 +385,19 @@ pub trait JobStore: Send + Sync + 'static {
             .await?
             .map(|attempt| (attempt, body)))
     }
+    /// [`JobStore::start_attempt_with_body`] for several jobs, each `(id, now)` (distinct ids):
+    /// one answer per job, in order. A store that can start them all in one statement does;
+    /// each start is decided on its own row, as if alone.
+    async fn start_attempts_with_body(
+        &self,
+        jobs: &[(String, u64)],
+    ) -> Result<Vec<Option<(u32, Vec<u8>)>>> {
+        let mut started = Vec::with_capacity(jobs.len());
+        for (id, now) in jobs {
+            started.push(self.start_attempt_with_body(id, *now).await?);
+        }
+        Ok(started)
+    }
     /// Back to `queued` after a retryable failure, if `attempt` still holds the job.
     async fn retry_attempt(&self, id: &str, attempt: u32, now: u64, detail: &str) -> Result<bool>;
     /// Ends the job if `attempt` still holds it, writing one pending delivery per destination

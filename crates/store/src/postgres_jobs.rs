@@ -599,6 +599,47 @@ impl JobStore for PgStore {
             .transpose()
     }
 
+    async fn start_attempts_with_body(
+        &self,
+        jobs: &[(String, u64)],
+    ) -> Result<Vec<Option<(u32, Vec<u8>)>>> {
+        if let [(id, now)] = jobs {
+            return Ok(vec![self.start_attempt_with_body(id, *now).await?]);
+        }
+        let ids: Vec<&str> = jobs.iter().map(|(id, _)| id.as_str()).collect();
+        let nows: Vec<i64> = jobs.iter().map(|(_, now)| big(*now)).collect();
+        let conn = self.conn().await?;
+        // One statement for the batch, each row's start decided as `start` decides it alone.
+        let found = query(
+            &conn,
+            "start_attempts",
+            &format!(
+                "WITH t AS (SELECT * FROM UNNEST($1::TEXT[], $2::BIGINT[]) AS t(id, at)), \
+                 u AS (UPDATE jobs SET status = 'running', attempt = attempt + 1, \
+                 updated_at = t.at, claimed_by = $3, claim_until = t.at + $4::BIGINT FROM t \
+                 WHERE jobs.id = t.id AND {UNFINISHED} AND (claimed_by IS NULL OR \
+                 claimed_by = $3 OR claim_until <= t.at) \
+                 RETURNING jobs.id, t.at, jobs.attempt, jobs.request_body), \
+                 e AS (INSERT INTO job_events (job_id, at, status, attempt, detail) \
+                 SELECT id, at, 'running', attempt, NULL FROM u) \
+                 SELECT id, attempt, request_body FROM u"
+            ),
+            &[
+                &ids,
+                &nows,
+                &self.inner.node,
+                &big(self.inner.claim_lease_ms),
+            ],
+        )
+        .await?;
+        let mut started = std::collections::HashMap::with_capacity(found.len());
+        for r in &found {
+            let id: String = get(r, 0)?;
+            started.insert(id, (get_u::<u32>(r, 1)?, get::<Vec<u8>>(r, 2)?));
+        }
+        Ok(jobs.iter().map(|(id, _)| started.remove(id)).collect())
+    }
+
     async fn retry_attempt(&self, id: &str, attempt: u32, now: u64, detail: &str) -> Result<bool> {
         let conn = self.conn().await?;
         // One statement: the step back to `queued` and its history row commit together, and

@@ -23,6 +23,7 @@ pub mod drain;
 pub mod intake;
 pub mod routes;
 pub mod runner;
+pub mod starts;
 pub mod sweep;
 pub mod view;
 
@@ -56,6 +57,8 @@ use crate::upstream::SharedClient;
 pub struct Jobs {
     pub store: Arc<dyn JobStore>,
     pub intake: JobIntake,
+    /// The batching writer of attempt starts.
+    pub starts: starts::AttemptStarts,
     pub pools: Arc<Pools>,
     pub client: Arc<SharedClient>,
     pub clock: Arc<dyn Clock>,

@@ -235,7 +235,7 @@ async fn attempt(
 ) -> Pass {
     let store = &state.store;
     // The body comes from disk only now, and is dropped with the attempt.
-    let started = store.start_attempt_with_body(&job.id, state.now()).await;
+    let started = state.starts.start_attempt(&job.id, state.now()).await;
     let (attempt, body) = match started {
         Ok(Some(started)) => started,
         Ok(None) => {

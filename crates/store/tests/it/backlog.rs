@@ -138,6 +138,49 @@ async fn the_backlog_is_counted_paged_without_bodies_and_bodies_load_on_demand(b
     let all = store.unfinished_jobs().await.unwrap();
     assert_eq!(all.len(), 5);
     assert_eq!(all[1].request.body, vec![7u8; 4096]);
+
+    // Several starts at once: each answered in order, as if alone (a finished job and an
+    // unknown one get nothing; a running one starts its next attempt).
+    let batch: Vec<(String, u64)> = [
+        ("job_a", 6_000),
+        ("job_q1", 6_001),
+        ("job_nope", 6_002),
+        ("job_d", 6_003),
+        ("job_b", 6_004),
+    ]
+    .iter()
+    .map(|(id, at)| (id.to_string(), *at))
+    .collect();
+    let started = store.start_attempts_with_body(&batch).await.unwrap();
+    assert_eq!(
+        started,
+        vec![
+            Some((1, vec![7u8; 4096])),
+            None,
+            None,
+            Some((2, b"body d".to_vec())),
+            Some((1, Vec::new())),
+        ]
+    );
+    for (id, at, attempt) in [
+        ("job_a", 6_000, 1),
+        ("job_d", 6_003, 2),
+        ("job_b", 6_004, 1),
+    ] {
+        let j = store.get_job("p", id).await.unwrap().unwrap();
+        assert_eq!(
+            (j.status.as_str(), j.attempt, j.updated_at),
+            ("running", attempt, at),
+            "{id}"
+        );
+        let last = store.job_events(id).await.unwrap().pop().unwrap();
+        assert_eq!(
+            (last.status.as_str(), last.at, last.attempt),
+            ("running", at, attempt),
+            "{id}"
+        );
+    }
+    assert_eq!(store.start_attempts_with_body(&[]).await.unwrap(), vec![]);
 }
 
 /// More retained jobs than one delete batch (PostgreSQL deletes in bounded batches): calls

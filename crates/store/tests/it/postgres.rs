@@ -238,6 +238,12 @@ async fn deliveries_and_jobs_are_claimed_by_one_node_at_a_time() {
         None,
         "a holds it"
     );
+    // The same in a batch: neither of a's jobs starts on b.
+    let both = [("j3".to_string(), lapse), ("j4".to_string(), lapse)];
+    assert_eq!(
+        b.start_attempts_with_body(&both).await.unwrap(),
+        vec![None, None]
+    );
     assert_eq!(a.start_attempt("j3", lapse).await.unwrap(), Some(1));
     // a dies: once its claims lapse, b takes both over, once.
     let later = lapse + CLAIM_LEASE_MS + 10;
