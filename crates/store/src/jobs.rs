@@ -385,9 +385,15 @@ pub trait JobStore: Send + Sync + 'static {
             .await?
             .map(|attempt| (attempt, body)))
     }
+    /// Whether [`JobStore::start_attempts_with_body`] starts a batch in one go (one statement),
+    /// so that gathering starts pays; `false`: it only loops, and callers start jobs one by one,
+    /// concurrently.
+    fn starts_in_batches(&self) -> bool {
+        false
+    }
     /// [`JobStore::start_attempt_with_body`] for several jobs, each `(id, now)` (distinct ids):
-    /// one answer per job, in order. A store that can start them all in one statement does;
-    /// each start is decided on its own row, as if alone.
+    /// one answer per job, in order. A store that can start them all in one statement does
+    /// (see [`JobStore::starts_in_batches`]); each start is decided on its own row, as if alone.
     async fn start_attempts_with_body(
         &self,
         jobs: &[(String, u64)],

@@ -599,6 +599,10 @@ impl JobStore for PgStore {
             .transpose()
     }
 
+    fn starts_in_batches(&self) -> bool {
+        true
+    }
+
     async fn start_attempts_with_body(
         &self,
         jobs: &[(String, u64)],

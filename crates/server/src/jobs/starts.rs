@@ -2,7 +2,8 @@
 //! the started attempt (its number and request body) once the batch holding it is written. On
 //! PostgreSQL a batch is one statement (`JobStore::start_attempts_with_body`), so the jobs
 //! starting together on a node cost one round trip and one commit rather than one each; a lone
-//! start goes out at once. Owns nothing but the channel to its task.
+//! start goes out at once. A store that would only loop over a batch (SQLite) is called by each
+//! runner directly: one task writing every start in turn would hold the runners back.
 
 use std::sync::Arc;
 
@@ -31,18 +32,31 @@ impl Commit for Start {
     }
 }
 
-/// The batching writer of attempt starts.
+/// The batching writer of attempt starts, or the store itself.
 #[derive(Clone)]
-pub struct AttemptStarts(Batcher<(String, u64), Started>);
+pub enum AttemptStarts {
+    Batched(Batcher<(String, u64), Started>),
+    OneByOne(Arc<dyn JobStore>),
+}
 
 impl AttemptStarts {
     pub fn start(store: Arc<dyn JobStore>) -> AttemptStarts {
-        AttemptStarts(Batcher::start(Start(store), CONFIG).0)
+        if store.starts_in_batches() {
+            AttemptStarts::Batched(Batcher::start(Start(store), CONFIG).0)
+        } else {
+            AttemptStarts::OneByOne(store)
+        }
     }
 
     /// Starts job `id`'s next attempt at `now` (see `JobStore::start_attempt_with_body`):
     /// `None` if the job is gone, terminal or another node's.
     pub async fn start_attempt(&self, id: &str, now: u64) -> Result<Started, CommitError> {
-        self.0.submit((id.to_string(), now)).await
+        match self {
+            AttemptStarts::Batched(batcher) => batcher.submit((id.to_string(), now)).await,
+            AttemptStarts::OneByOne(store) => store
+                .start_attempt_with_body(id, now)
+                .await
+                .map_err(|e| CommitError::Failed(Arc::new(e))),
+        }
     }
 }
