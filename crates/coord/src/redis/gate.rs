@@ -22,6 +22,7 @@ use nthbouncer_governor::{Governor, Learned};
 use parking_lot::Mutex;
 use tokio::sync::{oneshot, watch, Notify};
 
+use super::batch::{self, Op, Queued};
 use super::script::{self, CallError, Caller, Reply};
 use super::Node;
 use crate::in_process::InProcessGate;
@@ -227,6 +228,8 @@ pub(crate) struct Shared {
     /// the pool's keys; sent with every call so the scripts see that this node comes from before
     /// (see `lua/prelude.lua`).
     generation: Mutex<String>,
+    /// This node's acquires and releases for the pool, on their way into a batch (`batch`).
+    batch: tokio::sync::mpsc::UnboundedSender<Queued>,
 }
 
 /// One pool's gate on Redis. Dropping it (or [`PoolGate::close`]) stops its ticker.
@@ -269,6 +272,7 @@ fn share(settings: &PoolSettings, expected_nodes: u32) -> PoolSettings {
 impl RedisGate {
     pub(crate) fn new(node: Arc<Node>, pool: &str, settings: PoolSettings) -> Self {
         let keys = script::pool_keys(&node.options.key_prefix, pool);
+        let (batch, batched) = tokio::sync::mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             pool: pool.to_owned(),
             keys,
@@ -295,8 +299,11 @@ impl RedisGate {
             outage_seen: AtomicBool::new(false),
             recover_until: AtomicU64::new(0),
             generation: Mutex::new(String::new()),
+            batch,
             node: Arc::clone(&node),
         });
+        node.runtime
+            .spawn(batch::run(Arc::downgrade(&shared), batched));
         {
             let mut gates = node.gates.lock();
             let list = gates.entry(pool.to_owned()).or_default();
@@ -365,7 +372,25 @@ impl Shared {
         ));
     }
 
-    async fn call(&self, which: &::redis::Script, extra: &[String]) -> Result<Reply, CallError> {
+    pub(crate) fn node(&self) -> &Node {
+        &self.node
+    }
+
+    /// Runs an acquire or a release in the pool's next batch (see [`batch`]); its reply is the
+    /// one its own script would give.
+    async fn call_op(&self, op: Op, args: Vec<String>) -> Result<Reply, CallError> {
+        let (reply, replied) = oneshot::channel();
+        self.batch
+            .send(Queued { op, args, reply })
+            .map_err(|_| CallError::Stopped)?;
+        replied.await.unwrap_or(Err(CallError::Stopped))
+    }
+
+    pub(crate) async fn call(
+        &self,
+        which: &::redis::Script,
+        extra: &[String],
+    ) -> Result<Reply, CallError> {
         let settings = self.settings();
         let generation = self.generation.lock().clone();
         let caller = Caller {
@@ -663,13 +688,13 @@ impl Shared {
     /// it makes to a waiter of this node is collected by the ticker (not here: this is how
     /// [`Shared::deliver`] frees orphans).
     async fn free(&self, slot: SlotId) {
-        let extra = [
+        let args = vec![
             slot.to_string(),
             "0".to_owned(),
             "0".to_owned(),
             "0".to_owned(),
         ];
-        if let Err(e) = self.call(&self.node.scripts.release, &extra).await {
+        if let Err(e) = self.call_op(Op::Release, args).await {
             tracing::warn!(pool = %self.pool, slot = %slot, error = %e, "could not free an unclaimed slot; its lease will expire");
         }
     }
@@ -722,14 +747,14 @@ impl Shared {
     /// and writes the conclusion only if it changed. For outcomes that cannot stop admission.
     async fn release_then_learn(&self, slot: SlotId, outcome: Option<&Outcome>) -> bool {
         let peek = if outcome.is_some() { "1" } else { "0" };
-        let extra = [
+        let args = vec![
             slot.to_string(),
             "0".to_owned(),
             peek.to_owned(),
             "1".to_owned(),
         ];
         let mono = self.mono();
-        let reply = match self.call(&self.node.scripts.release, &extra).await {
+        let reply = match self.call_op(Op::Release, args).await {
             Ok(reply) => reply,
             Err(e) => {
                 tracing::warn!(pool = %self.pool, slot = %slot, error = %e, "release not confirmed in redis; the lease will expire");
@@ -780,7 +805,7 @@ impl Shared {
             }
         }
         let mono = self.mono();
-        match self.call(&self.node.scripts.release, &extra).await {
+        match self.call_op(Op::Release, extra).await {
             Ok(reply) => {
                 if let Err(e) = self.deliver(&reply, 5, mono, 1).await {
                     tracing::warn!(pool = %self.pool, error = %e, "bad release reply");
@@ -1177,7 +1202,7 @@ impl RedisGate {
         let settings = s.settings();
         let slot = SlotId::random();
         let start = s.mono();
-        let extra = [
+        let args = vec![
             slot.to_string(),
             req.fairness_key.to_string(),
             class(req.priority).to_string(),
@@ -1200,7 +1225,7 @@ impl RedisGate {
         };
         let call = {
             let shared = Arc::clone(s);
-            Box::pin(async move { shared.call(&shared.node.scripts.acquire, &extra).await })
+            Box::pin(async move { shared.call_op(Op::Acquire, args).await })
         };
         let pending = PendingAcquire {
             call: Some(call),

@@ -6,7 +6,9 @@
 //! `gate`), the nonce stores ([`RedisNonces`], in `nonces`) and the token ledgers
 //! ([`RedisTokens`], in `tokens`: one token budget per pool across the nodes). The admission rules run in Lua
 //! scripts (`script`, `lua/`), one atomic script per operation keyed by slot id or ticket; they
-//! mirror `nthbouncer-governor`. It must not know about HTTP.
+//! mirror `nthbouncer-governor`. A pool's acquires and releases are gathered into one call
+//! while the previous one is in flight (`batch`): the same operations in the same order,
+//! paying each call's fixed cost once per batch. It must not know about HTTP.
 //!
 //! # Layout
 //! Every key of pool `p` is `{prefix}:{p}:…` — the pool name is the Cluster hash tag, so a
@@ -37,6 +39,7 @@
 //!   (fail closed), or with [`RedisOptions::fail_open`] admits up to `limit / expected_nodes`
 //!   on this node alone until Redis answers again.
 
+mod batch;
 mod gate;
 mod nonces;
 mod script;
@@ -119,6 +122,10 @@ pub(crate) struct Node {
     /// Open gates by pool, for wake-ups (a pool may be opened more than once, e.g. reopened
     /// while the old gate still drains).
     pub gates: Mutex<HashMap<String, Vec<Weak<gate::Shared>>>>,
+    /// The runtime the coordination was made on: the node's own tasks (each gate's batches)
+    /// run there, not on whichever runtime first touched a gate (a connection thread's ends
+    /// before the last calls of a stopping server).
+    pub runtime: tokio::runtime::Handle,
 }
 
 /// Redis [`Coordination`]: one per node. Gates of the same pool opened by different nodes (or
@@ -156,6 +163,7 @@ impl RedisCoordination {
             clock,
             wake_prefix,
             gates: Mutex::new(HashMap::new()),
+            runtime: runtime.clone(),
         });
         let listener = runtime.spawn(listen(client, Arc::downgrade(&node)));
         Ok(RedisCoordination { node, listener })

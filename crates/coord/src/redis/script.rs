@@ -13,7 +13,7 @@ use ::redis::{Script, Value};
 use crate::PoolSettings;
 
 /// Why a call to Redis gave no answer the gate can use.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum CallError {
     #[error("redis did not answer within {0:?}")]
     Timeout(Duration),
@@ -21,44 +21,47 @@ pub enum CallError {
     Redis(#[from] ::redis::RedisError),
     #[error("unexpected reply from a gate script: {0}")]
     Reply(&'static str),
+    #[error("this node's calls to redis for the pool stopped")]
+    Stopped,
 }
 
 const PRELUDE: &str = include_str!("lua/prelude.lua");
+/// The operations a batch runs, as functions (see `lua/ops.lua`).
+const OPS: &str = include_str!("lua/ops.lua");
 
 /// One script per gate operation, each the prelude followed by its body.
 pub(crate) struct Scripts {
-    pub acquire: Script,
     pub tick: Script,
     pub cancel: Script,
     pub renew: Script,
-    pub release: Script,
     pub peek: Script,
     pub adopt: Script,
     pub learn: Script,
     pub snapshot: Script,
+    pub batch: Script,
 }
 
-/// The prelude, then the operation as a function whose reply gets the pool's generation
-/// appended (every operation returns an array).
+/// The prelude, then the operation as a function; then what the call kept in memory is
+/// written (`finish`), and the reply gets the pool's generation appended (every operation
+/// returns an array).
 fn script(body: &str) -> Script {
     Script::new(&format!(
         "{PRELUDE}\nlocal function operation()\n{body}\nend\nlocal reply = operation()\n\
-         table.insert(reply, gen_id)\nreturn reply\n"
+         finish()\ntable.insert(reply, gen_id)\nreturn reply\n"
     ))
 }
 
 impl Scripts {
     pub fn new() -> Self {
         Scripts {
-            acquire: script(include_str!("lua/acquire.lua")),
             tick: script(include_str!("lua/tick.lua")),
             cancel: script(include_str!("lua/cancel.lua")),
             renew: script(include_str!("lua/renew.lua")),
-            release: script(include_str!("lua/release.lua")),
             peek: script(include_str!("lua/peek.lua")),
             adopt: script(include_str!("lua/adopt.lua")),
             learn: script(include_str!("lua/learn.lua")),
             snapshot: script(include_str!("lua/snapshot.lua")),
+            batch: script(&format!("{OPS}\n{}", include_str!("lua/batch.lua"))),
         }
     }
 }

@@ -14,7 +14,7 @@ for i = 15, #ARGV do
   local d = tonumber(redis.call('ZSCORE', K_LEASES, slot))
   if not d then
     d = math.min(now + lease_ms, held_until)
-    redis.call('ZADD', K_LEASES, d, slot)
+    lease_set(d, slot)
     redis.call('HSET', K_HELD, slot, fmt(held_until) .. ':' .. fmt(now))
   end
   table.insert(out, d)

@@ -5,7 +5,6 @@ local h = redis.call('HGET', K_HELD, slot)
 local d = tonumber(redis.call('ZSCORE', K_LEASES, slot))
 if not h or not d or d <= now then return { now, 0, 0, 0 } end
 local granted_at = tonumber(string.match(h, ':(%d+)$')) or now
-local last_full = tonumber(redis.call('HGET', K_META, 'last_full')) or -1
 local bound = 0
-if in_flight() >= eff or last_full >= granted_at then bound = 1 end
+if in_flight() >= eff or last_full_get() >= granted_at then bound = 1 end
 return { now, 1, granted_at, bound }

@@ -100,8 +100,62 @@ local function load_learned()
 end
 load_learned()
 
+-- The number of leases, read once per call and kept up to date by this call's own changes
+-- (every change to `leases` goes through `lease_set` or `lease_del`).
+local n_leases = nil
+
 local function in_flight()
-  return redis.call('ZCARD', K_LEASES)
+  if not n_leases then n_leases = redis.call('ZCARD', K_LEASES) end
+  return n_leases
+end
+
+-- `ZADD` (with its flags) that keeps the count: true iff the slot was new.
+local function lease_set(score, slot, flag)
+  local added
+  if flag then
+    added = redis.call('ZADD', K_LEASES, flag, score, slot)
+  else
+    added = redis.call('ZADD', K_LEASES, score, slot)
+  end
+  if n_leases then n_leases = n_leases + added end
+  return added == 1
+end
+
+-- `ZREM` that keeps the count: true iff the slot was leased.
+local function lease_del(slot)
+  local removed = redis.call('ZREM', K_LEASES, slot)
+  if n_leases then n_leases = n_leases - removed end
+  return removed == 1
+end
+
+-- Meta fields several operations of one call read or bump, read at most once and written once
+-- when the call ends (`finish`): the mean hold time (`false`: not read yet), the admissions
+-- counted, the last time the pool was full (`false`: not read yet).
+local hold_mean, hold_dirty = false, false
+local admitted_n = 0
+local last_full = false
+
+local function hold_get()
+  if hold_mean == false then hold_mean = tonumber(redis.call('HGET', K_META, 'hold')) end
+  return hold_mean
+end
+
+local function last_full_get()
+  if last_full == false then
+    last_full = tonumber(redis.call('HGET', K_META, 'last_full')) or -1
+  end
+  return last_full
+end
+
+local function set_full()
+  last_full = now
+  redis.call('HSET', K_META, 'last_full', fmt(now))
+end
+
+-- Writes what the call kept in memory; every script runs it after its operation.
+local function finish()
+  if hold_dirty then redis.call('HSET', K_META, 'hold', fmt(hold_mean)) end
+  if admitted_n > 0 then redis.call('HINCRBY', K_META, 'admitted', admitted_n) end
 end
 
 -- The number of waiters, read once per script and kept up to date by what changes a queue
@@ -170,30 +224,32 @@ local function admit(slot, lease_ms, hold_grace)
   local rd = now + cfg_request_ms
   local held_until = rd + hold_grace
   local ld = math.min(now + lease_ms, held_until)
-  redis.call('ZADD', K_LEASES, ld, slot)
+  lease_set(ld, slot)
   redis.call('HSET', K_HELD, slot, fmt(held_until) .. ':' .. fmt(now))
   if rpm_limit then redis.call('ZADD', K_RPM, now, slot) end
   if l_pace then
     local tat = tonumber(redis.call('HGET', K_META, 'tat')) or 0
     redis.call('HSET', K_META, 'tat', fmt(math.max(tat, now * 1000) + l_pace))
   end
-  redis.call('HINCRBY', K_META, 'admitted', 1)
+  admitted_n = admitted_n + 1
   local n = in_flight()
-  if n >= eff then redis.call('HSET', K_META, 'last_full', fmt(now)) end
+  if n >= eff then set_full() end
   return { ld, rd, math.max(0, eff - n), eff, rpm_remaining() }
 end
 
 -- Frees a held slot; true iff it was held. The hold time feeds the `Retry-After` estimate.
-local function free(slot)
-  if redis.call('ZREM', K_LEASES, slot) == 0 then return false end
-  local h = redis.call('HGET', K_HELD, slot)
+-- `held`: the slot's `held` entry if the caller read it already (false: read, absent).
+local function free(slot, held)
+  if not lease_del(slot) then return false end
+  local h = held
+  if h == nil then h = redis.call('HGET', K_HELD, slot) end
   redis.call('HDEL', K_HELD, slot)
   local granted_at = h and tonumber(string.match(h, ':(%d+)$'))
   if granted_at then
     local sample = math.max(0, now - granted_at)
-    local mean = tonumber(redis.call('HGET', K_META, 'hold'))
+    local mean = hold_get()
     if mean then mean = mean - math.floor(mean / 4) + math.floor(sample / 4) else mean = sample end
-    redis.call('HSET', K_META, 'hold', fmt(mean))
+    hold_mean, hold_dirty = mean, true
   end
   return true
 end
@@ -223,10 +279,13 @@ local woken = {}
 local collect_own = false
 local own_grants = {}
 
+-- Publishes the wake-ups decided so far, once each (an operation publishes before it returns;
+-- several in one call publish each their own).
 local function publish()
   for n in pairs(woken) do
     redis.call('PUBLISH', wake_prefix .. n, pool)
   end
+  woken = {}
 end
 
 -- The oldest waiter of the highest class present (within a class, lowest round first: with
@@ -270,7 +329,7 @@ local function dispatch()
           -- counts as dead: a grant to a node that died with waiters queued comes back within
           -- that, not a lease term later. Collecting extends the lease (`collect_grant`).
           local uncollected = math.min(g[1], now + node_ttl)
-          redis.call('ZADD', K_LEASES, uncollected, slot)
+          lease_set(uncollected, slot)
           redis.call('HSET', K_GRANTS, m, slot .. ':' .. fmt(uncollected) .. rest .. '|' .. fmt(g[1]))
           -- An uncollected grant is forgotten with its lease (the slot itself expires then too).
           redis.call('ZADD', K_DEADLINES, uncollected, m)
@@ -291,21 +350,28 @@ local function collect_grant(m)
   redis.call('ZREM', K_DEADLINES, m)
   local slot, rest, leased = string.match(g, '^(%x+):%d+(:[^|]*)|(%d+)$')
   if not slot then return g end
-  redis.call('ZADD', K_LEASES, 'XX', leased, slot)
+  lease_set(leased, slot, 'XX')
   return slot .. ':' .. leased .. rest
 end
 
 -- Reclaims expired leases, forgets stale tickets, admits whoever can go. `full` (the periodic
 -- and rare calls: tick, snapshot) also tidies what no admission depends on: dead nodes, the
 -- admission times of an RPM gate no longer in force, the fair-share rounds of an empty queue.
+-- Expiry is swept once per call: the time does not move within a call, and nothing a call
+-- writes expires at that same time (leases and deadlines are set into the future), so a second
+-- sweep by a later operation of the same call would find nothing.
+local swept = false
 local function settle(full)
-  local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now)
-  for _, slot in ipairs(expired) do
-    redis.call('ZREM', K_LEASES, slot)
-    redis.call('HDEL', K_HELD, slot)
+  if not swept then
+    swept = true
+    local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now)
+    for _, slot in ipairs(expired) do
+      lease_del(slot)
+      redis.call('HDEL', K_HELD, slot)
+    end
+    local stale = redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', now)
+    for _, m in ipairs(stale) do forget(m) end
   end
-  local stale = redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', now)
-  for _, m in ipairs(stale) do forget(m) end
   if full then
     redis.call('ZREMRANGEBYSCORE', K_NODES, '-inf', '(' .. fmt(now))
     if not rpm_limit then redis.call('DEL', K_RPM) end
@@ -353,7 +419,7 @@ local function retry_after(reason)
     if not t then return -1 end
     return math.max(0, t - now)
   end
-  local mean = tonumber(redis.call('HGET', K_META, 'hold'))
+  local mean = hold_get()
   if not mean then return -1 end
   return math.max(1, math.ceil(mean * (queued() + 1) / math.max(eff, 1)))
 end

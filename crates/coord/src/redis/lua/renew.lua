@@ -16,7 +16,7 @@ for i = 13, #ARGV do
   if not d and not h and quiet_until > now and in_flight() < eff then
     rd = now + cfg_request_ms
     d = math.min(now + cfg_term_ms, rd)
-    redis.call('ZADD', K_LEASES, d, slot)
+    lease_set(d, slot)
     redis.call('HSET', K_HELD, slot, fmt(rd) .. ':' .. fmt(now))
     table.insert(out, 1)
     table.insert(out, d)
@@ -28,7 +28,7 @@ for i = 13, #ARGV do
     table.insert(out, d)
   else
     local nd = math.min(now + cfg_term_ms, rd)
-    redis.call('ZADD', K_LEASES, 'XX', nd, slot)
+    lease_set(nd, slot, 'XX')
     table.insert(out, 1)
     table.insert(out, nd)
   end

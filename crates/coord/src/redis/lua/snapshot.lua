@@ -3,6 +3,8 @@
 -- admitted, refused}, -1 for what is absent.
 settle(true)
 publish()
+finish()
+admitted_n = 0
 local t = redis.call('HMGET', K_LEARNED, 'throttle_at', 'throttle_cause')
 local m = redis.call('HMGET', K_META, 'admitted', 'refused')
 local pu = -1
