@@ -65,6 +65,11 @@ pub struct RedisTokens {
     script: Script,
 }
 
+/// A charge's field in the ledger's `charges` hash.
+fn charge_field(id: u128) -> String {
+    format!("{id:032x}")
+}
+
 fn num(v: Option<u64>) -> String {
     v.and_then(|v| i64::try_from(v).ok())
         .unwrap_or(-1)
@@ -109,7 +114,7 @@ impl RedisTokens {
             .arg(settings.tpm)
             .arg(settings.window_ms.max(1))
             .arg(HOLD_TTL_MS)
-            .arg(id.map(|id| format!("{id:032x}")).unwrap_or_default());
+            .arg(id.map(charge_field).unwrap_or_default());
         for a in extra {
             inv.arg(a);
         }
@@ -190,6 +195,36 @@ impl RedisTokens {
             ],
         };
         Ok(self.call("finish", settings, Some(id), &extra).await?.1)
+    }
+
+    /// [`RedisTokens::finish`] if the ledger holds charge `id` (one `HEXISTS` first); `None`
+    /// when it does not: nothing to finish, and the ledger's script is not run. For a node
+    /// with no budget in force, whose charges are rare: a lock released there cannot tell
+    /// whether the node that granted it charged it, so it reports every release.
+    pub async fn finish_if_charged(
+        &self,
+        settings: &TokenSettings,
+        id: u128,
+        actual: Option<Usage>,
+    ) -> Result<Option<TokenView>, CallError> {
+        // A charge is written before its lease or request goes on, so one that is not there
+        // now never will be; finishing an unknown charge changes nothing in the ledger.
+        if !self.has_charge(id).await? {
+            return Ok(None);
+        }
+        self.finish(settings, id, actual).await.map(Some)
+    }
+
+    /// Whether the ledger holds charge `id` (one `HEXISTS`).
+    async fn has_charge(&self, id: u128) -> Result<bool, CallError> {
+        let mut conn = self.node.conn.clone();
+        let timeout = self.node.options.command_timeout;
+        let mut cmd = ::redis::cmd("HEXISTS");
+        cmd.arg(&self.keys[0]).arg(charge_field(id));
+        let found: bool = tokio::time::timeout(timeout, cmd.query_async(&mut conn))
+            .await
+            .map_err(|_| CallError::Timeout(timeout))??;
+        Ok(found)
     }
 
     /// Takes a charge back whole (its request never reached the origin).

@@ -528,6 +528,23 @@ async fn the_token_budget_is_one_across_nodes() {
     let v = ta.peek(&s).await.unwrap();
     assert_eq!((v.remaining, v.admitted_tokens), (Some(500), 500));
     assert_eq!(v.source, Some(BudgetSource::Configured));
+    // A charge the ledger never had (a lease granted with no budget in force) has nothing to
+    // finish, whatever usage is reported for it; one it has is finished.
+    assert!(tb
+        .finish_if_charged(&s, 99, Some(Usage::Total(5_000)))
+        .await
+        .unwrap()
+        .is_none());
+    let v = ta.peek(&s).await.unwrap();
+    assert_eq!((v.remaining, v.admitted_tokens), (Some(500), 500));
+    let v = tb
+        .finish_if_charged(&s, 1, Some(Usage::Total(200)))
+        .await
+        .unwrap()
+        .expect("charge 1 is in the ledger");
+    assert_eq!(v.remaining, Some(400));
+    let v = tb.finish(&s, 1, Some(Usage::Total(100))).await.unwrap();
+    assert_eq!(v.remaining, Some(500));
     assert_eq!(ta.refund(&s, 4).await.unwrap().remaining, Some(900));
 
     // An announcement (no configured budget): what was admitted after the answered request is

@@ -425,14 +425,23 @@ async fn reporter(sh: Weak<Shared>, mut rx: mpsc::UnboundedReceiver<Report>) {
         let settings = sh.settings();
         let l = &sh.ledger;
         let done = match report {
-            Report::Finish(id, usage) => l.finish(&settings, id, usage).await,
-            Report::Refund(id) => l.refund(&settings, id).await,
-            Report::Unhold(id) => l.unhold(&settings, id).await,
+            // With no budget in force here, most releases were never charged (a lock's
+            // releasing node cannot tell): ask whether the ledger has the charge first.
+            Report::Finish(id, usage) if settings.tpm == 0 && sh.view().source.is_none() => {
+                l.finish_if_charged(&settings, id, usage).await
+            }
+            Report::Finish(id, usage) => l.finish(&settings, id, usage).await.map(Some),
+            Report::Refund(id) => l.refund(&settings, id).await.map(Some),
+            Report::Unhold(id) => l.unhold(&settings, id).await.map(Some),
             Report::Observe(..) if !settings.learn => continue,
-            Report::Observe(id, part, window) => l.observe(&settings, id, part, window).await,
+            Report::Observe(id, part, window) => {
+                l.observe(&settings, id, part, window).await.map(Some)
+            }
         };
         match done {
-            Ok(view) => {
+            // Nothing to finish: the ledger has no such charge.
+            Ok(None) => {}
+            Ok(Some(view)) => {
                 sh.seen(view);
                 // Room may have come back for this node's waiters.
                 sh.wake.notify_one();
