@@ -13,19 +13,22 @@
 local function op_acquire(slot, fkey, class, lease_ms, may_wait, wait_ms, grace, hold_grace)
   collect_own = false
   settle()
-  if redis.call('ZSCORE', K_LEASES, slot) then
-    -- A reused id would corrupt the books; refusing is the only safe answer.
+  -- A reused id would corrupt the books; refusing is the only safe answer (ids are random, so
+  -- this never happens in practice). `admit` refuses one itself; a waiter is checked here.
+  local function reused()
     local h = headers()
     return { 'refused', now, 'no_slot', -1, h[1], h[2], h[3] }
   end
   local b = blocker()
-  if b == 'no_slot' then set_full() end
   -- Admitted at once only if nobody waits (no overtaking).
   if not b and queued() == 0 then
     local g = admit(slot, lease_ms, hold_grace)
+    if not g then return reused() end
     publish()
     return { 'admitted', now, g[1], g[2], g[3], g[4], g[5] }
   end
+  if redis.call('ZSCORE', K_LEASES, slot) then return reused() end
+  if b == 'no_slot' then set_full() end
   if may_wait and queued() < cfg_queue then
     heartbeat()
     if cfg_fair and queued() == 0 then

@@ -220,11 +220,12 @@ end
 
 -- `hold_grace` keeps the slot past its request deadline for a holder that ends the exchange
 -- itself (see `EXCHANGE_GRACE_MS`); the holder is told the request deadline without it.
+-- Nil (nothing changed) if the slot id is leased already.
 local function admit(slot, lease_ms, hold_grace)
   local rd = now + cfg_request_ms
   local held_until = rd + hold_grace
   local ld = math.min(now + lease_ms, held_until)
-  lease_set(ld, slot)
+  if not lease_set(ld, slot, 'NX') then return nil end
   redis.call('HSET', K_HELD, slot, fmt(held_until) .. ':' .. fmt(now))
   if rpm_limit then redis.call('ZADD', K_RPM, now, slot) end
   if l_pace then
@@ -317,8 +318,9 @@ local function dispatch()
     if meta then
       local _, _, lease_ms, wnode, slot, hold_grace = parse_waiter(meta)
       local alive = tonumber(redis.call('ZSCORE', K_NODES, wnode))
-      if slot and alive and alive >= now then
-        local g = admit(slot, lease_ms, hold_grace or 0)
+      local g = nil
+      if slot and alive and alive >= now then g = admit(slot, lease_ms, hold_grace or 0) end
+      if g then
         local rest = ':' .. fmt(g[2]) .. ':' .. fmt(g[3]) .. ':' .. fmt(g[4]) .. ':' .. fmt(g[5])
         if collect_own and wnode == node then
           table.insert(own_grants, m)
