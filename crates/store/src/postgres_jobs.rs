@@ -207,7 +207,10 @@ fn attempt_from_row(row: &Row) -> Result<DeliveryAttempt> {
 ///   claim, and the new state when the round and status still allow it), and, after the record
 ///   that deactivated its destination, the failure of what is still pending.
 ///
-/// Pending deliveries of a deactivated destination that no record names are failed by `sw`.
+/// Pending deliveries of a deactivated destination that no record names are failed by `sw`,
+/// which reads nothing when the batch deactivated nothing (its `EXISTS` is decided once, before
+/// any scan: without it, a plan that put `deliveries` first read every pending delivery of
+/// every destination per batch).
 /// Rows are locked (in id order) before they are read, so the fold starts from their latest
 /// committed state, as the one-statement-per-step version did.
 const RECORD_ATTEMPTS: &str = "WITH RECURSIVE \
@@ -286,8 +289,8 @@ const RECORD_ATTEMPTS: &str = "WITH RECURSIVE \
       FROM fdv x WHERE d.id = x.id), \
     sw AS (UPDATE deliveries d SET status = 'failed', last_error = 'destination deactivated', \
         updated_at = da.at FROM da \
-      WHERE d.destination_id = da.destination_id AND d.status = 'pending' \
-        AND d.id NOT IN (SELECT id FROM dv)), \
+      WHERE EXISTS (SELECT 1 FROM da) AND d.destination_id = da.destination_id \
+        AND d.status = 'pending' AND d.id NOT IN (SELECT id FROM dv)), \
     ins AS (INSERT INTO delivery_attempts (delivery_id, job_id, destination_id, pool, attempt, \
         at, status_code, latency_ms, response_body, error, manual, outcome) \
       SELECT delivery_id, job_id, destination_id, pool, attempt, at, status_code, latency_ms, \
