@@ -59,6 +59,27 @@ impl Probe {
     }
 }
 
+/// CPU time the whole machine spent so far (user, nice, system, irq and softirq of every core,
+/// from `/proc/stat`; not idle, I/O wait or steal): for a benchmark whose parts (the servers,
+/// the database, Redis, the load) all run on this machine and are measured together.
+pub fn machine_cpu(ticks_per_second: u64) -> Option<Duration> {
+    let text = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = text.lines().find(|l| l.starts_with("cpu "))?;
+    let ticks: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .map(|f| f.parse().unwrap_or(0))
+        .collect();
+    // user nice system idle iowait irq softirq steal ...
+    let busy: u64 = [0, 1, 2, 5, 6]
+        .iter()
+        .map(|&i| ticks.get(i).copied().unwrap_or(0))
+        .sum();
+    Some(Duration::from_secs_f64(
+        busy as f64 / ticks_per_second.max(1) as f64,
+    ))
+}
+
 /// Microseconds of CPU per operation, for a table cell.
 pub fn per_op(cpu: Duration, ops: u64) -> String {
     if ops == 0 {
@@ -77,6 +98,15 @@ mod tests {
         assert!(stat(me).is_some());
         assert!(Probe::new(me, 100).is_ok());
         assert!(Probe::new(u32::MAX, 100).is_err());
+    }
+
+    #[test]
+    fn the_machine_has_spent_some_cpu() {
+        let Some(spent) = machine_cpu(100) else {
+            panic!("no /proc/stat to read");
+        };
+        assert!(spent > Duration::ZERO);
+        assert!(machine_cpu(100).is_some_and(|later| later >= spent));
     }
 
     #[test]

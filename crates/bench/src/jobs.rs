@@ -29,6 +29,7 @@ use hyper::{Request, Response, StatusCode};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
+use crate::cpu::{machine_cpu, per_op, Probe};
 use crate::BoxError;
 
 const KEY: &str = "bench-jobs-key-0123456789";
@@ -57,6 +58,9 @@ pub struct JobsArgs {
     /// `server.coordination_prefix` (keep runs apart in a shared Redis).
     #[arg(long, default_value = "nthbouncer-bench-jobs")]
     coordination_prefix: String,
+    /// Clock ticks per second of `/proc/stat` (`getconf CLK_TCK`).
+    #[arg(long, default_value_t = 100)]
+    clk_tck: u64,
 }
 
 /// An upstream that answers every request (and every webhook) with a small body, counting them.
@@ -181,6 +185,8 @@ pub async fn run(args: JobsArgs) -> Result<(), BoxError> {
     let (sync_time, sync_ok) =
         phase(addr, args.requests, args.concurrency, false, StatusCode::OK).await?;
     let before = served.load(Ordering::Relaxed);
+    let me = Probe::new(std::process::id(), args.clk_tck)?;
+    let (machine_before, me_before) = (machine_cpu(args.clk_tck), me.cpu());
     let accept_start = Instant::now();
     let (accept_time, accepted) = phase(
         addr,
@@ -196,6 +202,10 @@ pub async fn run(args: JobsArgs) -> Result<(), BoxError> {
     }
     let complete_time = accept_start.elapsed();
     let completed = served.load(Ordering::Relaxed).saturating_sub(before);
+    let machine_spent = machine_cpu(args.clk_tck)
+        .zip(machine_before)
+        .map(|(after, before)| after.saturating_sub(before));
+    let me_spent = me.cpu().saturating_sub(me_before);
     for running in nodes {
         running.shutdown().await;
     }
@@ -223,6 +233,18 @@ pub async fn run(args: JobsArgs) -> Result<(), BoxError> {
         "ratios: accepted/sync {:.2}, completed/sync {:.2}",
         accept_rate / sync_rate.max(1e-9),
         complete_rate / sync_rate.max(1e-9)
+    );
+    // The async phases' CPU per job completed: the whole machine (the store's database, Redis
+    // and anything else running count too) and this process (the nodes, the clients and the
+    // origin); steadier than the rates on a machine whose load moves.
+    let machine = machine_spent.map_or_else(|| "-".to_string(), |m| per_op(m, completed));
+    let rest = machine_spent.map_or_else(
+        || "-".to_string(),
+        |m| per_op(m.saturating_sub(me_spent), completed),
+    );
+    println!(
+        "CPU per job (µs, async phases): machine {machine}, this process (nodes, clients, origin) {}, the rest (database, Redis, other) {rest}",
+        per_op(me_spent, completed)
     );
     if completed < accepted {
         return Err(format!("only {completed} of {accepted} accepted jobs completed").into());
