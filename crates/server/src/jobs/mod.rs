@@ -16,7 +16,6 @@
 //!
 //! Webhook delivery of finished jobs is the webhooks feature's (the outbox rows written here).
 
-pub mod attempt_writes;
 pub mod backlog;
 pub mod backoff;
 pub mod claims;
@@ -24,6 +23,7 @@ pub mod drain;
 pub mod intake;
 pub mod routes;
 pub mod runner;
+pub mod starts;
 pub mod sweep;
 pub mod view;
 
@@ -57,8 +57,8 @@ use crate::upstream::SharedClient;
 pub struct Jobs {
     pub store: Arc<dyn JobStore>,
     pub intake: JobIntake,
-    /// The batching writers of attempt starts and finishes.
-    pub attempt_writes: attempt_writes::AttemptWrites,
+    /// The batching writer of attempt starts.
+    pub starts: starts::AttemptStarts,
     pub pools: Arc<Pools>,
     pub client: Arc<SharedClient>,
     pub clock: Arc<dyn Clock>,
