@@ -269,6 +269,53 @@ const RECORD_ATTEMPTS: &str = "WITH RECURSIVE \
     SELECT delivery_id IN (SELECT id FROM dv), changed, deact FROM rs ORDER BY n";
 
 impl PgStore {
+    /// Runs `sql` ([`RECORD_ATTEMPTS`], or it under `EXPLAIN` in a test) with `records` as its
+    /// parameters.
+    async fn run_record_attempts(&self, sql: &str, records: &[AttemptRecord]) -> Result<Vec<Row>> {
+        let col = |f: fn(&AttemptRecord) -> i64| records.iter().map(f).collect::<Vec<i64>>();
+        let text = |f: fn(&AttemptRecord) -> &str| records.iter().map(f).collect::<Vec<&str>>();
+        let opt = |f: fn(&AttemptRecord) -> Option<&str>| {
+            records.iter().map(f).collect::<Vec<Option<&str>>>()
+        };
+        let flag = |f: fn(&AttemptRecord) -> bool| records.iter().map(f).collect::<Vec<bool>>();
+        let codes: Vec<Option<i64>> = records
+            .iter()
+            .map(|r| r.status_code.map(i64::from))
+            .collect();
+        let next = text(|r| match r.next {
+            DeliveryNext::Delivered => "delivered",
+            DeliveryNext::Retry { .. } => "retry",
+            DeliveryNext::Failed => "failed",
+        });
+        let conn = self.conn().await?;
+        query(
+            &conn,
+            "record_attempts",
+            sql,
+            &[
+                &col(|r| big(r.delivery_id)),
+                &col(|r| i64::from(r.round)),
+                &text(|r| &r.job_id),
+                &text(|r| &r.destination_id),
+                &text(|r| &r.pool),
+                &col(|r| i64::from(r.attempt)),
+                &col(|r| big(r.at)),
+                &codes,
+                &col(|r| big(r.latency_ms)),
+                &opt(|r| r.response_body.as_deref()),
+                &opt(|r| r.error.as_deref()),
+                &flag(|r| r.manual),
+                &next,
+                &col(|r| match r.next {
+                    DeliveryNext::Retry { at } => big(at),
+                    _ => 0,
+                }),
+                &flag(|r| r.gone),
+            ],
+        )
+        .await
+    }
+
     /// Starts a run attempt ([`JobStore::start_attempt`]), returning `columns` of the started
     /// job (none if it is terminal, gone or held by another live node). The attempt claims the
     /// job for this node until the lease ends, unless another live node holds it (that node runs
@@ -999,49 +1046,8 @@ impl JobStore for PgStore {
         if records.is_empty() {
             return Ok(Vec::new());
         }
-        let col = |f: fn(&AttemptRecord) -> i64| records.iter().map(f).collect::<Vec<i64>>();
-        let text = |f: fn(&AttemptRecord) -> &str| records.iter().map(f).collect::<Vec<&str>>();
-        let opt = |f: fn(&AttemptRecord) -> Option<&str>| {
-            records.iter().map(f).collect::<Vec<Option<&str>>>()
-        };
-        let flag = |f: fn(&AttemptRecord) -> bool| records.iter().map(f).collect::<Vec<bool>>();
-        let codes: Vec<Option<i64>> = records
-            .iter()
-            .map(|r| r.status_code.map(i64::from))
-            .collect();
-        let next = text(|r| match r.next {
-            DeliveryNext::Delivered => "delivered",
-            DeliveryNext::Retry { .. } => "retry",
-            DeliveryNext::Failed => "failed",
-        });
-        let conn = self.conn().await?;
         // One statement (one round trip, one transaction): see `RECORD_ATTEMPTS`.
-        let found = query(
-            &conn,
-            "record_attempts",
-            RECORD_ATTEMPTS,
-            &[
-                &col(|r| big(r.delivery_id)),
-                &col(|r| i64::from(r.round)),
-                &text(|r| &r.job_id),
-                &text(|r| &r.destination_id),
-                &text(|r| &r.pool),
-                &col(|r| i64::from(r.attempt)),
-                &col(|r| big(r.at)),
-                &codes,
-                &col(|r| big(r.latency_ms)),
-                &opt(|r| r.response_body.as_deref()),
-                &opt(|r| r.error.as_deref()),
-                &flag(|r| r.manual),
-                &next,
-                &col(|r| match r.next {
-                    DeliveryNext::Retry { at } => big(at),
-                    _ => 0,
-                }),
-                &flag(|r| r.gone),
-            ],
-        )
-        .await?;
+        let found = self.run_record_attempts(RECORD_ATTEMPTS, records).await?;
         rows(found, |row| {
             Ok(AttemptApplied {
                 recorded: get(row, 0)?,
@@ -1144,5 +1150,140 @@ impl JobStore for PgStore {
         }
         tx.commit().await.ctx("redeliver_job")?;
         Ok(Redeliver::Queued(queued))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::JobRequest;
+    use nthbouncer_testkit::pg::TestDb;
+
+    fn destination(id: &str) -> StoredDestination {
+        StoredDestination {
+            id: id.into(),
+            pool: "p".into(),
+            url: format!("https://hooks.example.com/{id}"),
+            secret: "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".into(),
+            active: true,
+            deactivate_after: 20,
+            consecutive_failures: 0,
+            deactivated_at: None,
+            managed_by: "api".into(),
+            created_at: 1,
+            previous_secret: None,
+            previous_secret_expires_at: None,
+        }
+    }
+
+    /// Finishes job `id` with one pending delivery to `dest`.
+    async fn finished(store: &PgStore, id: &str, dest: &str) {
+        let job = NewJob {
+            id: id.into(),
+            pool: "p".into(),
+            reason: "requested".into(),
+            key_id: "key_1".into(),
+            fairness: 1,
+            priority: "normal".into(),
+            created_at: 1_000,
+            expires_at: 90_000_000,
+            retention_ms: 86_400_000,
+            destinations: 1,
+            request: JobRequest {
+                method: "GET".into(),
+                path_and_query: "/".into(),
+                headers: vec![],
+                body: vec![],
+            },
+            request_id: None,
+        };
+        store.insert_jobs(&[job]).await.unwrap();
+        let attempt = store.start_attempt(id, 1_000).await.unwrap().unwrap();
+        let failed = Finish::Failed("x".into());
+        assert!(store
+            .finish_attempt(id, attempt, &failed, 1_000, &[dest.to_string()])
+            .await
+            .unwrap());
+    }
+
+    /// The plan `record_attempts` ran for `records`, as `EXPLAIN ANALYZE` shows it; only the
+    /// lines of its sweep (`sw`) of a deactivated destination's pending deliveries.
+    async fn sweep_plan(store: &PgStore, records: &[AttemptRecord]) -> String {
+        let sql = format!("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) {RECORD_ATTEMPTS}");
+        let plan: Vec<String> = store
+            .run_record_attempts(&sql, records)
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let start = plan.iter().position(|l| l.trim() == "CTE sw").unwrap();
+        let indent = plan[start].len() - plan[start].trim_start().len();
+        let end = plan[start + 1..]
+            .iter()
+            .position(|l| l.len() - l.trim_start().len() <= indent)
+            .map_or(plan.len(), |n| start + 1 + n);
+        plan[start..end].join("\n")
+    }
+
+    /// A batch that deactivates nothing reads none of the other destinations' pending
+    /// deliveries (however many): the sweep's scan is gated by a one-time filter and never
+    /// runs. A batch that deactivates its destination runs it.
+    #[tokio::test]
+    async fn the_deactivation_sweep_reads_nothing_unless_a_destination_was_deactivated() {
+        let db = TestDb::create().await;
+        let store = PgStore::connect_node(&db.url, 60_000).await.unwrap();
+        for id in ["wh_a", "wh_b"] {
+            store.create_destination(&destination(id)).await.unwrap();
+        }
+        for n in 0..40 {
+            finished(&store, &format!("job_b{n}"), "wh_b").await;
+        }
+        finished(&store, "job_a1", "wh_a").await;
+        finished(&store, "job_a2", "wh_a").await;
+        let due = store.due_deliveries("wh_a", 2_000, 10, &[]).await.unwrap();
+        assert_eq!(due.len(), 2);
+        let record = |d: &DueDelivery, status: u16, next: DeliveryNext| AttemptRecord {
+            delivery_id: d.id,
+            round: d.round,
+            job_id: d.job.id.clone(),
+            destination_id: d.destination.id.clone(),
+            pool: d.job.pool.clone(),
+            attempt: d.attempts + 1,
+            at: 2_000,
+            status_code: Some(status),
+            latency_ms: 3,
+            response_body: None,
+            error: None,
+            manual: false,
+            next,
+            gone: status == 410,
+        };
+
+        let delivered = sweep_plan(&store, &[record(&due[0], 200, DeliveryNext::Delivered)]).await;
+        assert!(delivered.contains("One-Time Filter"), "{delivered}");
+        assert!(delivered.contains("never executed"), "{delivered}");
+        let scans: Vec<&str> = delivered
+            .lines()
+            .filter(|l| l.contains(" on deliveries") && !l.contains("Update on"))
+            .collect();
+        assert!(!scans.is_empty(), "{delivered}");
+        assert!(
+            scans.iter().all(|l| l.contains("never executed")),
+            "{delivered}"
+        );
+
+        // 410 Gone: wh_a is deactivated, and the sweep runs (and fails its other delivery).
+        let gone = sweep_plan(&store, &[record(&due[1], 410, DeliveryNext::Failed)]).await;
+        let scans: Vec<&str> = gone
+            .lines()
+            .filter(|l| l.contains(" on deliveries") && !l.contains("Update on"))
+            .collect();
+        assert!(!scans.is_empty(), "{gone}");
+        assert!(
+            scans.iter().all(|l| !l.contains("never executed")),
+            "{gone}"
+        );
     }
 }
