@@ -268,7 +268,127 @@ const RECORD_ATTEMPTS: &str = "WITH RECURSIVE \
       FROM rs WHERE delivery_id IN (SELECT id FROM dv) ORDER BY n) \
     SELECT delivery_id IN (SELECT id FROM dv), changed, deact FROM rs ORDER BY n";
 
+/// One delivered attempt of a batch in which every attempt was delivered (see
+/// [`PgStore::record_deliveries`]), as SQLite applies it: the attempt counted, the delivery
+/// delivered unless a redelivery started another round meanwhile or it already was, its claim
+/// let go, and the attempt logged — nothing if the delivery is gone. Every `SET` reads the row as
+/// it was, so `applies` is the round-and-status check of that row.
+const RECORD_DELIVERED: &str = "WITH d AS (UPDATE deliveries SET attempts = attempts + 1, \
+      status = CASE WHEN round = $2 AND status <> 'delivered' THEN 'delivered' ELSE status END, \
+      round_attempts = round_attempts + CASE WHEN round = $2 AND status <> 'delivered' \
+        THEN 1 ELSE 0 END, \
+      last_status = CASE WHEN round = $2 AND status <> 'delivered' THEN $3 ELSE last_status END, \
+      last_error = CASE WHEN round = $2 AND status <> 'delivered' THEN NULL ELSE last_error END, \
+      delivered_at = CASE WHEN round = $2 AND status <> 'delivered' THEN $4 \
+        ELSE delivered_at END, \
+      updated_at = CASE WHEN round = $2 AND status <> 'delivered' THEN $4 ELSE updated_at END, \
+      claimed_by = NULL, claim_until = NULL \
+    WHERE id = $1 RETURNING id) \
+    INSERT INTO delivery_attempts (delivery_id, job_id, destination_id, pool, attempt, at, \
+      status_code, latency_ms, response_body, error, manual, outcome) \
+    SELECT id, $5, $6, $7, $8, $4, $3, $9, $10, $11, $12, 'delivered' FROM d";
+
 impl PgStore {
+    /// [`JobStore::record_attempts`] for a batch in which every attempt was delivered, the common
+    /// batch: a streak can only reset, so nothing is deactivated and no record depends on
+    /// another's outcome but through its own delivery's row. Short statements, each a probe by
+    /// key, sent together (pipelined) in one transaction, rather than [`RECORD_ATTEMPTS`]: that
+    /// one statement, planned afresh on most calls, cost about 2 ms to plan and 1 ms to run
+    /// for a batch of three on three nodes (pg_stat_statements), the largest share of the
+    /// database's time per webhook delivered.
+    ///
+    /// Destinations are reset first, each once, in id order (the order [`RECORD_ATTEMPTS`]
+    /// locks them in), and only a destination whose streak moves is locked, so concurrent
+    /// batches of other nodes do not queue on a healthy destination's row.
+    async fn record_deliveries(&self, records: &[AttemptRecord]) -> Result<Vec<AttemptApplied>> {
+        const WHAT: &str = "record_attempts";
+        let mut destinations: Vec<&str> =
+            records.iter().map(|r| r.destination_id.as_str()).collect();
+        destinations.sort_unstable();
+        destinations.dedup();
+        let mut conn = self.conn().await?;
+        let tx = conn.transaction().await.ctx(WHAT)?;
+        let reset = tx
+            .prepare_cached(
+                "UPDATE webhook_destinations SET consecutive_failures = 0 \
+                 WHERE id = $1 AND consecutive_failures <> 0",
+            )
+            .await
+            .ctx(WHAT)?;
+        let delivered = tx.prepare_cached(RECORD_DELIVERED).await.ctx(WHAT)?;
+        let (client, reset, delivered) = (&tx, &reset, &delivered);
+        let resets = futures_util::future::try_join_all(
+            destinations
+                .iter()
+                .map(|d| async move { client.execute(reset, &[d]).await }),
+        );
+        let codes: Vec<Option<i64>> = records
+            .iter()
+            .map(|r| r.status_code.map(i64::from))
+            .collect();
+        let rows: Vec<[i64; 5]> = records
+            .iter()
+            .map(|r| {
+                [
+                    big(r.delivery_id),
+                    i64::from(r.round),
+                    big(r.at),
+                    i64::from(r.attempt),
+                    big(r.latency_ms),
+                ]
+            })
+            .collect();
+        let logged = futures_util::future::try_join_all(records.iter().zip(&rows).zip(&codes).map(
+            |((r, [id, round, at, attempt, latency]), code)| async move {
+                client
+                    .execute(
+                        delivered,
+                        &[
+                            id,
+                            round,
+                            code,
+                            at,
+                            &r.job_id,
+                            &r.destination_id,
+                            &r.pool,
+                            attempt,
+                            latency,
+                            &r.response_body,
+                            &r.error,
+                            &r.manual,
+                        ],
+                    )
+                    .await
+            },
+        ));
+        // Sent in this order, on one connection: the resets, then every record in order.
+        let (resets, logged) = futures_util::future::try_join(resets, logged)
+            .await
+            .ctx(WHAT)?;
+        tx.commit().await.ctx(WHAT)?;
+        // A destination's reset is its first record's, as when recorded one by one.
+        let mut moved: Vec<(&str, bool)> = destinations
+            .iter()
+            .zip(&resets)
+            .map(|(d, n)| (*d, *n > 0))
+            .collect();
+        Ok(records
+            .iter()
+            .zip(logged)
+            .map(|(r, n)| {
+                let streak_changed = match moved.iter_mut().find(|(d, _)| *d == r.destination_id) {
+                    Some((_, moved)) => std::mem::take(moved),
+                    None => false,
+                };
+                AttemptApplied {
+                    recorded: n > 0,
+                    streak_changed,
+                    deactivated: false,
+                }
+            })
+            .collect())
+    }
+
     /// Runs `sql` ([`RECORD_ATTEMPTS`], or it under `EXPLAIN` in a test) with `records` as its
     /// parameters.
     async fn run_record_attempts(&self, sql: &str, records: &[AttemptRecord]) -> Result<Vec<Row>> {
@@ -1045,6 +1165,9 @@ impl JobStore for PgStore {
     async fn record_attempts(&self, records: &[AttemptRecord]) -> Result<Vec<AttemptApplied>> {
         if records.is_empty() {
             return Ok(Vec::new());
+        }
+        if records.iter().all(|r| r.next == DeliveryNext::Delivered) {
+            return self.record_deliveries(records).await;
         }
         // One statement (one round trip, one transaction): see `RECORD_ATTEMPTS`.
         let found = self.run_record_attempts(RECORD_ATTEMPTS, records).await?;

@@ -18,6 +18,7 @@ conformance!(
     undeliverable_rotation_and_retention,
     expiry_writes_history_and_outbox_and_retries_are_fenced,
     a_batch_of_attempts_applies_in_order,
+    a_batch_of_deliveries_applies_in_order,
     a_job_an_earlier_version_left_accepted_is_queued_once,
 );
 
@@ -741,6 +742,138 @@ async fn a_batch_of_attempts_applies_in_order(b: &Backend) {
             (2_080, "retrying"),
         ]
     );
+}
+
+/// A batch in which every attempt was delivered (PostgreSQL records it statement by statement,
+/// not with the batch statement failures need) applies as if each record were alone: a streak
+/// reset once (by the destination's first record), a second record of a delivered delivery
+/// counted but not applied, a record of an older round fenced, a record whose delivery is gone
+/// not logged, and a delivery that had failed attempts delivered.
+async fn a_batch_of_deliveries_applies_in_order(b: &Backend) {
+    let store = b.open().await;
+    store.create_destination(&dest("wh_a", 20)).await.unwrap();
+    store.create_destination(&dest("wh_b", 20)).await.unwrap();
+    for id in ["job_1", "job_2", "job_3"] {
+        finished(&*store, id, 1_000, &["wh_a", "wh_b"]).await;
+    }
+    let a = store.due_deliveries("wh_a", 1_000, 10, &[]).await.unwrap();
+    let wb = store.due_deliveries("wh_b", 1_000, 10, &[]).await.unwrap();
+    assert_eq!((a.len(), wb.len()), (3, 3));
+    let retry = DeliveryNext::Retry { at: 1_700 };
+    let failures = [
+        record(&a[2], 1_500, Some(500), retry),
+        record(&a[2], 1_600, Some(503), retry),
+    ];
+    store.record_attempts(&failures).await.unwrap();
+    assert_eq!(destination(&*store, "wh_a").await.consecutive_failures, 2);
+    let wh_a = vec!["wh_a".to_string()];
+    assert_eq!(
+        store
+            .redeliver_job("p", "job_2", &wh_a, 1_800)
+            .await
+            .unwrap(),
+        Redeliver::Queued(1)
+    );
+
+    let delivered = DeliveryNext::Delivered;
+    let mut gone_delivery = record(&wb[1], 2_040, Some(200), delivered);
+    gone_delivery.delivery_id = 999_999;
+    let batch = [
+        record(&a[0], 2_000, Some(200), delivered),
+        record(&wb[0], 2_010, Some(204), delivered),
+        record(&a[0], 2_020, Some(200), delivered),
+        record(&a[1], 2_030, Some(200), delivered),
+        gone_delivery,
+        record(&a[2], 2_050, Some(201), delivered),
+    ];
+    let applied = store.record_attempts(&batch).await.unwrap();
+    let got: Vec<(bool, bool, bool)> = applied
+        .iter()
+        .map(|a| (a.recorded, a.streak_changed, a.deactivated))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (true, true, false),
+            (true, false, false),
+            (true, false, false),
+            (true, false, false),
+            (false, false, false),
+            (true, false, false),
+        ]
+    );
+    let wh_a = destination(&*store, "wh_a").await;
+    assert_eq!((wh_a.active, wh_a.consecutive_failures), (true, 0));
+
+    let to = async |job: &str, dest: &str| {
+        let d = store
+            .job_deliveries(job)
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|d| d.destination_id == dest)
+            .unwrap();
+        (
+            d.status,
+            d.attempts,
+            d.last_status,
+            d.last_error,
+            d.delivered_at,
+            d.updated_at,
+        )
+    };
+    let (done, pending) = ("delivered".to_string(), "pending".to_string());
+    assert_eq!(
+        to("job_1", "wh_a").await,
+        (done.clone(), 2, Some(200), None, Some(2_000), 2_000),
+        "the second record of a delivered delivery is counted, not applied"
+    );
+    assert_eq!(
+        to("job_1", "wh_b").await,
+        (done.clone(), 1, Some(204), None, Some(2_010), 2_010)
+    );
+    assert_eq!(
+        to("job_2", "wh_a").await,
+        (pending, 1, None, None, None, 1_800),
+        "an older round's success does not close the redelivery"
+    );
+    assert_eq!(
+        to("job_3", "wh_a").await,
+        (done, 3, Some(201), None, Some(2_050), 2_050)
+    );
+
+    let mut log = store
+        .list_attempts(&AttemptQuery {
+            pool: "p".into(),
+            destination_id: Some("wh_a".into()),
+            limit: 100,
+            ..AttemptQuery::default()
+        })
+        .await
+        .unwrap();
+    log.reverse();
+    let outcomes: Vec<(u64, &str)> = log.iter().map(|a| (a.at, a.outcome.as_str())).collect();
+    assert_eq!(
+        outcomes,
+        [
+            (1_500, "retrying"),
+            (1_600, "retrying"),
+            (2_000, "delivered"),
+            (2_020, "delivered"),
+            (2_030, "delivered"),
+            (2_050, "delivered"),
+        ]
+    );
+    let to_b = store
+        .list_attempts(&AttemptQuery {
+            pool: "p".into(),
+            destination_id: Some("wh_b".into()),
+            limit: 100,
+            ..AttemptQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(to_b.len(), 1, "no log row for a delivery that is gone");
 }
 
 /// Jobs are inserted `queued` (with both first history steps); a row an earlier version stored
