@@ -240,6 +240,12 @@ const MIGRATIONS: &[&str] = &[
     DROP INDEX deliveries_pending;
     CREATE INDEX deliveries_pending ON deliveries (destination_id, next_attempt_at, id)
         WHERE status = 'pending';"#,
+    // v5: two indexes no statement reads since the ones above replaced them, yet written with
+    // every job finished (`jobs_terminal_updated`: a finish moves the row into its predicate)
+    // and every delivery inserted or attempted (`deliveries_destination_due`: a status or due
+    // time that changes is a new entry in every index of the row).
+    r#"DROP INDEX jobs_terminal_updated;
+    DROP INDEX deliveries_destination_due;"#,
 ];
 
 /// The schema version this build writes (`nthbouncer_schema.version`).
