@@ -180,6 +180,18 @@ pub enum Finish {
     Failed(String),
 }
 
+/// One attempt's end, as [`JobStore::finish_attempt`] takes it, for
+/// [`JobStore::finish_attempts`].
+#[derive(Clone, Copy, Debug)]
+pub struct AttemptEnd<'a> {
+    pub id: &'a str,
+    pub attempt: u32,
+    pub finish: &'a Finish,
+    pub now: u64,
+    /// One pending delivery per destination, in order (duplicates once).
+    pub destination_ids: &'a [String],
+}
+
 /// Delivery states of the outbox (`deliveries.status`).
 pub mod delivery_status {
     pub const PENDING: &str = "pending";
@@ -385,15 +397,15 @@ pub trait JobStore: Send + Sync + 'static {
             .await?
             .map(|attempt| (attempt, body)))
     }
-    /// Whether [`JobStore::start_attempts_with_body`] starts a batch in one go (one statement),
-    /// so that gathering starts pays; `false`: it only loops, and callers start jobs one by one,
-    /// concurrently.
-    fn starts_in_batches(&self) -> bool {
+    /// Whether [`JobStore::start_attempts_with_body`] and [`JobStore::finish_attempts`] write a
+    /// batch in one go (one statement), so that gathering attempt starts and finishes pays;
+    /// `false`: they only loop, and callers write each attempt on its own, concurrently.
+    fn attempts_in_batches(&self) -> bool {
         false
     }
     /// [`JobStore::start_attempt_with_body`] for several jobs, each `(id, now)` (distinct ids):
     /// one answer per job, in order. A store that can start them all in one statement does
-    /// (see [`JobStore::starts_in_batches`]); each start is decided on its own row, as if alone.
+    /// (see [`JobStore::attempts_in_batches`]); each start is decided on its own row, as if alone.
     async fn start_attempts_with_body(
         &self,
         jobs: &[(String, u64)],
@@ -416,6 +428,25 @@ pub trait JobStore: Send + Sync + 'static {
         now: u64,
         destination_ids: &[String],
     ) -> Result<bool>;
+    /// [`JobStore::finish_attempt`] for several attempts (of distinct jobs): one answer per
+    /// attempt, in order. A store that can finish them all in one statement does (see
+    /// [`JobStore::attempts_in_batches`]); each is fenced on its own row, as if alone.
+    async fn finish_attempts(&self, ends: &[AttemptEnd<'_>]) -> Result<Vec<bool>> {
+        let mut finished = Vec::with_capacity(ends.len());
+        for end in ends {
+            finished.push(
+                self.finish_attempt(
+                    end.id,
+                    end.attempt,
+                    end.finish,
+                    end.now,
+                    end.destination_ids,
+                )
+                .await?,
+            );
+        }
+        Ok(finished)
+    }
     /// Marks non-terminal jobs past `expires_at` as `expired`, with one pending delivery per active
     /// destination of their pool (`active_destinations`: pool → destination ids); returns their ids.
     async fn expire_jobs(

@@ -21,16 +21,16 @@ mod sqlite_leases;
 mod sqlite_log;
 
 pub use jobs::{
-    AttemptApplied, AttemptQuery, AttemptRecord, DeliveryAttempt, DeliveryNext, DeliveryState,
-    DueDelivery, Finish, JobCursor, JobEvent, JobRequest, JobResult, JobStore, NewJob, Redeliver,
-    Released, StoredDestination, StoredJob, UnfinishedJob,
+    AttemptApplied, AttemptEnd, AttemptQuery, AttemptRecord, DeliveryAttempt, DeliveryNext,
+    DeliveryState, DueDelivery, Finish, JobCursor, JobEvent, JobRequest, JobResult, JobStore,
+    NewJob, Redeliver, Released, StoredDestination, StoredJob, UnfinishedJob,
 };
 
 use serde::{Deserialize, Serialize};
 
 pub type Result<T> = std::result::Result<T, StoreError>;
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("already exists: {0}")]
     Conflict(String),

@@ -17,9 +17,9 @@ use crate::postgres::{
 };
 use crate::sqlite_jobs::{encode, RequestHead, ResultHead};
 use crate::{
-    AttemptApplied, AttemptQuery, AttemptRecord, DeliveryAttempt, DeliveryNext, DeliveryState,
-    DueDelivery, Finish, JobCursor, JobEvent, JobRequest, JobResult, JobStore, NewJob, Redeliver,
-    Released, Result, StoreError, StoredDestination, StoredJob, UnfinishedJob,
+    AttemptApplied, AttemptEnd, AttemptQuery, AttemptRecord, DeliveryAttempt, DeliveryNext,
+    DeliveryState, DueDelivery, Finish, JobCursor, JobEvent, JobRequest, JobResult, JobStore,
+    NewJob, Redeliver, Released, Result, StoreError, StoredDestination, StoredJob, UnfinishedJob,
 };
 
 /// A terminal job's `destinations` is the number of its deliveries (see `sqlite_jobs`).
@@ -60,6 +60,13 @@ const UNFINISHED: &str = "status IN ('accepted', 'queued', 'running')";
 /// `jobs_unfinished_pool` whole (estimated 20 entries, actually 559) joined to the batch,
 /// instead of 8 probes of the primary key (auto_explain, three nodes).
 const NOT_TERMINAL: &str = "status NOT IN ('completed', 'failed', 'expired')";
+
+/// `status = 'running'` in words no partial index's predicate is implied by (see
+/// [`NOT_TERMINAL`]): every other status a job can have ([`status::ALL`]) excluded. Without it
+/// a batch of finishes was planned as a read of the unfinished jobs' partial index whole,
+/// growing with the backlog (bench/RESULTS.md, "Finishes in batches").
+const STILL_RUNNING: &str =
+    "status NOT IN ('accepted', 'queued', 'completed', 'failed', 'expired')";
 
 const DEST_COLUMNS: &str =
     "id, pool, url, secret, active, deactivate_after, consecutive_failures, deactivated_at, \
@@ -152,6 +159,38 @@ fn delivery_from_row(row: &Row) -> Result<DeliveryState> {
         delivered_at: get_opt_u(row, 9)?,
         updated_at: get_u(row, 10)?,
         request_id: get(row, 11)?,
+    })
+}
+
+/// A finish's columns: the terminal status, the error, the result's head (JSON) and body.
+struct FinishColumns<'a> {
+    status: &'static str,
+    error: Option<&'a str>,
+    head: Option<String>,
+    body: Option<&'a [u8]>,
+}
+
+fn finish_columns(finish: &Finish) -> Result<FinishColumns<'_>> {
+    Ok(match finish {
+        Finish::Completed(r) => {
+            let head = ResultHead {
+                status: r.status,
+                headers: r.headers.clone(),
+                truncated: r.truncated,
+            };
+            FinishColumns {
+                status: status::COMPLETED,
+                error: None,
+                head: Some(encode("finish_attempt", &head)?),
+                body: Some(r.body.as_slice()),
+            }
+        }
+        Finish::Failed(e) => FinishColumns {
+            status: status::FAILED,
+            error: Some(e.as_str()),
+            head: None,
+            body: None,
+        },
     })
 }
 
@@ -777,7 +816,7 @@ impl JobStore for PgStore {
             .transpose()
     }
 
-    fn starts_in_batches(&self) -> bool {
+    fn attempts_in_batches(&self) -> bool {
         true
     }
 
@@ -849,22 +888,12 @@ impl JobStore for PgStore {
         now: u64,
         destination_ids: &[String],
     ) -> Result<bool> {
-        let (new_status, error, head, body) = match finish {
-            Finish::Completed(r) => {
-                let head = ResultHead {
-                    status: r.status,
-                    headers: r.headers.clone(),
-                    truncated: r.truncated,
-                };
-                (
-                    status::COMPLETED,
-                    None,
-                    Some(encode("finish_attempt", &head)?),
-                    Some(r.body.as_slice()),
-                )
-            }
-            Finish::Failed(e) => (status::FAILED, Some(e.as_str()), None, None),
-        };
+        let FinishColumns {
+            status: new_status,
+            error,
+            head,
+            body,
+        } = finish_columns(finish)?;
         let conn = self.conn().await?;
         // One statement (one round trip, one transaction): the terminal state, its history row
         // and the outbox rows (one per destination, in order, duplicates once) commit together,
@@ -898,6 +927,91 @@ impl JobStore for PgStore {
         .await?;
         let finished = found.first().map(|r| get_u::<u64>(r, 0)).transpose()?;
         Ok(finished.unwrap_or(0) > 0)
+    }
+
+    async fn finish_attempts(&self, ends: &[AttemptEnd<'_>]) -> Result<Vec<bool>> {
+        if let [end] = ends {
+            let finished = self
+                .finish_attempt(
+                    end.id,
+                    end.attempt,
+                    end.finish,
+                    end.now,
+                    end.destination_ids,
+                )
+                .await?;
+            return Ok(vec![finished]);
+        }
+        if ends.is_empty() {
+            return Ok(Vec::new());
+        }
+        // The batch as parallel arrays, one element per attempt; its deliveries as two more,
+        // each destination with its attempt's index (1-based, as `WITH ORDINALITY` counts).
+        let n = ends.len();
+        let (mut ids, mut attempts, mut nows) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        let (mut statuses, mut errors, mut heads, mut bodies) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        let (mut owners, mut dests) = (Vec::new(), Vec::new());
+        for (i, end) in ends.iter().enumerate() {
+            let columns = finish_columns(end.finish)?;
+            ids.push(end.id);
+            attempts.push(i64::from(end.attempt));
+            nows.push(big(end.now));
+            statuses.push(columns.status);
+            errors.push(columns.error);
+            heads.push(columns.head);
+            bodies.push(columns.body);
+            for d in end.destination_ids {
+                owners.push(i as i64 + 1);
+                dests.push(d.as_str());
+            }
+        }
+        let conn = self.conn().await?;
+        // One statement for the batch, each attempt fenced and recorded as `finish_attempt`
+        // does it alone: its terminal state, its history row and its outbox rows (in order,
+        // duplicates once) commit together, and none of it unless the attempt still holds
+        // its job. The history and outbox rows go in the batch's order.
+        let found = query(
+            &conn,
+            "finish_attempts",
+            &format!(
+            "WITH t AS (SELECT * FROM UNNEST($1::TEXT[], $2::BIGINT[], $3::BIGINT[], $4::TEXT[], \
+             $5::TEXT[], $6::TEXT[], $7::BYTEA[]) WITH ORDINALITY \
+             AS t(id, attempt, at, status, error, result, result_body, i)), \
+             u AS (UPDATE jobs SET status = t.status, updated_at = t.at, error = t.error, \
+             result = t.result, result_body = t.result_body, claimed_by = NULL, \
+             claim_until = NULL FROM t WHERE jobs.id = t.id AND jobs.attempt = t.attempt \
+             AND jobs.{STILL_RUNNING} \
+             RETURNING jobs.id, jobs.request_id, t.attempt, t.at, t.status, t.error, t.i), \
+             e AS (INSERT INTO job_events (job_id, at, status, attempt, detail) \
+             SELECT id, at, status, attempt, error FROM u ORDER BY i), \
+             o AS (SELECT j, d, MIN(n) AS n FROM UNNEST($8::BIGINT[], $9::TEXT[]) \
+             WITH ORDINALITY AS x(j, d, n) GROUP BY j, d), \
+             d AS (INSERT INTO deliveries (job_id, destination_id, status, attempts, \
+             next_attempt_at, created_at, updated_at, request_id) \
+             SELECT u.id, o.d, 'pending', 0, u.at, u.at, u.at, u.request_id \
+             FROM u JOIN o ON o.j = u.i ORDER BY u.i, o.n \
+             ON CONFLICT (job_id, destination_id) DO NOTHING) \
+             SELECT id FROM u"
+            ),
+            &[
+                &ids, &attempts, &nows, &statuses, &errors, &heads, &bodies, &owners, &dests,
+            ],
+        )
+        .await?;
+        let mut finished = std::collections::HashSet::with_capacity(found.len());
+        for r in &found {
+            finished.insert(get::<String>(r, 0)?);
+        }
+        Ok(ends.iter().map(|end| finished.contains(end.id)).collect())
     }
 
     async fn expire_jobs(
@@ -1288,6 +1402,18 @@ impl JobStore for PgStore {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    /// The predicates spelled to keep partial indexes out of a plan say what their names say,
+    /// over every status a job can have.
+    #[test]
+    fn the_status_predicates_spelled_by_exclusion_cover_every_status() {
+        let names = |predicate: &str, s: &str| predicate.contains(&format!("'{s}'"));
+        for s in status::ALL {
+            assert_eq!(names(NOT_TERMINAL, s), status::is_terminal(s), "{s}");
+            assert_eq!(names(STILL_RUNNING, s), s != status::RUNNING, "{s}");
+            assert_eq!(names(UNFINISHED, s), !status::is_terminal(s), "{s}");
+        }
+    }
     use crate::JobRequest;
     use nthbouncer_testkit::pg::TestDb;
 

@@ -295,7 +295,7 @@ fn jobs_part(
 ) -> Arc<Jobs> {
     Arc::new(Jobs {
         intake: JobIntake::start(job_store.clone()),
-        starts: crate::jobs::starts::AttemptStarts::start(job_store.clone()),
+        attempt_writes: crate::jobs::attempt_writes::AttemptWrites::start(job_store.clone()),
         store: job_store.clone(),
         pools: pools.clone(),
         client: client.clone(),

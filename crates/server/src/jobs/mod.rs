@@ -16,6 +16,7 @@
 //!
 //! Webhook delivery of finished jobs is the webhooks feature's (the outbox rows written here).
 
+pub mod attempt_writes;
 pub mod backlog;
 pub mod backoff;
 pub mod claims;
@@ -23,7 +24,6 @@ pub mod drain;
 pub mod intake;
 pub mod routes;
 pub mod runner;
-pub mod starts;
 pub mod sweep;
 pub mod view;
 
@@ -57,8 +57,8 @@ use crate::upstream::SharedClient;
 pub struct Jobs {
     pub store: Arc<dyn JobStore>,
     pub intake: JobIntake,
-    /// The batching writer of attempt starts.
-    pub starts: starts::AttemptStarts,
+    /// The batching writers of attempt starts and finishes.
+    pub attempt_writes: attempt_writes::AttemptWrites,
     pub pools: Arc<Pools>,
     pub client: Arc<SharedClient>,
     pub clock: Arc<dyn Clock>,

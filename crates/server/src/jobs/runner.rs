@@ -26,6 +26,7 @@ use nthbouncer_coord::{AcquireRequest, Outcome, Priority, Refusal, SlotKind};
 use nthbouncer_store::jobs::status;
 use nthbouncer_store::{Finish, JobResult, StoredJob};
 
+use crate::jobs::attempt_writes::Ended;
 use crate::jobs::backlog::Pending;
 use crate::jobs::backoff::{until_ok, Backoff};
 use crate::jobs::Jobs;
@@ -235,7 +236,10 @@ async fn attempt(
 ) -> Pass {
     let store = &state.store;
     // The body comes from disk only now, and is dropped with the attempt.
-    let started = state.starts.start_attempt(&job.id, state.now()).await;
+    let started = state
+        .attempt_writes
+        .start_attempt(&job.id, state.now())
+        .await;
     let (attempt, body) = match started {
         Ok(Some(started)) => started,
         Ok(None) => {
@@ -286,9 +290,14 @@ async fn attempt(
     };
     // The slot is freed only once the result is committed (retried until the store takes it):
     // a crash before that reruns the job, so at most `limit` jobs can ever run twice.
-    let dests = pool.active_destination_ids();
+    let ended = Arc::new(Ended {
+        id: job.id.clone(),
+        attempt,
+        finish,
+        destination_ids: pool.active_destination_ids(),
+    });
     until_ok("finish_attempt", &job.id, || {
-        store.finish_attempt(&job.id, attempt, &finish, state.now(), &dests)
+        state.attempt_writes.finish_attempt(&ended, state.now())
     })
     .await;
     drop(guard);

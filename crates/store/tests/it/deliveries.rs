@@ -5,8 +5,8 @@
 
 use nthbouncer_store::sqlite::{SqliteStore, DB_FILE_NAME, SCHEMA_VERSION};
 use nthbouncer_store::{
-    AttemptQuery, AttemptRecord, DeliveryNext, Finish, JobRequest, JobResult, JobStore, NewJob,
-    Redeliver, StoredDestination,
+    AttemptEnd, AttemptQuery, AttemptRecord, DeliveryNext, Finish, JobRequest, JobResult, JobStore,
+    NewJob, Redeliver, StoredDestination,
 };
 
 use crate::backend::{conformance, AnyStore, Backend};
@@ -20,6 +20,7 @@ conformance!(
     a_batch_of_attempts_applies_in_order,
     a_batch_of_deliveries_applies_in_order,
     a_job_an_earlier_version_left_accepted_is_queued_once,
+    a_batch_of_finishes_is_fenced_and_recorded_as_if_each_were_alone,
 );
 
 fn job(id: &str, now: u64) -> NewJob {
@@ -919,4 +920,128 @@ async fn a_job_an_earlier_version_left_accepted_is_queued_once(b: &Backend) {
     }
     let old = store.job_events("job_old").await.unwrap();
     assert_eq!((old[0].at, old[1].at), (1_000, 2_000));
+}
+
+/// Several attempts finished in one call (`finish_attempts`, one statement on PostgreSQL): each
+/// is fenced on its own row (a superseded attempt, a queued job and an unknown one change
+/// nothing), and each finished one gets its terminal state, its history step and its outbox
+/// rows (in order, a repeated destination once) as `finish_attempt` would write them alone.
+async fn a_batch_of_finishes_is_fenced_and_recorded_as_if_each_were_alone(b: &Backend) {
+    let store = b.open().await;
+    store.create_destination(&dest("wh_a", 20)).await.unwrap();
+    store.create_destination(&dest("wh_b", 20)).await.unwrap();
+    let ids = ["job_ok", "job_failed", "job_superseded", "job_queued"];
+    store
+        .insert_jobs(&ids.map(|id| job(id, 1_000)))
+        .await
+        .unwrap();
+    for id in &ids[..3] {
+        assert_eq!(store.start_attempt(id, 1_001).await.unwrap(), Some(1));
+    }
+    // Restarted (as after a crash): attempt 1 no longer holds the job.
+    assert_eq!(
+        store.start_attempt("job_superseded", 1_002).await.unwrap(),
+        Some(2)
+    );
+
+    let done = Finish::Completed(JobResult {
+        status: 201,
+        headers: vec![("content-type".into(), "text/plain".into())],
+        body: b"made".to_vec(),
+        truncated: false,
+    });
+    let failed = Finish::Failed("the origin hung up".into());
+    let both: Vec<String> = ["wh_b", "wh_a", "wh_b"].map(String::from).to_vec();
+    let one = vec!["wh_a".to_string()];
+    let end = |id, attempt, finish, now, destination_ids| AttemptEnd {
+        id,
+        attempt,
+        finish,
+        now,
+        destination_ids,
+    };
+    let finished = store
+        .finish_attempts(&[
+            end("job_failed", 1, &failed, 2_000, &one),
+            end("job_ok", 1, &done, 2_001, &both),
+            end("job_superseded", 1, &done, 2_002, &one),
+            end("job_queued", 1, &done, 2_003, &one),
+            end("job_unknown", 1, &done, 2_004, &one),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(finished, vec![true, true, false, false, false]);
+
+    let ok = store.get_job("p", "job_ok").await.unwrap().unwrap();
+    assert_eq!(
+        (ok.status.as_str(), ok.updated_at, ok.attempt),
+        ("completed", 2_001, 1)
+    );
+    let result = ok.result.unwrap();
+    assert_eq!((result.status, result.body.as_slice()), (201, &b"made"[..]));
+    assert_eq!(
+        result.headers,
+        vec![("content-type".into(), "text/plain".into())]
+    );
+    let bad = store.get_job("p", "job_failed").await.unwrap().unwrap();
+    assert_eq!(
+        (bad.status.as_str(), bad.updated_at, bad.error.as_deref()),
+        ("failed", 2_000, Some("the origin hung up"))
+    );
+    assert_eq!(bad.result, None);
+    for (id, at, status, detail) in [
+        ("job_ok", 2_001, "completed", None),
+        ("job_failed", 2_000, "failed", Some("the origin hung up")),
+    ] {
+        let last = store.job_events(id).await.unwrap().pop().unwrap();
+        assert_eq!(
+            (
+                last.at,
+                last.status.as_str(),
+                last.attempt,
+                last.detail.as_deref()
+            ),
+            (at, status, 1, detail),
+            "{id}"
+        );
+    }
+    // Fenced off: untouched, no history step, no delivery.
+    let superseded = store.get_job("p", "job_superseded").await.unwrap().unwrap();
+    assert_eq!(
+        (superseded.status.as_str(), superseded.attempt),
+        ("running", 2)
+    );
+    let queued = store.get_job("p", "job_queued").await.unwrap().unwrap();
+    assert_eq!(queued.status.as_str(), "queued");
+    for id in ["job_superseded", "job_queued"] {
+        assert_eq!(store.job_deliveries(id).await.unwrap(), vec![], "{id}");
+        let last = store.job_events(id).await.unwrap().pop().unwrap();
+        assert_ne!(last.at, 2_002, "{id}");
+        assert_ne!(last.at, 2_003, "{id}");
+    }
+
+    // The outbox: each finished job's destinations in its order, a repeat once, with the
+    // job's request id; the batch's jobs in the batch's order.
+    let ok_rows = store.job_deliveries("job_ok").await.unwrap();
+    let failed_rows = store.job_deliveries("job_failed").await.unwrap();
+    let mut rows: Vec<_> = failed_rows.iter().chain(&ok_rows).collect();
+    rows.sort_by_key(|d| d.id);
+    let seen: Vec<String> = rows
+        .iter()
+        .map(|d| {
+            format!(
+                "{} {} {} {:?} {:?}",
+                d.job_id, d.destination_id, d.status, d.next_attempt_at, d.request_id
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        vec![
+            r#"job_failed wh_a pending Some(2000) Some("req-job_failed")"#,
+            r#"job_ok wh_b pending Some(2001) Some("req-job_ok")"#,
+            r#"job_ok wh_a pending Some(2001) Some("req-job_ok")"#,
+        ]
+    );
+    assert!(store.finish_attempts(&[]).await.unwrap().is_empty());
 }
