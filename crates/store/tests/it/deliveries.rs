@@ -103,6 +103,31 @@ fn record(
     }
 }
 
+/// Records `batch`; what each record changed, as `(recorded, streak_changed, deactivated)`.
+async fn applied(store: &dyn AnyStore, batch: &[AttemptRecord]) -> Vec<(bool, bool, bool)> {
+    let applied = store.record_attempts(batch).await.unwrap();
+    applied
+        .iter()
+        .map(|a| (a.recorded, a.streak_changed, a.deactivated))
+        .collect()
+}
+
+/// Asserts a destination's attempt log, oldest first, as `(at, outcome)`.
+async fn assert_outcomes(store: &dyn AnyStore, destination_id: &str, expected: &[(u64, &str)]) {
+    let mut log = store
+        .list_attempts(&AttemptQuery {
+            pool: "p".into(),
+            destination_id: Some(destination_id.into()),
+            limit: 100,
+            ..AttemptQuery::default()
+        })
+        .await
+        .unwrap();
+    log.reverse();
+    let got: Vec<(u64, &str)> = log.iter().map(|a| (a.at, a.outcome.as_str())).collect();
+    assert_eq!(got, expected, "the attempts to {destination_id}");
+}
+
 async fn destination(store: &dyn AnyStore, id: &str) -> StoredDestination {
     store
         .list_destinations(Some("p"))
@@ -631,13 +656,8 @@ async fn a_batch_of_attempts_applies_in_order(b: &Backend) {
         record(&a[0], 2_080, Some(500), retry),
         gone_delivery,
     ];
-    let applied = store.record_attempts(&batch).await.unwrap();
-    let got: Vec<(bool, bool, bool)> = applied
-        .iter()
-        .map(|a| (a.recorded, a.streak_changed, a.deactivated))
-        .collect();
     assert_eq!(
-        got,
+        applied(&*store, &batch).await,
         [
             (true, true, false),
             (true, true, false),
@@ -720,20 +740,10 @@ async fn a_batch_of_attempts_applies_in_order(b: &Backend) {
     );
 
     // The log: every record whose delivery exists, in order, with what it left behind.
-    let mut log = store
-        .list_attempts(&AttemptQuery {
-            pool: "p".into(),
-            destination_id: Some("wh_a".into()),
-            limit: 100,
-            ..AttemptQuery::default()
-        })
-        .await
-        .unwrap();
-    log.reverse();
-    let outcomes: Vec<(u64, &str)> = log.iter().map(|a| (a.at, a.outcome.as_str())).collect();
-    assert_eq!(
-        outcomes,
-        [
+    assert_outcomes(
+        &*store,
+        "wh_a",
+        &[
             (2_010, "retrying"),
             (2_020, "delivered"),
             (2_040, "retrying"),
@@ -741,8 +751,9 @@ async fn a_batch_of_attempts_applies_in_order(b: &Backend) {
             (2_060, "failed"),
             (2_070, "delivered"),
             (2_080, "retrying"),
-        ]
-    );
+        ],
+    )
+    .await;
 }
 
 /// A batch in which every attempt was delivered (PostgreSQL records it statement by statement,
@@ -787,13 +798,8 @@ async fn a_batch_of_deliveries_applies_in_order(b: &Backend) {
         gone_delivery,
         record(&a[2], 2_050, Some(201), delivered),
     ];
-    let applied = store.record_attempts(&batch).await.unwrap();
-    let got: Vec<(bool, bool, bool)> = applied
-        .iter()
-        .map(|a| (a.recorded, a.streak_changed, a.deactivated))
-        .collect();
     assert_eq!(
-        got,
+        applied(&*store, &batch).await,
         [
             (true, true, false),
             (true, false, false),
@@ -843,38 +849,21 @@ async fn a_batch_of_deliveries_applies_in_order(b: &Backend) {
         (done, 3, Some(201), None, Some(2_050), 2_050)
     );
 
-    let mut log = store
-        .list_attempts(&AttemptQuery {
-            pool: "p".into(),
-            destination_id: Some("wh_a".into()),
-            limit: 100,
-            ..AttemptQuery::default()
-        })
-        .await
-        .unwrap();
-    log.reverse();
-    let outcomes: Vec<(u64, &str)> = log.iter().map(|a| (a.at, a.outcome.as_str())).collect();
-    assert_eq!(
-        outcomes,
-        [
+    assert_outcomes(
+        &*store,
+        "wh_a",
+        &[
             (1_500, "retrying"),
             (1_600, "retrying"),
             (2_000, "delivered"),
             (2_020, "delivered"),
             (2_030, "delivered"),
             (2_050, "delivered"),
-        ]
-    );
-    let to_b = store
-        .list_attempts(&AttemptQuery {
-            pool: "p".into(),
-            destination_id: Some("wh_b".into()),
-            limit: 100,
-            ..AttemptQuery::default()
-        })
-        .await
-        .unwrap();
-    assert_eq!(to_b.len(), 1, "no log row for a delivery that is gone");
+        ],
+    )
+    .await;
+    // No log row for a delivery that is gone.
+    assert_outcomes(&*store, "wh_b", &[(2_010, "delivered")]).await;
 }
 
 /// Jobs are inserted `queued` (with both first history steps); a row an earlier version stored
