@@ -335,6 +335,51 @@ const RECORD_DELIVERED: &str = "WITH d AS (UPDATE deliveries SET attempts = atte
       status_code, latency_ms, response_body, error, manual, outcome) \
     SELECT id, $5, $6, $7, $8, $4, $3, $9, $10, $11, $12, 'delivered' FROM d";
 
+/// The start of a batch of jobs' attempts ([`JobStore::start_attempts_with_body`]): parameters
+/// the ids, their start times, the node and the claim lease. Jobs are found by key and tested
+/// [`NOT_TERMINAL`], so no plan reads an unfinished jobs' index instead.
+fn start_batch_sql() -> String {
+    format!(
+        "WITH t AS (SELECT * FROM UNNEST($1::TEXT[], $2::BIGINT[]) AS t(id, at)), \
+         u AS (UPDATE jobs SET status = 'running', attempt = attempt + 1, \
+         updated_at = t.at, claimed_by = $3, claim_until = t.at + $4::BIGINT FROM t \
+         WHERE jobs.id = t.id AND {NOT_TERMINAL} AND (claimed_by IS NULL OR \
+         claimed_by = $3 OR claim_until <= t.at) \
+         RETURNING jobs.id, t.at, jobs.attempt, jobs.request_body), \
+         e AS (INSERT INTO job_events (job_id, at, status, attempt, detail) \
+         SELECT id, at, 'running', attempt, NULL FROM u) \
+         SELECT id, attempt, request_body FROM u"
+    )
+}
+
+/// The end of a batch of attempts ([`JobStore::finish_attempts`]), each fenced and recorded as
+/// `finish_attempt` does it alone: its terminal state, its history row and its outbox rows (in
+/// order, duplicates once) commit together, and none of it unless the attempt still holds its
+/// job ([`STILL_RUNNING`], spelled so that no plan reads an unfinished jobs' index instead of
+/// the key). The history and outbox rows go in the batch's order.
+fn finish_batch_sql() -> String {
+    format!(
+        "WITH t AS (SELECT * FROM UNNEST($1::TEXT[], $2::BIGINT[], $3::BIGINT[], $4::TEXT[], \
+         $5::TEXT[], $6::TEXT[], $7::BYTEA[]) WITH ORDINALITY \
+         AS t(id, attempt, at, status, error, result, result_body, i)), \
+         u AS (UPDATE jobs SET status = t.status, updated_at = t.at, error = t.error, \
+         result = t.result, result_body = t.result_body, claimed_by = NULL, \
+         claim_until = NULL FROM t WHERE jobs.id = t.id AND jobs.attempt = t.attempt \
+         AND jobs.{STILL_RUNNING} \
+         RETURNING jobs.id, jobs.request_id, t.attempt, t.at, t.status, t.error, t.i), \
+         e AS (INSERT INTO job_events (job_id, at, status, attempt, detail) \
+         SELECT id, at, status, attempt, error FROM u ORDER BY i), \
+         o AS (SELECT j, d, MIN(n) AS n FROM UNNEST($8::BIGINT[], $9::TEXT[]) \
+         WITH ORDINALITY AS x(j, d, n) GROUP BY j, d), \
+         d AS (INSERT INTO deliveries (job_id, destination_id, status, attempts, \
+         next_attempt_at, created_at, updated_at, request_id) \
+         SELECT u.id, o.d, 'pending', 0, u.at, u.at, u.at, u.request_id \
+         FROM u JOIN o ON o.j = u.i ORDER BY u.i, o.n \
+         ON CONFLICT (job_id, destination_id) DO NOTHING) \
+         SELECT id FROM u"
+    )
+}
+
 impl PgStore {
     /// [`JobStore::record_attempts`] for a batch in which every attempt was delivered, the common
     /// batch: a streak can only reset, so nothing is deactivated and no record depends on
@@ -434,6 +479,70 @@ impl PgStore {
                 }
             })
             .collect())
+    }
+
+    /// Runs `sql` ([`start_batch_sql`], or it under `EXPLAIN` in a test) for `jobs`, each
+    /// `(id, now)`: one statement for the batch, each row's start decided as `start` decides it
+    /// alone.
+    async fn run_start_batch(&self, sql: &str, jobs: &[(String, u64)]) -> Result<Vec<Row>> {
+        let ids: Vec<&str> = jobs.iter().map(|(id, _)| id.as_str()).collect();
+        let nows: Vec<i64> = jobs.iter().map(|(_, now)| big(*now)).collect();
+        let conn = self.conn().await?;
+        query(
+            &conn,
+            "start_attempts",
+            sql,
+            &[
+                &ids,
+                &nows,
+                &self.inner.node,
+                &big(self.inner.claim_lease_ms),
+            ],
+        )
+        .await
+    }
+
+    /// Runs `sql` ([`finish_batch_sql`], or it under `EXPLAIN` in a test) for `ends`.
+    async fn run_finish_batch(&self, sql: &str, ends: &[AttemptEnd<'_>]) -> Result<Vec<Row>> {
+        // The batch as parallel arrays, one element per attempt; its deliveries as two more,
+        // each destination with its attempt's index (1-based, as `WITH ORDINALITY` counts).
+        let n = ends.len();
+        let (mut ids, mut attempts, mut nows) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        let (mut statuses, mut errors, mut heads, mut bodies) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        let (mut owners, mut dests) = (Vec::new(), Vec::new());
+        for (i, end) in ends.iter().enumerate() {
+            let columns = finish_columns(end.finish)?;
+            ids.push(end.id);
+            attempts.push(i64::from(end.attempt));
+            nows.push(big(end.now));
+            statuses.push(columns.status);
+            errors.push(columns.error);
+            heads.push(columns.head);
+            bodies.push(columns.body);
+            for d in end.destination_ids {
+                owners.push(i as i64 + 1);
+                dests.push(d.as_str());
+            }
+        }
+        let conn = self.conn().await?;
+        query(
+            &conn,
+            "finish_attempts",
+            sql,
+            &[
+                &ids, &attempts, &nows, &statuses, &errors, &heads, &bodies, &owners, &dests,
+            ],
+        )
+        .await
     }
 
     /// Runs `sql` ([`RECORD_ATTEMPTS`], or it under `EXPLAIN` in a test) with `records` as its
@@ -827,32 +936,7 @@ impl JobStore for PgStore {
         if let [(id, now)] = jobs {
             return Ok(vec![self.start_attempt_with_body(id, *now).await?]);
         }
-        let ids: Vec<&str> = jobs.iter().map(|(id, _)| id.as_str()).collect();
-        let nows: Vec<i64> = jobs.iter().map(|(_, now)| big(*now)).collect();
-        let conn = self.conn().await?;
-        // One statement for the batch, each row's start decided as `start` decides it alone.
-        let found = query(
-            &conn,
-            "start_attempts",
-            &format!(
-                "WITH t AS (SELECT * FROM UNNEST($1::TEXT[], $2::BIGINT[]) AS t(id, at)), \
-                 u AS (UPDATE jobs SET status = 'running', attempt = attempt + 1, \
-                 updated_at = t.at, claimed_by = $3, claim_until = t.at + $4::BIGINT FROM t \
-                 WHERE jobs.id = t.id AND {NOT_TERMINAL} AND (claimed_by IS NULL OR \
-                 claimed_by = $3 OR claim_until <= t.at) \
-                 RETURNING jobs.id, t.at, jobs.attempt, jobs.request_body), \
-                 e AS (INSERT INTO job_events (job_id, at, status, attempt, detail) \
-                 SELECT id, at, 'running', attempt, NULL FROM u) \
-                 SELECT id, attempt, request_body FROM u"
-            ),
-            &[
-                &ids,
-                &nows,
-                &self.inner.node,
-                &big(self.inner.claim_lease_ms),
-            ],
-        )
-        .await?;
+        let found = self.run_start_batch(&start_batch_sql(), jobs).await?;
         let mut started = std::collections::HashMap::with_capacity(found.len());
         for r in &found {
             let id: String = get(r, 0)?;
@@ -945,68 +1029,7 @@ impl JobStore for PgStore {
         if ends.is_empty() {
             return Ok(Vec::new());
         }
-        // The batch as parallel arrays, one element per attempt; its deliveries as two more,
-        // each destination with its attempt's index (1-based, as `WITH ORDINALITY` counts).
-        let n = ends.len();
-        let (mut ids, mut attempts, mut nows) = (
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-        );
-        let (mut statuses, mut errors, mut heads, mut bodies) = (
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-        );
-        let (mut owners, mut dests) = (Vec::new(), Vec::new());
-        for (i, end) in ends.iter().enumerate() {
-            let columns = finish_columns(end.finish)?;
-            ids.push(end.id);
-            attempts.push(i64::from(end.attempt));
-            nows.push(big(end.now));
-            statuses.push(columns.status);
-            errors.push(columns.error);
-            heads.push(columns.head);
-            bodies.push(columns.body);
-            for d in end.destination_ids {
-                owners.push(i as i64 + 1);
-                dests.push(d.as_str());
-            }
-        }
-        let conn = self.conn().await?;
-        // One statement for the batch, each attempt fenced and recorded as `finish_attempt`
-        // does it alone: its terminal state, its history row and its outbox rows (in order,
-        // duplicates once) commit together, and none of it unless the attempt still holds
-        // its job. The history and outbox rows go in the batch's order.
-        let found = query(
-            &conn,
-            "finish_attempts",
-            &format!(
-            "WITH t AS (SELECT * FROM UNNEST($1::TEXT[], $2::BIGINT[], $3::BIGINT[], $4::TEXT[], \
-             $5::TEXT[], $6::TEXT[], $7::BYTEA[]) WITH ORDINALITY \
-             AS t(id, attempt, at, status, error, result, result_body, i)), \
-             u AS (UPDATE jobs SET status = t.status, updated_at = t.at, error = t.error, \
-             result = t.result, result_body = t.result_body, claimed_by = NULL, \
-             claim_until = NULL FROM t WHERE jobs.id = t.id AND jobs.attempt = t.attempt \
-             AND jobs.{STILL_RUNNING} \
-             RETURNING jobs.id, jobs.request_id, t.attempt, t.at, t.status, t.error, t.i), \
-             e AS (INSERT INTO job_events (job_id, at, status, attempt, detail) \
-             SELECT id, at, status, attempt, error FROM u ORDER BY i), \
-             o AS (SELECT j, d, MIN(n) AS n FROM UNNEST($8::BIGINT[], $9::TEXT[]) \
-             WITH ORDINALITY AS x(j, d, n) GROUP BY j, d), \
-             d AS (INSERT INTO deliveries (job_id, destination_id, status, attempts, \
-             next_attempt_at, created_at, updated_at, request_id) \
-             SELECT u.id, o.d, 'pending', 0, u.at, u.at, u.at, u.request_id \
-             FROM u JOIN o ON o.j = u.i ORDER BY u.i, o.n \
-             ON CONFLICT (job_id, destination_id) DO NOTHING) \
-             SELECT id FROM u"
-            ),
-            &[
-                &ids, &attempts, &nows, &statuses, &errors, &heads, &bodies, &owners, &dests,
-            ],
-        )
-        .await?;
+        let found = self.run_finish_batch(&finish_batch_sql(), ends).await?;
         let mut finished = std::collections::HashSet::with_capacity(found.len());
         for r in &found {
             finished.insert(get::<String>(r, 0)?);
@@ -1403,6 +1426,9 @@ impl JobStore for PgStore {
 mod tests {
     use super::*;
 
+    use crate::JobRequest;
+    use nthbouncer_testkit::pg::TestDb;
+
     /// The predicates spelled to keep partial indexes out of a plan say what their names say,
     /// over every status a job can have.
     #[test]
@@ -1414,8 +1440,6 @@ mod tests {
             assert_eq!(names(UNFINISHED, s), !status::is_terminal(s), "{s}");
         }
     }
-    use crate::JobRequest;
-    use nthbouncer_testkit::pg::TestDb;
 
     fn destination(id: &str) -> StoredDestination {
         StoredDestination {
@@ -1434,9 +1458,9 @@ mod tests {
         }
     }
 
-    /// Finishes job `id` with one pending delivery to `dest`.
-    async fn finished(store: &PgStore, id: &str, dest: &str) {
-        let job = NewJob {
+    /// Job `id` as the intake writes it (queued).
+    fn new_job(id: &str) -> NewJob {
+        NewJob {
             id: id.into(),
             pool: "p".into(),
             reason: "requested".into(),
@@ -1454,8 +1478,12 @@ mod tests {
                 body: vec![],
             },
             request_id: None,
-        };
-        store.insert_jobs(&[job]).await.unwrap();
+        }
+    }
+
+    /// Finishes job `id` with one pending delivery to `dest`.
+    async fn finished(store: &PgStore, id: &str, dest: &str) {
+        store.insert_jobs(&[new_job(id)]).await.unwrap();
         let attempt = store.start_attempt(id, 1_000).await.unwrap().unwrap();
         let failed = Finish::Failed("x".into());
         assert!(store
@@ -1542,5 +1570,81 @@ mod tests {
             scans.iter().all(|l| !l.contains("never executed")),
             "{gone}"
         );
+    }
+
+    /// `sql` under `EXPLAIN ANALYZE` (it runs): the plan's lines.
+    fn explained(sql: &str) -> String {
+        format!("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) {sql}")
+    }
+
+    fn plan_of(rows: Vec<Row>) -> String {
+        rows.iter()
+            .map(|r| r.get::<_, String>(0))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// A batch of starts and a batch of finishes find their jobs by key however far the
+    /// statistics lag: analyzed while every job was finished, then 600 jobs queued behind
+    /// them, a batch of 8 probes the primary key and reads no unfinished jobs' index. (Tested
+    /// with the unfinished jobs' own predicate, `status IN (…)` or `status = 'running'`, both
+    /// read `jobs_unfinished_pool` whole, all 600 entries.)
+    #[tokio::test]
+    async fn batches_of_starts_and_finishes_probe_the_key_whatever_the_statistics_say() {
+        const QUEUED: usize = 5_000;
+        let db = TestDb::create().await;
+        let store = PgStore::connect_node(&db.url, 60_000).await.unwrap();
+        store
+            .create_destination(&destination("wh_a"))
+            .await
+            .unwrap();
+        for n in 0..20 {
+            finished(&store, &format!("job_done{n:02}"), "wh_a").await;
+        }
+        let conn = store.conn().await.unwrap();
+        conn.batch_execute("ANALYZE jobs").await.unwrap();
+        // Enough rows that reading them all costs more than 8 probes even to a planner that
+        // expects none of them unfinished.
+        let queued: Vec<NewJob> = (0..QUEUED)
+            .map(|n| new_job(&format!("job_q{n:05}")))
+            .collect();
+        for chunk in queued.chunks(500) {
+            store.insert_jobs(chunk).await.unwrap();
+        }
+
+        let batch: Vec<(String, u64)> = (0..8).map(|n| (format!("job_q{n:05}"), 2_000)).collect();
+        let starts = store
+            .run_start_batch(&explained(&start_batch_sql()), &batch)
+            .await
+            .unwrap();
+        let starts = plan_of(starts);
+        assert!(starts.contains("Index Scan using jobs_pkey"), "{starts}");
+        assert!(!starts.contains("jobs_unfinished"), "{starts}");
+
+        // The plan above ran: the 8 jobs run their first attempt.
+        let failed = Finish::Failed("x".into());
+        let dests = vec!["wh_a".to_string()];
+        let ends: Vec<AttemptEnd<'_>> = batch
+            .iter()
+            .map(|(id, _)| AttemptEnd {
+                id,
+                attempt: 1,
+                finish: &failed,
+                now: 3_000,
+                destination_ids: &dests,
+            })
+            .collect();
+        let finishes = store
+            .run_finish_batch(&explained(&finish_batch_sql()), &ends)
+            .await
+            .unwrap();
+        let finishes = plan_of(finishes);
+        assert!(
+            finishes.contains("Index Scan using jobs_pkey"),
+            "{finishes}"
+        );
+        assert!(!finishes.contains("jobs_unfinished"), "{finishes}");
+        let job = store.get_job("p", "job_q00007").await.unwrap().unwrap();
+        assert_eq!(job.status, status::FAILED, "the finish batch ran too");
     }
 }
