@@ -1512,6 +1512,13 @@ mod tests {
         plan[start..end].join("\n")
     }
 
+    /// The plan's reads of `deliveries` (not its updates of it).
+    fn deliveries_scans(plan: &str) -> Vec<&str> {
+        plan.lines()
+            .filter(|l| l.contains(" on deliveries") && !l.contains("Update on"))
+            .collect()
+    }
+
     /// A batch that deactivates nothing reads none of the other destinations' pending
     /// deliveries (however many): the sweep's scan is gated by a one-time filter and never
     /// runs. A batch that deactivates its destination runs it.
@@ -1549,10 +1556,7 @@ mod tests {
         let delivered = sweep_plan(&store, &[record(&due[0], 200, DeliveryNext::Delivered)]).await;
         assert!(delivered.contains("One-Time Filter"), "{delivered}");
         assert!(delivered.contains("never executed"), "{delivered}");
-        let scans: Vec<&str> = delivered
-            .lines()
-            .filter(|l| l.contains(" on deliveries") && !l.contains("Update on"))
-            .collect();
+        let scans = deliveries_scans(&delivered);
         assert!(!scans.is_empty(), "{delivered}");
         assert!(
             scans.iter().all(|l| l.contains("never executed")),
@@ -1561,10 +1565,7 @@ mod tests {
 
         // 410 Gone: wh_a is deactivated, and the sweep runs (and fails its other delivery).
         let gone = sweep_plan(&store, &[record(&due[1], 410, DeliveryNext::Failed)]).await;
-        let scans: Vec<&str> = gone
-            .lines()
-            .filter(|l| l.contains(" on deliveries") && !l.contains("Update on"))
-            .collect();
+        let scans = deliveries_scans(&gone);
         assert!(!scans.is_empty(), "{gone}");
         assert!(
             scans.iter().all(|l| !l.contains("never executed")),
@@ -1575,6 +1576,12 @@ mod tests {
     /// `sql` under `EXPLAIN ANALYZE` (it runs): the plan's lines.
     fn explained(sql: &str) -> String {
         format!("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) {sql}")
+    }
+
+    /// The plan finds its jobs by their primary key and reads no unfinished jobs' index.
+    fn assert_probes_the_key(plan: &str) {
+        assert!(plan.contains("Index Scan using jobs_pkey"), "{plan}");
+        assert!(!plan.contains("jobs_unfinished"), "{plan}");
     }
 
     fn plan_of(rows: Vec<Row>) -> String {
@@ -1617,9 +1624,7 @@ mod tests {
             .run_start_batch(&explained(&start_batch_sql()), &batch)
             .await
             .unwrap();
-        let starts = plan_of(starts);
-        assert!(starts.contains("Index Scan using jobs_pkey"), "{starts}");
-        assert!(!starts.contains("jobs_unfinished"), "{starts}");
+        assert_probes_the_key(&plan_of(starts));
 
         // The plan above ran: the 8 jobs run their first attempt.
         let failed = Finish::Failed("x".into());
@@ -1638,12 +1643,7 @@ mod tests {
             .run_finish_batch(&explained(&finish_batch_sql()), &ends)
             .await
             .unwrap();
-        let finishes = plan_of(finishes);
-        assert!(
-            finishes.contains("Index Scan using jobs_pkey"),
-            "{finishes}"
-        );
-        assert!(!finishes.contains("jobs_unfinished"), "{finishes}");
+        assert_probes_the_key(&plan_of(finishes));
         let job = store.get_job("p", "job_q00007").await.unwrap().unwrap();
         assert_eq!(job.status, status::FAILED, "the finish batch ran too");
     }
