@@ -163,6 +163,11 @@ impl<'a> Fields<'a> {
         self.values(field).find_map(parse)
     }
 
+    /// Whether no header named a known field.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.lines.is_empty()
+    }
+
     pub(crate) fn has(&self, field: Field) -> bool {
         self.values(field).next().is_some()
     }

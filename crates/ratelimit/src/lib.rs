@@ -205,6 +205,15 @@ pub fn parse<'a>(
     now_ms: u64,
 ) -> RateReport {
     let fields = Fields::collect(headers);
+    // Most answers carry none of these headers (an origin that never announces its limits, or
+    // every answer but a throttle): the report is then the status alone, without building and
+    // ranking empty candidate lists on every proxied request.
+    if fields.is_empty() {
+        return RateReport {
+            throttled: status == 429,
+            ..RateReport::default()
+        };
+    }
 
     // Candidates are listed most specific dialect first, which `tightest` uses to break ties.
     let mut requests = Vec::new();

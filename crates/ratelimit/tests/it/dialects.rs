@@ -680,3 +680,24 @@ fn duplicate_singleton_first_good_line_wins() {
     );
     assert_eq!(report.requests.and_then(|w| w.remaining), Some(4));
 }
+
+#[test]
+fn an_answer_without_rate_headers_reports_its_status_alone() {
+    let plain = [
+        ("content-type", "text/plain"),
+        ("content-length", "13"),
+        ("x-ratelimit", "not a field we know"),
+    ];
+    for status in [0, 200, 302, 403, 429, 503] {
+        let report = parse(status, plain, 1_700_000_000_000);
+        assert_eq!(
+            report,
+            RateReport {
+                throttled: status == 429,
+                ..RateReport::default()
+            },
+            "status {status}"
+        );
+        assert_eq!(parse(status, [], 0), report, "status {status}, no headers");
+    }
+}

@@ -261,12 +261,15 @@ fn reported_usage(body: &[u8]) -> Option<Usage> {
 
 /// Whether an answer announces input and output token budgets apart (Anthropic).
 pub fn announces_split(headers: &http::HeaderMap) -> bool {
-    [
-        "anthropic-ratelimit-input-tokens-remaining",
-        "anthropic-ratelimit-output-tokens-remaining",
-    ]
-    .iter()
-    .any(|h| headers.contains_key(*h))
+    // Asked of every proxied answer: one walk over the answer's few names (stored lower case)
+    // costs less than parsing and hashing both names to look them up.
+    headers.keys().any(|name| {
+        matches!(
+            name.as_str(),
+            "anthropic-ratelimit-input-tokens-remaining"
+                | "anthropic-ratelimit-output-tokens-remaining"
+        )
+    })
 }
 
 /// Teaches `gate` the input and output budgets an answer to charge `id` announced apart, if
@@ -349,5 +352,31 @@ where
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::announces_split;
+    use http::{HeaderMap, HeaderValue};
+
+    #[test]
+    fn a_split_is_announced_by_either_part_in_any_case() {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("text/plain"));
+        headers.insert(
+            "anthropic-ratelimit-tokens-remaining",
+            HeaderValue::from_static("10"),
+        );
+        assert!(!announces_split(&headers));
+        for name in [
+            "Anthropic-RateLimit-Input-Tokens-Remaining",
+            "anthropic-ratelimit-output-tokens-remaining",
+        ] {
+            let mut split = headers.clone();
+            let name = http::HeaderName::from_bytes(name.as_bytes()).expect("a valid name");
+            split.insert(name, HeaderValue::from_static("5"));
+            assert!(announces_split(&split));
+        }
     }
 }
