@@ -25,9 +25,9 @@ const MAX_OPS: usize = 128;
 /// An operation that can go in a batch.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Op {
-    /// `op_acquire`'s 8 arguments.
+    /// `op_acquire`'s 9 arguments.
     Acquire,
-    /// `op_release`'s 4 arguments, and the 7 of what was learned when it learns.
+    /// `op_release`'s 5 arguments, and the 7 of what was learned when it learns.
     Release,
 }
 

@@ -106,6 +106,29 @@ struct Hold {
     /// Monotonic ms until which the lease is confirmed in Redis.
     confirmed_until: u64,
     lost: watch::Sender<bool>,
+    /// Admitted at once, the slot has no `held` entry in Redis (see the prelude's `admit`):
+    /// this node passes its grant time and its cap back on release, peek and renewal.
+    untracked: Option<Untracked>,
+}
+
+/// What Redis keeps in `held` for other slots, kept here for an untracked exchange slot.
+#[derive(Clone, Copy)]
+struct Untracked {
+    /// Server ms at which the slot was granted (for the hold-time mean and the learner).
+    granted_at: u64,
+    /// Server ms past which the lease is never renewed: its request deadline plus the
+    /// exchange's hold grace.
+    cap: u64,
+}
+
+impl Untracked {
+    fn granted_arg(this: Option<Untracked>) -> String {
+        this.map(|u| u.granted_at.to_string()).unwrap_or_default()
+    }
+
+    fn cap_arg(this: Option<Untracked>) -> String {
+        this.map(|u| u.cap.to_string()).unwrap_or_default()
+    }
 }
 
 /// What a learner concluded, as the scripts store it (`-1` for none).
@@ -632,9 +655,14 @@ impl Shared {
         u64::try_from(self.node.options.poll_interval.as_millis()).unwrap_or(500)
     }
 
-    fn grant(&self, g: &Granted, kind: SlotKind, queued_ms: u64) -> Grant {
+    /// `untracked`: admitted at once as an exchange, so without a `held` entry in Redis.
+    fn grant(&self, g: &Granted, kind: SlotKind, queued_ms: u64, untracked: bool) -> Grant {
         let settings = self.settings();
         if kind == SlotKind::Exchange {
+            let untracked = untracked.then(|| Untracked {
+                granted_at: g.server_now,
+                cap: g.request_deadline.saturating_add(crate::EXCHANGE_GRACE_MS),
+            });
             // The first renewal is due one interval from now, not at once.
             let now = self.mono();
             if self.renew_at.load(Ordering::Acquire) < now {
@@ -650,6 +678,7 @@ impl Shared {
                     Hold {
                         confirmed_until: g.confirmed_until(),
                         lost: tx,
+                        untracked,
                     },
                 );
                 first
@@ -693,6 +722,8 @@ impl Shared {
             "0".to_owned(),
             "0".to_owned(),
             "0".to_owned(),
+            // Tracked: an orphaned grant (a waiter's) or an adopted slot.
+            String::new(),
         ];
         if let Err(e) = self.call_op(Op::Release, args).await {
             tracing::warn!(pool = %self.pool, slot = %slot, error = %e, "could not free an unclaimed slot; its lease will expire");
@@ -745,13 +776,19 @@ impl Shared {
     /// Releases `slot` in one call that also reads what its outcome's learning needs (when
     /// there is one) and collects the grants it makes to this node's waiters; learns after,
     /// and writes the conclusion only if it changed. For outcomes that cannot stop admission.
-    async fn release_then_learn(&self, slot: SlotId, outcome: Option<&Outcome>) -> bool {
+    async fn release_then_learn(
+        &self,
+        slot: SlotId,
+        outcome: Option<&Outcome>,
+        untracked: Option<Untracked>,
+    ) -> bool {
         let peek = if outcome.is_some() { "1" } else { "0" };
         let args = vec![
             slot.to_string(),
             "0".to_owned(),
             peek.to_owned(),
             "1".to_owned(),
+            Untracked::granted_arg(untracked),
         ];
         let mono = self.mono();
         let reply = match self.call_op(Op::Release, args).await {
@@ -782,16 +819,23 @@ impl Shared {
 
     /// Learns from an outcome that may stop admission (a throttle, a spent budget) before the
     /// slot is handed on: reads the slot first, then releases it with the conclusion.
-    async fn learn_then_release(&self, slot: SlotId, outcome: &Outcome) -> bool {
+    async fn learn_then_release(
+        &self,
+        slot: SlotId,
+        outcome: &Outcome,
+        untracked: Option<Untracked>,
+    ) -> bool {
+        let granted = Untracked::granted_arg(untracked);
         let mut extra = vec![
             slot.to_string(),
             "0".to_owned(),
             "0".to_owned(),
             "1".to_owned(),
+            granted.clone(),
         ];
         let mono = self.mono();
         if let Ok(peek) = self
-            .call(&self.node.scripts.peek, &[slot.to_string()])
+            .call(&self.node.scripts.peek, &[slot.to_string(), granted])
             .await
         {
             let held = peek.int(1).unwrap_or(0) == 1;
@@ -951,12 +995,23 @@ impl Shared {
     /// Renews every exchange slot this node holds in one call; a slot Redis no longer has is
     /// lost (self-fencing).
     async fn renew_holds(&self) {
-        let mut slots: Vec<u128> = self.holds.lock().keys().copied().collect();
-        slots.extend(self.adopted.lock().keys().copied());
+        // Each slot with its cap: an untracked hold's, or '' (Redis reads it from `held`).
+        let mut slots: Vec<(u128, Option<Untracked>)> = self
+            .holds
+            .lock()
+            .iter()
+            .map(|(slot, h)| (*slot, h.untracked))
+            .collect();
+        slots.extend(self.adopted.lock().keys().map(|slot| (*slot, None)));
         if slots.is_empty() {
             return;
         }
-        let extra: Vec<String> = slots.iter().map(|s| SlotId(*s).to_string()).collect();
+        let extra: Vec<String> = slots
+            .iter()
+            .flat_map(|(slot, untracked)| {
+                [SlotId(*slot).to_string(), Untracked::cap_arg(*untracked)]
+            })
+            .collect();
         let mono = self.mono();
         let Ok(reply) = self.call(&self.node.scripts.renew, &extra).await else {
             return;
@@ -967,7 +1022,7 @@ impl Shared {
         self.note_server_now(server_now, mono);
         let mut holds = self.holds.lock();
         let mut adopted = self.adopted.lock();
-        for (i, slot) in slots.iter().enumerate() {
+        for (i, (slot, _)) in slots.iter().enumerate() {
             let status = reply.int(1 + 2 * i).unwrap_or(0);
             let deadline = reply.u64(2 + 2 * i).unwrap_or(0);
             let until = mono.saturating_add(deadline.saturating_sub(server_now));
@@ -1217,6 +1272,9 @@ impl RedisGate {
                 SlotKind::Lease => 0,
             }
             .to_string(),
+            // An exchange admitted at once is untracked (this node keeps its grant time and
+            // cap, see `Hold`); a lock lease is renewed and released by any node.
+            u8::from(req.kind == SlotKind::Exchange).to_string(),
         ];
         s.early.lock().insert(slot.0, None);
         let _early = EarlyGuard {
@@ -1246,7 +1304,7 @@ impl RedisGate {
         let ticket = match answer.as_str() {
             "admitted" => {
                 return match Granted::admitted(&reply, slot, server_now, start) {
-                    Ok(g) => Ok(s.grant(&g, kind, 0)),
+                    Ok(g) => Ok(s.grant(&g, kind, 0, true)),
                     Err(e) => s.unavailable(&e, req).await,
                 }
             }
@@ -1281,7 +1339,7 @@ impl RedisGate {
                 // Granted by a call of this node before we could park: no wait.
                 let queued_ms = s.mono().saturating_sub(start);
                 drop(waiters);
-                return Ok(s.grant(&g, kind, queued_ms));
+                return Ok(s.grant(&g, kind, queued_ms, false));
             }
             // `close` marks the gate closed before it drops the parked senders under this
             // lock: a waiter queued in Redis just before the close must not park after it (it
@@ -1375,7 +1433,7 @@ impl RedisGate {
         };
         guard.armed = false;
         let queued_ms = s.mono().saturating_sub(start);
-        Ok(s.grant(&granted, kind, queued_ms))
+        Ok(s.grant(&granted, kind, queued_ms, false))
     }
 }
 
@@ -1414,7 +1472,7 @@ impl PoolGate for RedisGate {
         // A lease Redis cannot confirm is reported lost: the holder must stop rather than
         // assume it still holds a slot someone else may have been granted.
         let reply = s
-            .call(&s.node.scripts.renew, &[slot.to_string()])
+            .call(&s.node.scripts.renew, &[slot.to_string(), String::new()])
             .await
             .map_err(|_| RenewError::NotFound)?;
         let server_now = reply.u64(0).map_err(|_| RenewError::NotFound)?;
@@ -1442,14 +1500,17 @@ impl PoolGate for RedisGate {
                 return gate.release(slot, outcome).await;
             }
         }
-        s.holds.lock().remove(&slot.0);
+        let untracked = s.holds.lock().remove(&slot.0).and_then(|h| h.untracked);
         s.uncarry(slot.0).await;
         let outcome = outcome.filter(|_| s.settings().adaptive);
         match outcome {
             Some(outcome) if may_stop_admission(&outcome) => {
-                s.learn_then_release(slot, &outcome).await
+                s.learn_then_release(slot, &outcome, untracked).await
             }
-            _ => s.release_then_learn(slot, outcome.as_ref()).await,
+            _ => {
+                s.release_then_learn(slot, outcome.as_ref(), untracked)
+                    .await
+            }
         }
     }
 

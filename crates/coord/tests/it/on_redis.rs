@@ -415,6 +415,92 @@ async fn fail_open_recovery_counts_the_calls_admitted_on_each_nodes_own() {
     assert_eq!(seen.snapshot().await.in_flight, 0);
 }
 
+/// An exchange admitted at once has no `held` entry in Redis (its node keeps its grant time and
+/// its cap, and passes them back): renewed by its node, it still ends at its cap; released, it
+/// still teaches the hold-time mean. A lock lease, which any node may renew or release, keeps
+/// its entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exchange_admitted_at_once_is_untracked_and_still_capped() {
+    let space = Space::new();
+    let settings = PoolSettings {
+        limit: 3,
+        lease_term_ms: 300,
+        renew_interval_ms: 100,
+        request_timeout_ms: 200,
+        ..PoolSettings::default()
+    };
+    let node = space.node();
+    let gate = node.open("untracked", settings);
+    let key = |name: &str| format!("{}:{{untracked}}:{name}", space.prefix);
+    let in_held = |slot: &nthbouncer_coord::SlotId| -> bool {
+        space.sync_cmd(
+            ::redis::cmd("HEXISTS")
+                .arg(key("held"))
+                .arg(slot.to_string()),
+        )
+    };
+    let lease_of = |slot: &nthbouncer_coord::SlotId| -> Option<u64> {
+        let score: Option<u64> = space.sync_cmd(
+            ::redis::cmd("ZSCORE")
+                .arg(key("leases"))
+                .arg(slot.to_string()),
+        );
+        score
+    };
+    let leased = |slot: &nthbouncer_coord::SlotId| lease_of(slot).is_some();
+
+    let exchange = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
+    let lease = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
+    assert!(leased(&exchange.slot_id) && leased(&lease.slot_id));
+    assert!(
+        !in_held(&exchange.slot_id),
+        "an exchange admitted at once is untracked"
+    );
+    assert!(in_held(&lease.slot_id), "a lock lease is tracked");
+    // (Its holder, this test, does not renew it: released before its term ends.)
+    assert!(gate.release(lease.slot_id, None).await);
+    assert!(!in_held(&lease.slot_id) && !leased(&lease.slot_id));
+
+    // Renewed by its node past several lease terms, up to its request deadline plus the hold
+    // grace, then no further: the lease ends and its holder is told.
+    let mut watch = gate.lease_watch(exchange.slot_id).unwrap();
+    let cap = exchange.request_deadline + nthbouncer_coord::EXCHANGE_GRACE_MS;
+    assert!(cap > exchange.lease_deadline + 3 * 300);
+    let mut latest = exchange.lease_deadline;
+    for _ in 0..200 {
+        if let Some(deadline) = lease_of(&exchange.slot_id) {
+            latest = latest.max(deadline);
+        }
+        if tokio::time::timeout(Duration::from_millis(50), watch.lost())
+            .await
+            .is_ok()
+        {
+            break;
+        }
+    }
+    assert!(watch.is_lost(), "its holder is told once the lease ends");
+    assert!(latest > exchange.lease_deadline, "its node renewed it");
+    assert!(latest <= cap, "never past its cap: {latest} > {cap}");
+    // The next call sweeps it.
+    let next = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
+    assert!(!leased(&exchange.slot_id));
+    assert!(gate.release(next.slot_id, None).await);
+    assert!(!gate.release(exchange.slot_id, None).await);
+
+    // Released by its node: freed, and its hold time counted, without a `held` entry.
+    let meta = key("meta");
+    let _: i64 = space.sync_cmd(::redis::cmd("HDEL").arg(&meta).arg("hold"));
+    let second = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
+    assert!(!in_held(&second.slot_id));
+    assert!(gate.release(second.slot_id, None).await);
+    assert!(!leased(&second.slot_id));
+    let hold: Option<u64> = space.sync_cmd(::redis::cmd("HGET").arg(&meta).arg("hold"));
+    assert!(hold.is_some(), "the release taught the hold-time mean");
+
+    let held: u64 = space.sync_cmd(::redis::cmd("HLEN").arg(key("held")));
+    assert_eq!(held, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_key_of_a_pool_carries_its_hash_tag() {
     let space = Space::new();

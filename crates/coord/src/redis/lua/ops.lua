@@ -6,11 +6,13 @@
 -- of the call.
 
 -- acquire: slot, fairness key, class (1 high .. 3 low), lease_ms, may_wait, wait_ms, grace_ms (a
--- ticket's), hold_grace_ms (a slot's, past its request deadline).
+-- ticket's), hold_grace_ms (a slot's, past its request deadline), untracked (an exchange: if
+-- admitted at once, no `held` entry, see `admit`; a waiter's grant is tracked).
 -- Returns {'admitted', now, leaseDeadline, requestDeadline, remaining, effective, rpmRemaining}
 -- or {'queued', now, ticket, nextWakeupMs} or {'refused', now, reason, retryMs, remaining,
 -- effective, rpmRemaining}.
-local function op_acquire(slot, fkey, class, lease_ms, may_wait, wait_ms, grace, hold_grace)
+local function op_acquire(slot, fkey, class, lease_ms, may_wait, wait_ms, grace, hold_grace,
+    untracked)
   collect_own = false
   settle()
   -- A reused id would corrupt the books; refusing is the only safe answer (ids are random, so
@@ -22,7 +24,7 @@ local function op_acquire(slot, fkey, class, lease_ms, may_wait, wait_ms, grace,
   local b = blocker()
   -- Admitted at once only if nobody waits (no overtaking).
   if not b and queued() == 0 then
-    local g = admit(slot, lease_ms, hold_grace)
+    local g = admit(slot, lease_ms, hold_grace, untracked)
     if not g then return reused() end
     publish()
     return { 'admitted', now, g[1], g[2], g[3], g[4], g[5] }
@@ -68,7 +70,8 @@ local function op_acquire(slot, fkey, class, lease_ms, may_wait, wait_ms, grace,
   return { 'refused', now, reason, retry, h[1], h[2], h[3] }
 end
 
--- release: slot, learn, peek, collect_own, and the ARGV index of what was learned (limit,
+-- release: slot, learn, peek, collect_own, granted (an untracked slot's grant time, from its
+-- node; nil for a tracked one, see `admit`), and the ARGV index of what was learned (limit,
 -- pace_us, pace_until, rpm, paused_until, throttle_at, throttle_cause; see `apply_learned`; read
 -- only with learn).
 -- Idempotent: frees the slot the first time; only a release that freed a slot teaches, and it
@@ -78,22 +81,25 @@ end
 -- Returns {freed (0/1), now, held (0/1), grantedAt, bound (0/1), ticket, grant, ...}: `held` and
 -- after only with peek (else 0); the (ticket, grant) pairs are this node's waiters served by the
 -- freed slot, with collect_own (see the prelude).
-local function op_release(slot, learn, peek, collect, learned_at)
+local function op_release(slot, learn, peek, collect, granted, learned_at)
   collect_own = collect
   own_grants = {}
   local out = { 0, now, 0, 0, 0 }
   local held = nil
   if peek then
-    held = redis.call('HGET', K_HELD, slot)
+    local granted_at = granted
+    if not granted then
+      held = redis.call('HGET', K_HELD, slot)
+      granted_at = held and (tonumber(string.match(held, ':(%d+)$')) or now)
+    end
     local d = tonumber(redis.call('ZSCORE', K_LEASES, slot))
-    if held and d and d > now then
-      local granted_at = tonumber(string.match(held, ':(%d+)$')) or now
+    if granted_at and d and d > now then
       out[3], out[4] = 1, granted_at
       if in_flight() >= eff or last_full_get() >= granted_at then out[5] = 1 end
     end
   end
   if learn and redis.call('ZSCORE', K_LEASES, slot) then apply_learned(learned_at) end
-  if free(slot, held) then out[1] = 1 end
+  if free(slot, held, granted) then out[1] = 1 end
   settle()
   for _, v in ipairs(own_grants) do table.insert(out, v) end
   publish()

@@ -4,7 +4,8 @@
 -- (`TIME`): no node clock decides a deadline. Mirrors `nthbouncer-governor`'s rules; see
 -- `redis/mod.rs` for the key layout and what differs.
 --
--- KEYS: 1 leases (zset slot -> lease deadline), 2 held (hash slot -> "requestDeadline:grantedAt"),
+-- KEYS: 1 leases (zset slot -> lease deadline), 2 held (hash slot -> "requestDeadline:grantedAt";
+-- not for an exchange admitted at once, whose node keeps both and passes them back, see `admit`),
 -- 3 waiters (hash ticket -> "class:fairnessKey:leaseMs:holdGraceMs:node:slot"), 4 deadlines (zset ticket ->
 -- when its queue entry or unclaimed grant is forgotten), 5..7 queues high/normal/low (zset ticket
 -- -> round), 8 meta (hash), 9 rounds (hash "class:fairnessKey" -> last round), 10 grants (hash
@@ -220,13 +221,17 @@ end
 
 -- `hold_grace` keeps the slot past its request deadline for a holder that ends the exchange
 -- itself (see `EXCHANGE_GRACE_MS`); the holder is told the request deadline without it.
+-- `untracked`: no `held` entry; only the node that asked renews and releases the slot, and it
+-- passes the grant time and the cap back itself (an exchange admitted at once: two commands
+-- and a read fewer per proxied request). A lock lease, which any node may renew or release,
+-- and a waiter's grant are tracked.
 -- Nil (nothing changed) if the slot id is leased already.
-local function admit(slot, lease_ms, hold_grace)
+local function admit(slot, lease_ms, hold_grace, untracked)
   local rd = now + cfg_request_ms
   local held_until = rd + hold_grace
   local ld = math.min(now + lease_ms, held_until)
   if not lease_set(ld, slot, 'NX') then return nil end
-  redis.call('HSET', K_HELD, slot, fmt(held_until) .. ':' .. fmt(now))
+  if not untracked then redis.call('HSET', K_HELD, slot, fmt(held_until) .. ':' .. fmt(now)) end
   if rpm_limit then redis.call('ZADD', K_RPM, now, slot) end
   if l_pace then
     local tat = tonumber(redis.call('HGET', K_META, 'tat')) or 0
@@ -240,12 +245,16 @@ end
 
 -- Frees a held slot; true iff it was held. The hold time feeds the `Retry-After` estimate.
 -- `held`: the slot's `held` entry if the caller read it already (false: read, absent).
-local function free(slot, held)
+-- `granted`: the grant time of an untracked slot (see `admit`), given by its node; nil else.
+local function free(slot, held, granted)
   if not lease_del(slot) then return false end
-  local h = held
-  if h == nil then h = redis.call('HGET', K_HELD, slot) end
-  redis.call('HDEL', K_HELD, slot)
-  local granted_at = h and tonumber(string.match(h, ':(%d+)$'))
+  local granted_at = granted
+  if not granted_at then
+    local h = held
+    if h == nil then h = redis.call('HGET', K_HELD, slot) end
+    redis.call('HDEL', K_HELD, slot)
+    granted_at = h and tonumber(string.match(h, ':(%d+)$'))
+  end
   if granted_at then
     local sample = math.max(0, now - granted_at)
     local mean = hold_get()
@@ -319,7 +328,7 @@ local function dispatch()
       local _, _, lease_ms, wnode, slot, hold_grace = parse_waiter(meta)
       local alive = tonumber(redis.call('ZSCORE', K_NODES, wnode))
       local g = nil
-      if slot and alive and alive >= now then g = admit(slot, lease_ms, hold_grace or 0) end
+      if slot and alive and alive >= now then g = admit(slot, lease_ms, hold_grace or 0, false) end
       if g then
         local rest = ':' .. fmt(g[2]) .. ':' .. fmt(g[3]) .. ':' .. fmt(g[4]) .. ':' .. fmt(g[5])
         if collect_own and wnode == node then

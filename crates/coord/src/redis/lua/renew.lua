@@ -1,23 +1,30 @@
--- renew: ARGV 13.. slots. Extends each lease by one term from now, never past its request
--- deadline. An expired lease was reclaimed by `settle` first, so it is not found.
+-- renew: ARGV 13.. pairs of slot and cap: the cap is the latest lease deadline an untracked slot
+-- may get (its request deadline plus its hold grace, from its node; see `admit`), '' for a
+-- tracked slot, whose cap is in `held`. Extends each lease by one term from now, never past its
+-- cap. An expired lease was reclaimed by `settle` first, so it is not found.
 -- In the quiet period after Redis lost the pool's keys (see the prelude), a slot it does not know
 -- is re-asserted instead, up to the limit: its holder was granted it before the loss and is
--- still running (slot ids are random, so only a holder can name one). Its request deadline, lost
--- with the keys, restarts from now.
+-- still running (slot ids are random, so only a holder can name one). A tracked slot's request
+-- deadline, lost with the keys, restarts from now; an untracked one keeps the cap its node gave.
 -- Returns {now, status, deadline, status, deadline, ...} with status 1 renewed, 2 capped (at
 -- its request deadline already), 0 not found.
 settle()
 local out = { now }
-for i = 13, #ARGV do
+for i = 13, #ARGV, 2 do
   local slot = ARGV[i]
+  local cap = tonumber(ARGV[i + 1])
   local d = tonumber(redis.call('ZSCORE', K_LEASES, slot))
-  local h = redis.call('HGET', K_HELD, slot)
-  local rd = h and tonumber(string.match(h, '^(%d+):'))
-  if not d and not h and quiet_until > now and in_flight() < eff then
-    rd = now + cfg_request_ms
+  local h = nil
+  local rd = cap
+  if not cap then
+    h = redis.call('HGET', K_HELD, slot)
+    rd = h and tonumber(string.match(h, '^(%d+):'))
+  end
+  if not d and not h and quiet_until > now and in_flight() < eff and (not cap or cap > now) then
+    if not cap then rd = now + cfg_request_ms end
     d = math.min(now + cfg_term_ms, rd)
     lease_set(d, slot)
-    redis.call('HSET', K_HELD, slot, fmt(rd) .. ':' .. fmt(now))
+    if not cap then redis.call('HSET', K_HELD, slot, fmt(rd) .. ':' .. fmt(now)) end
     table.insert(out, 1)
     table.insert(out, d)
   elseif not d or not rd then
