@@ -356,6 +356,7 @@ where
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::announces_split;
     use http::{HeaderMap, HeaderValue};
