@@ -722,7 +722,9 @@ impl Shared {
             "0".to_owned(),
             "0".to_owned(),
             "0".to_owned(),
-            // Tracked: an orphaned grant (a waiter's) or an adopted slot.
+            // As tracked: an orphaned grant (a waiter's) and an adopted slot are; an exchange
+            // admitted at once whose caller left before the reply is not, and then the read and
+            // delete of its absent `held` entry are no-ops (it frees the lease all the same).
             String::new(),
         ];
         if let Err(e) = self.call_op(Op::Release, args).await {
