@@ -38,6 +38,56 @@ const GRACE_MS: u64 = 2_000;
 /// Shortest sleep of the ticker, so a schedule that is already due cannot make it spin.
 const MIN_TICK_MS: u64 = 5;
 
+/// The smallest effective limit at which a node keeps slots (see [`Keeping`]): below it, one
+/// slot kept idle is too large a part of the pool to hold back from the other nodes.
+const KEEP_MIN_LIMIT: u32 = 16;
+
+/// A slot kept leased in Redis after its exchange ended, for this node's next exchange.
+struct Kept {
+    /// Its id in Redis.
+    slot: u128,
+    /// Monotonic ms until which its lease is confirmed.
+    confirmed_until: u64,
+    /// Monotonic ms since which it is idle.
+    idle_since: u64,
+}
+
+/// Kept slots. While the pool has room to spare (nobody queued, a quarter of its slots free,
+/// no pause, RPM gate or pace), an exchange slot admitted at once is not freed in Redis when its
+/// call ends: this node keeps it leased, renews it like a running one, and lends it to its next
+/// exchange, which then costs no Redis call at all. The slot stays counted against the limit
+/// all along, so the limit holds as before; only who may use it changes. A slot idle for a poll
+/// interval is freed, and so is every idle one, at once, when a slot is short elsewhere or
+/// learning changes what is admitted (a reclaim: see `reclaim_kept` in `lua/prelude.lua`).
+/// Keeping stops then, until a check of the pool's state (`renew.lua`) allows it again.
+#[derive(Default)]
+struct Keeping {
+    /// Whether a slot whose exchange ends may be kept (and an idle one lent).
+    allowed: bool,
+    /// A check was asked for (an admission saw room to spare while keeping was not allowed).
+    wanted: bool,
+    /// Counts the reclaims: a check whose call overlapped one does not allow keeping.
+    reclaims: u64,
+    idle: Vec<Kept>,
+    /// Slots lent since the last check (counted as admissions in Redis by the next one).
+    lent: u64,
+    /// The pool as last seen: its free slots and effective limit (a lent grant's headers).
+    remaining: u32,
+    effective: u32,
+}
+
+impl Keeping {
+    /// Whether the ticker checks the pool's state every poll interval.
+    fn active(&self) -> bool {
+        self.allowed || self.wanted || self.lent > 0 || !self.idle.is_empty()
+    }
+
+    /// Whether a view of the pool leaves room enough to keep slots.
+    fn roomy(remaining: u32, effective: u32) -> bool {
+        effective >= KEEP_MIN_LIMIT && remaining >= effective / 4
+    }
+}
+
 /// A grant as the scripts record it, with the moment it was read on both clocks.
 #[derive(Clone, Debug)]
 struct Granted {
@@ -109,6 +159,10 @@ struct Hold {
     /// Admitted at once, the slot has no `held` entry in Redis (see the prelude's `admit`):
     /// this node passes its grant time and its cap back on release, peek and renewal.
     untracked: Option<Untracked>,
+    /// The slot's id in Redis: the holder's own, or that of the kept slot lent to it (a lent
+    /// slot gets a fresh id for its holder, so a late release by its previous holder cannot
+    /// free it).
+    in_redis: u128,
 }
 
 /// What Redis keeps in `held` for other slots, kept here for an untracked exchange slot.
@@ -215,6 +269,10 @@ pub(crate) struct Shared {
     holds: Mutex<HashMap<u128, Hold>>,
     /// Monotonic ms at which the holds are next renewed.
     renew_at: AtomicU64,
+    /// Slots kept for this node's next exchanges (see [`Keeping`]). Locked after `holds`.
+    keeping: Mutex<Keeping>,
+    /// Monotonic ms at which the pool's state is next checked, while keeping is active.
+    check_at: AtomicU64,
     /// Monotonic ms at which the ticker next collects grants for this node's waiters (0: now).
     poll_at: AtomicU64,
     learner: Mutex<Learner>,
@@ -308,6 +366,8 @@ impl RedisGate {
             early: Mutex::new(HashMap::new()),
             holds: Mutex::new(HashMap::new()),
             renew_at: AtomicU64::new(0),
+            keeping: Mutex::new(Keeping::default()),
+            check_at: AtomicU64::new(0),
             poll_at: AtomicU64::new(0),
             offset: AtomicI64::new(0),
             signal: Arc::new(Notify::new()),
@@ -342,6 +402,8 @@ impl Drop for RedisGate {
     fn drop(&mut self) {
         self.shared.closed.store(true, Ordering::Release);
         self.shared.signal.notify_one();
+        // What it keeps idle goes back now rather than when its leases end.
+        self.shared.reclaim();
     }
 }
 
@@ -679,6 +741,7 @@ impl Shared {
                         confirmed_until: g.confirmed_until(),
                         lost: tx,
                         untracked,
+                        in_redis: g.slot.0,
                     },
                 );
                 first
@@ -969,20 +1032,29 @@ impl Shared {
             }
         }
 
-        if !self.holds.lock().is_empty() || !self.adopted.lock().is_empty() {
+        let keeping = self.keeping.lock().active();
+        if !self.holds.lock().is_empty() || !self.adopted.lock().is_empty() || keeping {
             let now = self.mono();
-            let renew_at = self.renew_at.load(Ordering::Acquire);
-            if now >= renew_at {
-                self.renew_holds().await;
-                self.renew_at.store(
-                    self.mono().saturating_add(self.renew_every()),
-                    Ordering::Release,
-                );
+            let renew_due = now >= self.renew_at.load(Ordering::Acquire);
+            let check_due = keeping && now >= self.check_at.load(Ordering::Acquire);
+            if renew_due || check_due {
+                self.free_idle().await;
+                self.renew_holds(keeping).await;
+                let now = self.mono();
+                self.renew_at
+                    .store(now.saturating_add(self.renew_every()), Ordering::Release);
+                self.check_at
+                    .store(now.saturating_add(poll), Ordering::Release);
+                // A check that stopped keeping frees what is idle at once.
+                self.free_idle().await;
             }
             self.fence_expired();
             let now = self.mono();
             let next_renew = self.renew_at.load(Ordering::Acquire).saturating_sub(now);
             at_most(next_renew);
+            if self.keeping.lock().active() {
+                at_most(self.check_at.load(Ordering::Acquire).saturating_sub(now));
+            }
             if let Some(until) = self.holds.lock().values().map(|h| h.confirmed_until).min() {
                 at_most(until.saturating_sub(now));
             }
@@ -994,10 +1066,12 @@ impl Shared {
         sleep.map(|s| s.max(MIN_TICK_MS))
     }
 
-    /// Renews every exchange slot this node holds in one call; a slot Redis no longer has is
-    /// lost (self-fencing).
-    async fn renew_holds(&self) {
-        // Each slot with its cap: an untracked hold's, or '' (Redis reads it from `held`).
+    /// Renews every exchange slot this node holds or keeps in one call; a slot Redis no longer
+    /// has is lost (self-fencing). With `keeping`, the call is also the check of the pool's
+    /// state that allows or stops keeping (see [`Keeping`]).
+    async fn renew_holds(&self, keeping: bool) {
+        // Each slot by its id in Redis, with its cap: an untracked hold's, or '' (Redis reads it
+        // from `held`); an idle kept slot is renewed as if lent now.
         let mut slots: Vec<(u128, Option<Untracked>)> = self
             .holds
             .lock()
@@ -1005,30 +1079,96 @@ impl Shared {
             .map(|(slot, h)| (*slot, h.untracked))
             .collect();
         slots.extend(self.adopted.lock().keys().map(|slot| (*slot, None)));
-        if slots.is_empty() {
+        let settings = self.settings();
+        let server_now = self.server_now_estimate();
+        let idle_cap = Untracked {
+            granted_at: server_now,
+            cap: server_now
+                .saturating_add(settings.request_timeout_ms)
+                .saturating_add(crate::EXCHANGE_GRACE_MS),
+        };
+        let (lent, reclaims, allowed) = {
+            let mut k = self.keeping.lock();
+            slots.extend(k.idle.iter().map(|kept| (kept.slot, Some(idle_cap))));
+            (
+                std::mem::take(&mut k.lent),
+                k.reclaims,
+                k.allowed || k.wanted,
+            )
+        };
+        if slots.is_empty() && !keeping {
             return;
         }
-        let extra: Vec<String> = slots
-            .iter()
-            .flat_map(|(slot, untracked)| {
-                [SlotId(*slot).to_string(), Untracked::cap_arg(*untracked)]
-            })
-            .collect();
-        let mono = self.mono();
-        let Ok(reply) = self.call(&self.node.scripts.renew, &extra).await else {
-            return;
+        let in_redis: Vec<u128> = {
+            let holds = self.holds.lock();
+            slots
+                .iter()
+                .map(|(slot, _)| holds.get(slot).map_or(*slot, |h| h.in_redis))
+                .collect()
         };
-        let Ok(server_now) = reply.u64(0) else {
+        let mut extra: Vec<String> = if keeping {
+            // Keeping lasts three polls past this check unless the next check renews it.
+            let keep_for = if allowed {
+                self.poll_ms().saturating_mul(3)
+            } else {
+                0
+            };
+            vec![lent.to_string(), keep_for.to_string()]
+        } else {
+            vec![String::new(), String::new()]
+        };
+        extra.extend(
+            slots
+                .iter()
+                .zip(&in_redis)
+                .flat_map(|((_, untracked), slot)| {
+                    [SlotId(*slot).to_string(), Untracked::cap_arg(*untracked)]
+                }),
+        );
+        let mono = self.mono();
+        let answer = match self.call(&self.node.scripts.renew, &extra).await {
+            Ok(reply) => reply.u64(0).map(|now| (reply, now)),
+            Err(e) => Err(e),
+        };
+        let Ok((reply, server_now)) = answer else {
+            // Counted by the next check.
+            self.keeping.lock().lent += lent;
             return;
         };
         self.note_server_now(server_now, mono);
+        if keeping {
+            let view = (|| {
+                Ok::<_, CallError>((reply.u32(1)?, reply.u32(2)?, reply.u32(3)?, reply.int(4)?))
+            })();
+            let mut k = self.keeping.lock();
+            k.wanted = false;
+            match view {
+                Ok((queued, remaining, effective, blocked)) => {
+                    k.remaining = remaining;
+                    k.effective = effective;
+                    // A node that holds nothing any more stops keeping (and checking): its
+                    // next admission asks for a check again.
+                    let busy = !slots.is_empty() || lent > 0;
+                    k.allowed = busy
+                        && queued == 0
+                        && blocked == 0
+                        && Keeping::roomy(remaining, effective)
+                        && k.reclaims == reclaims
+                        && !self.closed.load(Ordering::Acquire);
+                }
+                Err(_) => k.allowed = false,
+            }
+        }
         let mut holds = self.holds.lock();
         let mut adopted = self.adopted.lock();
+        let mut kept = self.keeping.lock();
         for (i, (slot, _)) in slots.iter().enumerate() {
-            let status = reply.int(1 + 2 * i).unwrap_or(0);
-            let deadline = reply.u64(2 + 2 * i).unwrap_or(0);
+            let status = reply.int(5 + 2 * i).unwrap_or(0);
+            let deadline = reply.u64(6 + 2 * i).unwrap_or(0);
             let until = mono.saturating_add(deadline.saturating_sub(server_now));
-            if adopted.contains_key(slot) {
+            if let Some(idle) = kept.idle.iter_mut().find(|idle| idle.slot == *slot) {
+                idle.confirmed_until = if status == 0 { 0 } else { until };
+            } else if adopted.contains_key(slot) {
                 // Nothing to fence: the call runs on the node's own share either way (a lost
                 // registration is made again, see `needs_recovery`).
                 if status == 0 {
@@ -1057,6 +1197,183 @@ impl Shared {
             tracing::warn!(pool = %self.pool, slot = %SlotId(*slot), "lease could not be confirmed before its deadline; the holder is told to stop");
             h.lost.send_replace(true);
             false
+        });
+    }
+
+    /// How long a kept slot's lease must still be confirmed for to be kept or lent: the ticker
+    /// renews it well before then.
+    fn keep_margin(&self) -> u64 {
+        self.settings().lease_term_ms / 2
+    }
+
+    /// An admission through Redis showed the pool's state: with room to spare and keeping not
+    /// allowed yet, a check is asked for (it allows keeping); without, keeping stops.
+    fn saw_admission(&self, g: &Granted) {
+        let roomy = g.rpm_remaining.is_none() && Keeping::roomy(g.remaining, g.effective);
+        let check = {
+            let mut k = self.keeping.lock();
+            k.remaining = g.remaining;
+            k.effective = g.effective;
+            if !roomy {
+                k.allowed = false;
+                !k.idle.is_empty()
+            } else if !k.allowed && !k.wanted {
+                k.wanted = true;
+                true
+            } else {
+                false
+            }
+        };
+        if check {
+            self.check_at.store(0, Ordering::Release);
+            self.nudge();
+        }
+    }
+
+    /// An acquire was queued or refused: keeping stops, and what is kept idle goes back.
+    fn saw_shortage(&self) {
+        let idle = {
+            let mut k = self.keeping.lock();
+            k.allowed = false;
+            !k.idle.is_empty()
+        };
+        if idle {
+            self.check_at.store(0, Ordering::Release);
+            self.nudge();
+        }
+    }
+
+    /// Keeps the slot of `hold`, whose exchange ended, for this node's next exchange, if it
+    /// may (see [`Keeping`]); false: it is to be released in Redis.
+    fn keep(&self, hold: &Hold) -> bool {
+        if hold.untracked.is_none()
+            || self.closed.load(Ordering::Acquire)
+            || self.on_own()
+            || self.recovering()
+            || self.needs_recovery()
+            || !self.waiters.lock().is_empty()
+        {
+            return false;
+        }
+        let now = self.mono();
+        if hold.confirmed_until <= now.saturating_add(self.keep_margin()) {
+            return false;
+        }
+        let mut k = self.keeping.lock();
+        let most = usize::try_from((k.effective / 8).max(1)).unwrap_or(1);
+        if !k.allowed || k.idle.len() >= most {
+            return false;
+        }
+        k.idle.push(Kept {
+            slot: hold.in_redis,
+            confirmed_until: hold.confirmed_until,
+            idle_since: now,
+        });
+        true
+    }
+
+    /// Lends an idle kept slot to an exchange, without a call to Redis, if keeping allows.
+    fn lend(&self) -> Option<Grant> {
+        if !self.waiters.lock().is_empty() {
+            return None;
+        }
+        let now = self.mono();
+        let margin = now.saturating_add(self.keep_margin());
+        let (kept, remaining, effective) = {
+            let mut k = self.keeping.lock();
+            if !k.allowed {
+                return None;
+            }
+            let i = k
+                .idle
+                .iter()
+                .rposition(|kept| kept.confirmed_until > margin)?;
+            k.lent += 1;
+            (k.idle.swap_remove(i), k.remaining, k.effective)
+        };
+        let settings = self.settings();
+        let server_now = self.server_now_estimate();
+        let request_deadline = server_now.saturating_add(settings.request_timeout_ms);
+        let slot = SlotId::random();
+        let (lost, _) = watch::channel(false);
+        self.holds.lock().insert(
+            slot.0,
+            Hold {
+                confirmed_until: kept.confirmed_until,
+                lost,
+                untracked: Some(Untracked {
+                    granted_at: server_now,
+                    cap: request_deadline.saturating_add(crate::EXCHANGE_GRACE_MS),
+                }),
+                in_redis: kept.slot,
+            },
+        );
+        Some(Grant {
+            slot_id: slot,
+            lease_deadline: server_now.saturating_add(kept.confirmed_until.saturating_sub(now)),
+            request_deadline,
+            term_ms: settings.lease_term_ms,
+            renew_interval_ms: settings.renew_interval_ms,
+            headers: GateHeaders {
+                remaining_slots: remaining,
+                effective_limit: effective,
+                rpm_remaining: None,
+                queued_ms: 0,
+            },
+        })
+    }
+
+    /// Learns from the outcome of an exchange whose slot was kept (the pool had room to spare,
+    /// so the limit did not bind), and stores the conclusion if it changed.
+    async fn learn_kept(&self, outcome: &Outcome, granted_at: u64) {
+        let now = self.server_now_estimate();
+        if let Some(wire) = self.learn_from(now, outcome, false, granted_at) {
+            let mut extra = vec!["1".to_owned()];
+            extra.extend(wire.args());
+            let _ = self.call(&self.node.scripts.learn, &extra).await;
+        }
+    }
+
+    /// Frees the idle kept slots that waited a poll interval, or whose lease runs short, or all
+    /// of them when keeping is not allowed.
+    async fn free_idle(&self) {
+        let now = self.mono();
+        let poll = self.poll_ms();
+        let margin = now.saturating_add(self.keep_margin());
+        let freed: Vec<u128> = {
+            let mut k = self.keeping.lock();
+            let all = !k.allowed || self.closed.load(Ordering::Acquire);
+            let mut freed = Vec::new();
+            k.idle.retain(|kept| {
+                let stays = !all
+                    && now.saturating_sub(kept.idle_since) < poll
+                    && kept.confirmed_until > margin;
+                if !stays {
+                    freed.push(kept.slot);
+                }
+                stays
+            });
+            freed
+        };
+        futures_util::future::join_all(freed.into_iter().map(|slot| self.free(SlotId(slot)))).await;
+    }
+
+    /// A slot is short somewhere (see `reclaim_kept` in `lua/prelude.lua`): keeping stops and
+    /// every idle kept slot is freed now.
+    pub(crate) fn reclaim(self: &Arc<Self>) {
+        let idle = {
+            let mut k = self.keeping.lock();
+            k.allowed = false;
+            k.reclaims += 1;
+            std::mem::take(&mut k.idle)
+        };
+        if idle.is_empty() {
+            return;
+        }
+        let shared = Arc::clone(self);
+        self.node.runtime.spawn(async move {
+            let frees = idle.iter().map(|kept| shared.free(SlotId(kept.slot)));
+            futures_util::future::join_all(frees).await;
         });
     }
 
@@ -1302,11 +1619,17 @@ impl RedisGate {
             Err(e) => return s.unavailable(&e, req).await,
         };
         s.note_server_now(server_now, start);
+        if answer != "admitted" {
+            s.saw_shortage();
+        }
         let kind = req.kind;
         let ticket = match answer.as_str() {
             "admitted" => {
                 return match Granted::admitted(&reply, slot, server_now, start) {
-                    Ok(g) => Ok(s.grant(&g, kind, 0, true)),
+                    Ok(g) => {
+                        s.saw_admission(&g);
+                        Ok(s.grant(&g, kind, 0, true))
+                    }
                     Err(e) => s.unavailable(&e, req).await,
                 }
             }
@@ -1460,6 +1783,11 @@ impl PoolGate for RedisGate {
         if s.recovering() {
             return self.acquire_within_share(req).await;
         }
+        if req.kind == SlotKind::Exchange {
+            if let Some(grant) = s.lend() {
+                return Ok(grant);
+            }
+        }
         self.acquire_shared(req).await
     }
 
@@ -1474,13 +1802,21 @@ impl PoolGate for RedisGate {
         // A lease Redis cannot confirm is reported lost: the holder must stop rather than
         // assume it still holds a slot someone else may have been granted.
         let reply = s
-            .call(&s.node.scripts.renew, &[slot.to_string(), String::new()])
+            .call(
+                &s.node.scripts.renew,
+                &[
+                    String::new(),
+                    String::new(),
+                    slot.to_string(),
+                    String::new(),
+                ],
+            )
             .await
             .map_err(|_| RenewError::NotFound)?;
         let server_now = reply.u64(0).map_err(|_| RenewError::NotFound)?;
         s.note_server_now(server_now, mono);
-        let deadline = reply.u64(2).map_err(|_| RenewError::NotFound)?;
-        match reply.int(1) {
+        let deadline = reply.u64(6).map_err(|_| RenewError::NotFound)?;
+        match reply.int(5) {
             Ok(1) => {
                 if let Some(h) = s.holds.lock().get_mut(&slot.0) {
                     h.confirmed_until = mono.saturating_add(deadline.saturating_sub(server_now));
@@ -1502,13 +1838,23 @@ impl PoolGate for RedisGate {
                 return gate.release(slot, outcome).await;
             }
         }
-        let untracked = s.holds.lock().remove(&slot.0).and_then(|h| h.untracked);
+        let hold = s.holds.lock().remove(&slot.0);
         s.uncarry(slot.0).await;
         let outcome = outcome.filter(|_| s.settings().adaptive);
-        match outcome {
-            Some(outcome) if may_stop_admission(&outcome) => {
-                s.learn_then_release(slot, &outcome, untracked).await
+        let stops = outcome.as_ref().is_some_and(may_stop_admission);
+        if stops {
+            // Learned before anything more is admitted here: keeping stops (the learning's
+            // write reclaims what any node keeps).
+            s.saw_shortage();
+        } else if let Some(h) = hold.as_ref().filter(|h| s.keep(h)) {
+            if let (Some(outcome), Some(u)) = (outcome.as_ref(), h.untracked) {
+                s.learn_kept(outcome, u.granted_at).await;
             }
+            return true;
+        }
+        let (slot, untracked) = hold.map_or((slot, None), |h| (SlotId(h.in_redis), h.untracked));
+        match outcome {
+            Some(outcome) if stops => s.learn_then_release(slot, &outcome, untracked).await,
             _ => {
                 s.release_then_learn(slot, outcome.as_ref(), untracked)
                     .await
@@ -1544,6 +1890,8 @@ impl PoolGate for RedisGate {
 
     async fn reconfigure(&self, settings: PoolSettings) {
         let s = &self.shared;
+        // What is kept was kept under the old settings.
+        s.reclaim();
         *s.settings.lock() = settings.clone();
         s.learner
             .lock()
@@ -1584,8 +1932,11 @@ impl PoolGate for RedisGate {
         let read = || -> Result<Snapshot, CallError> {
             let (high, normal, low) = (reply.u32(2)?, reply.u32(3)?, reply.u32(4)?);
             let cause = reply.str(12)?;
+            // This node's idle kept slots are leased in Redis but run nothing (another node's
+            // show until it frees them, within a poll interval of their last use).
+            let idle = u32::try_from(s.keeping.lock().idle.len()).unwrap_or(u32::MAX);
             Ok(Snapshot {
-                in_flight: reply.u32(1)?,
+                in_flight: reply.u32(1)?.saturating_sub(idle),
                 queued: high.saturating_add(normal).saturating_add(low),
                 queued_high: high,
                 queued_normal: normal,
@@ -1618,6 +1969,7 @@ impl PoolGate for RedisGate {
         // Dropping the senders wakes each waiter with `PoolClosed`; their guards leave the
         // queue in Redis.
         s.waiters.lock().clear();
+        s.free_idle().await;
         let fallback = s.fallback.lock().clone();
         if let Some(gate) = fallback {
             gate.close().await;

@@ -29,6 +29,13 @@
 //!   slots back within one term. A lease the node cannot confirm (reclaimed, or Redis
 //!   unreachable past its deadline) is reported through [`crate::PoolGate::lease_watch`]:
 //!   self-fencing.
+//! - Kept slots: while a pool has room to spare (nobody queued, a quarter of its slots free, no
+//!   pause, RPM gate or pace, an effective limit of 16 or more), a node keeps an exchange slot
+//!   leased after its call ends and lends it to its next exchange without calling Redis (the
+//!   gate's `Keeping`). It stays counted against the limit, so the limit holds; an acquire short
+//!   of a slot anywhere, or a learned change, makes every keeper free what it keeps idle at once
+//!   (`{prefix}:wake:reclaim`), and a slot idle for a poll interval is freed anyway. Until then
+//!   the pool's in-flight count, read on another node, includes it.
 //! - Adaptive learning runs in the governor's pure code on the node that observes the outcome
 //!   (one learner per gate per node, on the server's clock); the resulting learned limit, pace
 //!   and pause (a spent announced budget travels as a pause until its reset; the learner counts
@@ -234,13 +241,16 @@ impl Coordination for RedisCoordination {
     }
 }
 
-/// Keeps the node subscribed to its wake-up channel and wakes the named pool's gate on each
-/// message. A broken subscription is re-made after a pause; meanwhile the gates poll.
+/// Keeps the node subscribed to its wake-up channel and to the reclaims of kept slots
+/// (`{prefix}:wake:reclaim`, every node's; see the gate's `Keeping`), and wakes or reclaims the
+/// named pool's gates on each message. A broken subscription is re-made after a pause;
+/// meanwhile the gates poll, and their checks see what a lost reclaim would have said.
 async fn listen(client: ::redis::Client, node: Weak<Node>) {
     loop {
-        let Some((channel, timeout, retry, clock)) = node.upgrade().map(|n| {
+        let Some((channel, reclaims, timeout, retry, clock)) = node.upgrade().map(|n| {
             (
                 format!("{}{}", n.wake_prefix, n.id),
+                format!("{}reclaim", n.wake_prefix),
                 n.options.connect_timeout,
                 n.options.retry_redis_after,
                 Arc::clone(&n.clock),
@@ -250,7 +260,7 @@ async fn listen(client: ::redis::Client, node: Weak<Node>) {
         };
         let subscribed = tokio::time::timeout(timeout, async {
             let mut pubsub = client.get_async_pubsub().await?;
-            pubsub.subscribe(&channel).await?;
+            pubsub.subscribe(&[&channel, &reclaims]).await?;
             Ok::<_, ::redis::RedisError>(pubsub)
         })
         .await;
@@ -268,8 +278,13 @@ async fn listen(client: ::redis::Client, node: Weak<Node>) {
                         .get(&pool)
                         .map(|gates| gates.iter().filter_map(Weak::upgrade).collect())
                         .unwrap_or_default();
+                    let reclaim = msg.get_channel_name() == reclaims;
                     for gate in gates {
-                        gate.wake();
+                        if reclaim {
+                            gate.reclaim();
+                        } else {
+                            gate.wake();
+                        }
                     }
                 }
                 tracing::debug!("redis wake-up subscription ended; re-subscribing");

@@ -5,4 +5,5 @@
 
 mod conformance;
 mod in_process;
+mod kept;
 mod on_redis;

@@ -80,7 +80,7 @@ impl Space {
         iter.filter_map(Result::ok).collect()
     }
 
-    fn sync_cmd<T: ::redis::FromRedisValue>(&self, cmd: &::redis::Cmd) -> T {
+    pub fn sync_cmd<T: ::redis::FromRedisValue>(&self, cmd: &::redis::Cmd) -> T {
         let client = ::redis::Client::open(redis_url()).unwrap();
         let mut c = client.get_connection().unwrap();
         cmd.query(&mut c).unwrap()

@@ -31,6 +31,7 @@ local function op_acquire(slot, fkey, class, lease_ms, may_wait, wait_ms, grace,
   end
   if redis.call('ZSCORE', K_LEASES, slot) then return reused() end
   if b == 'no_slot' then set_full() end
+  if not b or b == 'no_slot' then reclaim_kept() end
   if may_wait and queued() < cfg_queue then
     heartbeat()
     if cfg_fair and queued() == 0 then

@@ -435,6 +435,21 @@ local function retry_after(reason)
   return math.max(1, math.ceil(mean * (queued() + 1) / math.max(eff, 1)))
 end
 
+-- Kept slots (see the gate's `Keeping`): a node may keep an exchange slot leased after its call
+-- ended, to lend to its next call without a round trip, while the pool has room to spare. A
+-- keeper writes `kept_until` in `meta` at each of its checks. When a slot is short (an
+-- acquire is queued or refused for want of one) or learning changes what is admitted, every
+-- keeper is told at once on the pool-wide channel `{wake prefix}reclaim` to free what it keeps
+-- idle and stop keeping; once per keeping period (a lost message is made up by the keepers'
+-- own checks, which see the queue within a poll interval).
+local function reclaim_kept()
+  local until_ = tonumber(redis.call('HGET', K_META, 'kept_until'))
+  if until_ and until_ > now then
+    redis.call('HDEL', K_META, 'kept_until')
+    redis.call('PUBLISH', wake_prefix .. 'reclaim', pool)
+  end
+end
+
 -- Stores what a node's learner concluded (ARGV from index i: limit, pace_us, pace_until, rpm,
 -- paused_until, throttle_at, throttle_cause; -1 = none). A pause only ever lengthens here: two
 -- nodes that saw throttles both get their pause.
@@ -462,6 +477,7 @@ local function apply_learned(i)
   -- configuration within ten minutes.
   redis.call('PEXPIRE', K_LEARNED, 600000)
   load_learned()
+  reclaim_kept()
 end
 
 local function headers()
