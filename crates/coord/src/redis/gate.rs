@@ -874,9 +874,7 @@ impl Shared {
             self.note_server_now(now, mono);
             let bound = reply.int(4).unwrap_or(0) == 1;
             if let Some(wire) = self.learn_from(now, outcome, bound, granted_at) {
-                let mut extra = vec!["1".to_owned()];
-                extra.extend(wire.args());
-                let _ = self.call(&self.node.scripts.learn, &extra).await;
+                self.store_learned(&wire).await;
             }
         }
         freed
@@ -1202,8 +1200,8 @@ impl Shared {
 
     /// How long a kept slot's lease must still be confirmed for to be kept or lent: the ticker
     /// renews it well before then.
-    fn keep_margin(&self) -> u64 {
-        self.settings().lease_term_ms / 2
+    fn keep_margin(settings: &PoolSettings) -> u64 {
+        settings.lease_term_ms / 2
     }
 
     /// An admission through Redis showed the pool's state: with room to spare and keeping not
@@ -1256,7 +1254,7 @@ impl Shared {
             return false;
         }
         let now = self.mono();
-        if hold.confirmed_until <= now.saturating_add(self.keep_margin()) {
+        if hold.confirmed_until <= now.saturating_add(Self::keep_margin(&self.settings())) {
             return false;
         }
         let mut k = self.keeping.lock();
@@ -1281,7 +1279,8 @@ impl Shared {
             return None;
         }
         let now = self.mono();
-        let margin = now.saturating_add(self.keep_margin());
+        let settings = self.settings();
+        let margin = now.saturating_add(Self::keep_margin(&settings));
         let (kept, remaining, effective) = {
             let mut k = self.keeping.lock();
             if !k.allowed {
@@ -1294,7 +1293,6 @@ impl Shared {
             k.lent += 1;
             (k.idle.swap_remove(i), k.remaining, k.effective)
         };
-        let settings = self.settings();
         let server_now = self.server_now_estimate();
         let request_deadline = server_now.saturating_add(settings.request_timeout_ms);
         let slot = SlotId::random();
@@ -1331,10 +1329,15 @@ impl Shared {
     async fn learn_kept(&self, outcome: &Outcome, granted_at: u64) {
         let now = self.server_now_estimate();
         if let Some(wire) = self.learn_from(now, outcome, false, granted_at) {
-            let mut extra = vec!["1".to_owned()];
-            extra.extend(wire.args());
-            let _ = self.call(&self.node.scripts.learn, &extra).await;
+            self.store_learned(&wire).await;
         }
+    }
+
+    /// Stores what this node's learner concluded, for every node's scripts (`apply_learned`).
+    async fn store_learned(&self, wire: &Wire) {
+        let mut extra = vec!["1".to_owned()];
+        extra.extend(wire.args());
+        let _ = self.call(&self.node.scripts.learn, &extra).await;
     }
 
     /// Frees the idle kept slots that waited a poll interval, or whose lease runs short, or all
@@ -1342,7 +1345,7 @@ impl Shared {
     async fn free_idle(&self) {
         let now = self.mono();
         let poll = self.poll_ms();
-        let margin = now.saturating_add(self.keep_margin());
+        let margin = now.saturating_add(Self::keep_margin(&self.settings()));
         let freed: Vec<u128> = {
             let mut k = self.keeping.lock();
             let all = !k.allowed || self.closed.load(Ordering::Acquire);
@@ -1390,9 +1393,7 @@ impl Shared {
             learner.conclusion_to_store(self.server_now_estimate(), false)
         };
         if let Some(wire) = wire {
-            let mut extra = vec!["1".to_owned()];
-            extra.extend(wire.args());
-            let _ = self.call(&self.node.scripts.learn, &extra).await;
+            self.store_learned(&wire).await;
         }
     }
 }
@@ -1885,9 +1886,7 @@ impl PoolGate for RedisGate {
             learner.conclusion_to_store(now, adjustment.is_some())
         };
         if let Some(wire) = wire {
-            let mut extra = vec!["1".to_owned()];
-            extra.extend(wire.args());
-            let _ = s.call(&s.node.scripts.learn, &extra).await;
+            s.store_learned(&wire).await;
         }
     }
 
