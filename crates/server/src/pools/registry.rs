@@ -20,7 +20,9 @@ use crate::core::history::History;
 use crate::core::metrics::PoolMetrics;
 use crate::core::ManagedBy;
 use crate::tokens::TokenGate;
-use crate::upstream::{build_tls_client, ClientTimeouts, SharedClient, Target, UpstreamClient};
+use crate::upstream::{
+    build_tls_client, CallClient, ClientTimeouts, SharedClient, Target, UpstreamClient,
+};
 
 /// Who owns a pool and since when.
 #[derive(Clone, Copy, Debug)]
@@ -84,10 +86,10 @@ pub struct PoolRuntime {
 impl PoolRuntime {
     /// The client this pool's upstream calls go through: its own (`[pools.upstream_tls]`),
     /// else `shared`.
-    pub fn client(&self, shared: &SharedClient) -> Arc<UpstreamClient> {
+    pub fn client(&self, shared: &SharedClient) -> CallClient {
         match &self.client {
-            Some(own) => own.clone(),
-            None => shared.get(),
+            Some(own) => CallClient::pooled(own.clone()),
+            None => shared.for_call(),
         }
     }
 

@@ -12,9 +12,29 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use super::connector::TrackedConnector;
+use super::direct::DirectPool;
 use crate::core::live::ServerSettings;
 
 pub type UpstreamClient = Client<hyper_rustls::HttpsConnector<TrackedConnector>, Body>;
+
+/// What one call to an origin goes through: the pooled client, and for a plain-HTTP origin
+/// the lane's direct HTTP/1 pool ([`DirectPool`]) when the call may use it (not a pool with
+/// its own `[pools.upstream_tls]` client).
+#[derive(Clone)]
+pub struct CallClient {
+    pub pooled: Arc<UpstreamClient>,
+    pub direct: Option<Arc<DirectPool>>,
+}
+
+impl CallClient {
+    /// Only the pooled client (a pool's own TLS client).
+    pub fn pooled(pooled: Arc<UpstreamClient>) -> CallClient {
+        CallClient {
+            pooled,
+            direct: None,
+        }
+    }
+}
 
 /// The server's settings every upstream client is built with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,6 +79,8 @@ pub struct Clients {
     main: Arc<UpstreamClient>,
     /// Lanes 1.. (the connection threads).
     threads: Vec<Arc<UpstreamClient>>,
+    /// Each lane's direct HTTP/1 pool, lane 0 first.
+    direct: Vec<Arc<DirectPool>>,
 }
 
 thread_local! {
@@ -78,6 +100,9 @@ impl Clients {
             threads: (1..lanes)
                 .map(|_| build_client(timeouts).map(Arc::new))
                 .collect::<Result<Vec<_>, _>>()?,
+            direct: (0..lanes.max(1))
+                .map(|_| Arc::new(DirectPool::new(tracked(timeouts), timeouts.idle)))
+                .collect(),
         })
     }
 
@@ -85,6 +110,10 @@ impl Clients {
         lane.checked_sub(1)
             .and_then(|i| self.threads.get(i))
             .unwrap_or(&self.main)
+    }
+
+    fn direct_of_lane(&self, lane: usize) -> Option<&Arc<DirectPool>> {
+        self.direct.get(lane).or_else(|| self.direct.first())
     }
 }
 
@@ -105,6 +134,16 @@ impl SharedClient {
             .clients
             .of_lane(LANE.with(Cell::get))
             .clone()
+    }
+
+    /// The clients for a proxied call or a job's call starting now, on this thread's lane.
+    pub fn for_call(&self) -> CallClient {
+        let built = self.current.load();
+        let lane = LANE.with(Cell::get);
+        CallClient {
+            pooled: built.clients.of_lane(lane).clone(),
+            direct: built.clients.direct_of_lane(lane).cloned(),
+        }
     }
 
     /// Clients with `timeouts`, when they differ from the current ones': built before a

@@ -128,6 +128,13 @@ pub struct TrackedStream {
     closed: ConnectionClosed,
 }
 
+impl TrackedStream {
+    /// Signalled once this socket is closed.
+    pub fn closed(&self) -> ConnectionClosed {
+        self.closed.clone()
+    }
+}
+
 impl Drop for TrackedStream {
     fn drop(&mut self) {
         drop(self.io.take()); // closes the socket

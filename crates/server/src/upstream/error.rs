@@ -45,11 +45,13 @@ impl UpstreamError {
     }
 
     /// From the client's error up to the response head.
-    pub fn from_client(e: hyper_util::client::legacy::Error) -> Self {
-        let stage = if e.is_connect() {
-            Stage::Connect
-        } else {
-            Stage::Send
+    pub fn from_client(e: super::slot::CallError) -> Self {
+        use super::direct::DirectError;
+        use super::slot::CallError;
+        let stage = match &e {
+            CallError::Pooled(e) if e.is_connect() => Stage::Connect,
+            CallError::Direct(DirectError::Connect(_)) => Stage::Connect,
+            CallError::Pooled(_) | CallError::Direct(DirectError::Send(_)) => Stage::Send,
         };
         UpstreamError::new(stage, e)
     }

@@ -9,6 +9,7 @@
 
 pub mod client;
 pub mod connector;
+pub mod direct;
 pub mod error;
 pub mod outcome;
 pub mod prepare;
@@ -23,7 +24,8 @@ use hyper::body::Incoming;
 use tokio::time::Instant;
 
 pub use client::{
-    build_client, build_tls_client, enter_lane, ClientTimeouts, SharedClient, UpstreamClient,
+    build_client, build_tls_client, enter_lane, CallClient, ClientTimeouts, SharedClient,
+    UpstreamClient,
 };
 pub use connector::ConnectionClosed;
 pub use error::{Stage, UpstreamError};
@@ -34,7 +36,7 @@ pub use target::{PathRefused, Target};
 /// the caller goes away first, the call runs on detached and keeps the slot ([`Exchange`]). A
 /// slot whose lease is lost meanwhile cuts the call off ([`Fence`]): the error is [`Fenced`].
 pub async fn exchange(
-    client: &UpstreamClient,
+    client: &CallClient,
     req: Request<Body>,
     guard: SlotGuard,
     deadline: Instant,

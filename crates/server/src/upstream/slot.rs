@@ -18,6 +18,7 @@ use nthbouncer_coord::{LeaseWatch, Outcome, PoolGate, SlotId};
 use parking_lot::Mutex;
 
 use super::connector::ConnectionClosed;
+use super::direct::{DirectError, Picked};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -107,25 +108,73 @@ impl Drop for SlotGuard {
 /// the origin still counts the abandoned call: one over the limit, seen from the origin. A call
 /// cut at the deadline frees its slot once its connection is closed, for the same reason.
 pub struct Exchange {
-    call: Option<ResponseFuture>,
+    call: Option<Call>,
     guard: Option<SlotGuard>,
     deadline: tokio::time::Instant,
-    connection: CaptureConnection,
+    connection: Connection,
     fence: Fence,
 }
 
+/// The call in flight, on the client that took it.
+enum Call {
+    Pooled(ResponseFuture),
+    Direct(Pin<Box<dyn Future<Output = Result<Response<Incoming>, DirectError>> + Send>>),
+}
+
+/// How a cut call finds the connection it was sent on.
+#[derive(Clone)]
+enum Connection {
+    Pooled(CaptureConnection),
+    Direct(Picked),
+}
+
+impl Connection {
+    /// The connection the call was sent on, when cutting it closes the connection.
+    fn closed(&self) -> Option<ConnectionClosed> {
+        match self {
+            Connection::Pooled(capture) => ConnectionClosed::of_capture(capture),
+            Connection::Direct(picked) => picked.get().cloned(),
+        }
+    }
+}
+
+impl Future for Call {
+    type Output = UpstreamResult;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<UpstreamResult> {
+        match self.get_mut() {
+            Call::Pooled(call) => Pin::new(call).poll(cx).map_err(CallError::Pooled),
+            Call::Direct(call) => call.as_mut().poll(cx).map_err(CallError::Direct),
+        }
+    }
+}
+
 impl Exchange {
-    /// Sends `req` on `client`; the exchange holds `guard` until it ends.
+    /// Sends `req` on `client`; the exchange holds `guard` until it ends. A plain-HTTP origin
+    /// is called through the lane's direct HTTP/1 pool when `client` has one.
     pub fn send(
-        client: &super::UpstreamClient,
+        client: &super::CallClient,
         mut req: http::Request<axum::body::Body>,
         guard: SlotGuard,
         deadline: tokio::time::Instant,
     ) -> Self {
-        let connection = capture_connection(&mut req);
         let fence = guard.fence();
+        let (call, connection) = match &client.direct {
+            Some(direct) if req.uri().scheme() == Some(&http::uri::Scheme::HTTP) => {
+                let picked = Picked::default();
+                let call = direct.clone().send(req, picked.clone());
+                (Call::Direct(Box::pin(call)), Connection::Direct(picked))
+            }
+            _ => {
+                let capture = capture_connection(&mut req);
+                (
+                    Call::Pooled(client.pooled.request(req)),
+                    Connection::Pooled(capture),
+                )
+            }
+        };
         Exchange {
-            call: Some(client.request(req)),
+            call: Some(call),
             guard: Some(guard),
             deadline,
             connection,
@@ -134,7 +183,16 @@ impl Exchange {
     }
 }
 
-pub type UpstreamResult = Result<Response<Incoming>, hyper_util::client::legacy::Error>;
+/// Why a call failed before its response head, as the client that took it says.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error(transparent)]
+    Pooled(hyper_util::client::legacy::Error),
+    #[error(transparent)]
+    Direct(DirectError),
+}
+
+pub type UpstreamResult = Result<Response<Incoming>, CallError>;
 
 impl Future for Exchange {
     type Output = (UpstreamResult, SlotGuard);
@@ -166,7 +224,7 @@ impl Drop for Exchange {
             // The request timed out (SPEC §4), or its slot was lost (self-fencing): the call is
             // cut, and its slot is freed once its connection is closed.
             drop(call);
-            let closed = ConnectionClosed::of_capture(&self.connection);
+            let closed = self.connection.closed();
             if closed.is_some() {
                 rt.spawn(async move {
                     ConnectionClosed::after_cut(closed).await;
@@ -190,7 +248,7 @@ impl Drop for Exchange {
                 Some(Ok(resp)) if resp.body().is_end_stream() => None,
                 Some(Ok(resp)) => ConnectionClosed::of(&resp),
                 Some(Err(_)) => None,
-                None => ConnectionClosed::of_capture(&connection),
+                None => connection.closed(),
             };
             ConnectionClosed::after_cut(closed).await;
             drop(guard);
