@@ -25,17 +25,16 @@ pub enum KeyFormatError {
     Legacy,
 }
 
-fn base62_fixed(mut n: u64, width: usize) -> String {
-    let mut out = vec![b'0'; width];
+/// A key body's checksum: its CRC-32 in [`CHECKSUM_LEN`] base62 digits (ASCII). Bytes, not a
+/// `String`: every request's key is checked, and the check needs no allocation.
+fn checksum(body: &str) -> [u8; CHECKSUM_LEN] {
+    let mut n = u64::from(crc32fast::hash(body.as_bytes()));
+    let mut out = [b'0'; CHECKSUM_LEN];
     for slot in out.iter_mut().rev() {
         *slot = BASE62[(n % 62) as usize];
         n /= 62;
     }
-    out.into_iter().map(char::from).collect()
-}
-
-fn checksum(body: &str) -> String {
-    base62_fixed(u64::from(crc32fast::hash(body.as_bytes())), CHECKSUM_LEN)
+    out
 }
 
 /// A fresh pool key.
@@ -45,6 +44,7 @@ pub fn generate_key() -> String {
         .map(|_| char::from(BASE62[rng.gen_range(0..BASE62.len())]))
         .collect();
     let sum = checksum(&body);
+    let sum: String = sum.iter().copied().map(char::from).collect();
     format!("{KEY_PREFIX}{body}{sum}")
 }
 
@@ -57,7 +57,7 @@ pub fn check_format(key: &str) -> Result<(), KeyFormatError> {
         }
         let (body, sum) = rest.split_at(BODY_LEN);
         // Not secret-dependent: the checksum is derivable from the public body.
-        if checksum(body) != sum {
+        if checksum(body) != sum.as_bytes() {
             return Err(KeyFormatError::Checksum);
         }
         return Ok(());

@@ -51,8 +51,15 @@ impl RequestId {
 
     pub fn generate() -> RequestId {
         // The same 32 lower-case hex digits as `{:032x}`, without the formatting machinery
-        // (every request without an id of its own gets one).
-        RequestId(hex::encode(rand::random::<u128>().to_be_bytes()))
+        // nor `hex::encode`'s char-by-char `String` (every request without an id of its own
+        // gets one): into a buffer, then one copy.
+        let mut digits = [0u8; 32];
+        let encoded = hex::encode_to_slice(rand::random::<u128>().to_be_bytes(), &mut digits);
+        let text = encoded
+            .ok()
+            .and_then(|()| std::str::from_utf8(&digits).ok())
+            .unwrap_or("00000000000000000000000000000000");
+        RequestId(text.to_owned())
     }
 
     pub fn as_str(&self) -> &str {
@@ -130,6 +137,19 @@ fn with_request_id(body: &[u8], id: &str) -> Option<Vec<u8>> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn generated_ids_are_32_lower_case_hex_digits_and_differ() {
+        let (a, b) = (RequestId::generate(), RequestId::generate());
+        for id in [&a, &b] {
+            assert_eq!(id.as_str().len(), 32, "{}", id.as_str());
+            assert!(id
+                .as_str()
+                .bytes()
+                .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)));
+        }
+        assert_ne!(a.as_str(), b.as_str());
+    }
 
     #[test]
     fn the_id_joins_an_error_body_as_valid_json() {
