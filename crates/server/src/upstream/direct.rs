@@ -19,7 +19,7 @@
 //! (TLS, ALPN `h2`). Owns idle connections only; must not know pools, slots or deadlines.
 
 use std::collections::HashMap;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -74,8 +74,9 @@ impl Idle {
     }
 }
 
-/// The connection a call was sent on, once it has one: for a call cut before its response head.
-pub type Picked = Arc<OnceLock<ConnectionClosed>>;
+/// The connection a call was last sent on, once it has one: for a call cut before its response
+/// head. Replaced when a request is sent again on another connection.
+pub type Picked = Arc<Mutex<Option<ConnectionClosed>>>;
 
 impl DirectPool {
     pub fn new(connector: TrackedConnector, idle_timeout: Duration) -> DirectPool {
@@ -108,7 +109,7 @@ impl DirectPool {
                 Some(idle) => (idle, true),
                 None => (self.connect(&target).await?, false),
             };
-            let _ = picked.set(conn.closed.clone());
+            *picked.lock() = Some(conn.closed.clone());
             match conn.sender.try_send_request(req).await {
                 Ok(mut resp) => {
                     resp.extensions_mut().insert(conn.closed.clone());
@@ -299,7 +300,7 @@ mod tests {
         let picked = Picked::default();
         let resp = pool.clone().send(req, picked.clone()).await.unwrap();
         let closed = ConnectionClosed::of(&resp);
-        assert!(picked.get().is_some());
+        assert!(picked.lock().is_some());
         let body = resp.into_body().collect().await.unwrap().to_bytes();
         (String::from_utf8(body.to_vec()).unwrap(), closed)
     }
@@ -368,6 +369,6 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(e, DirectError::Connect(_)), "{e:?}");
-        assert!(picked.get().is_none());
+        assert!(picked.lock().is_none());
     }
 }

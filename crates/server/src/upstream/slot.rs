@@ -133,7 +133,7 @@ impl Connection {
     fn closed(&self) -> Option<ConnectionClosed> {
         match self {
             Connection::Pooled(capture) => ConnectionClosed::of_capture(capture),
-            Connection::Direct(picked) => picked.get().cloned(),
+            Connection::Direct(picked) => picked.lock().clone(),
         }
     }
 }
