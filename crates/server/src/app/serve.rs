@@ -391,7 +391,10 @@ impl Serving {
             let d = d.clone();
             let route = route.clone();
             let client = client.clone();
-            async move {
+            // Boxed: HTTP/2 spawns each stream's future as a task, and hyper moves it (the
+            // whole routed state machine, every feature's future inlined) several times on
+            // the way into the task; a box moves as a pointer.
+            Box::pin(async move {
                 let resp = if refused {
                     let id = RequestId::assign(req.headers());
                     request_id::stamp(&id, overloaded(req.version())).await
@@ -399,7 +402,7 @@ impl Serving {
                     d.dispatch(req, client, &route).await
                 };
                 Ok::<_, Infallible>(resp.map(|body| TrackedBody::new(body, in_flight)))
-            }
+            })
         });
         let conn = self
             .builder
