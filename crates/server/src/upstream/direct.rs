@@ -324,9 +324,13 @@ mod tests {
         let (url, accepted) = origin(1).await;
         let pool = pool(Duration::from_secs(30));
         for _ in 0..3 {
-            assert_eq!(get(&pool, &url).await.0, "hello");
-            // Let the origin's close reach the connection's task.
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            let (body, closed) = get(&pool, &url).await;
+            assert_eq!(body, "hello");
+            // Once the origin's close has ended the connection (its socket closed), the next
+            // call must open another rather than write into it.
+            tokio::time::timeout(Duration::from_secs(5), closed.unwrap().closed())
+                .await
+                .unwrap();
         }
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 3);
     }
@@ -334,9 +338,14 @@ mod tests {
     #[tokio::test]
     async fn idle_connections_expire() {
         let (url, accepted) = origin(usize::MAX).await;
-        let pool = pool(Duration::from_millis(1));
+        let pool = pool(Duration::from_secs(30));
         assert_eq!(get(&pool, &url).await.0, "hello");
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        tokio::task::yield_now().await;
+        assert_eq!(pool.idle_count(), 1);
+        // The pool reads tokio's clock: past the idle timeout without waiting for it.
+        tokio::time::pause();
+        tokio::time::advance(Duration::from_secs(31)).await;
+        tokio::time::resume();
         assert_eq!(get(&pool, &url).await.0, "hello");
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
     }
