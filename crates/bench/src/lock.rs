@@ -127,6 +127,13 @@ pub struct LockArgs {
     /// Lease term of the Redis semaphore (nthbouncer's default `lease_term_ms`).
     #[arg(long, default_value_t = 30_000)]
     lease_ms: u64,
+    /// Further scenarios for each pool whose limit is below the client tasks: every grant is
+    /// held this long (a sleep) before its release, as a caller working under the lock would.
+    /// Comma-separated; 0 (the lock API's bare overhead) always runs. With a hold, a slot the
+    /// Redis semaphore frees stays idle until some refused caller's retry comes round, where
+    /// nthbouncer hands it to the next queued caller at once.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    hold_ms: Vec<u64>,
     /// Upper bound on the pairs of one run, whatever the duration.
     #[arg(long, default_value_t = 5_000_000)]
     max_pairs: u64,
@@ -364,6 +371,8 @@ struct TaskResult {
     /// Releases that found the lease gone (reclaimed early): must stay 0.
     lost: u64,
     latencies_us: Vec<u32>,
+    /// Time spent holding grants (the sleep as the timer actually ran it, when held).
+    held: Duration,
 }
 
 /// Runs `until` the deadline (or the pair budget runs out): acquire (retrying after `retry`
@@ -374,6 +383,7 @@ async fn task<L: Locker>(
     shared: Arc<Shared>,
     until: Instant,
     retry: Duration,
+    hold: Duration,
 ) -> Result<TaskResult, BoxError> {
     let mut out = TaskResult::default();
     'pairs: while Instant::now() < until {
@@ -399,10 +409,18 @@ async fn task<L: Locker>(
         };
         let now = shared.holders.fetch_add(1, Ordering::SeqCst) + 1;
         shared.max_holders.fetch_max(now, Ordering::SeqCst);
-        // Hold across one scheduling point, so the other tasks' grants that arrived meanwhile
-        // overlap with this one and the count sees them; without it a single-threaded client
-        // would never see two holders at once and the check would prove nothing.
-        tokio::task::yield_now().await;
+        // Hold across at least one scheduling point, so the other tasks' grants that arrived
+        // meanwhile overlap with this one and the count sees them; without it a
+        // single-threaded client would never see two holders at once and the check would
+        // prove nothing.
+        if hold.is_zero() {
+            tokio::task::yield_now().await;
+        } else {
+            // The timer rounds up to its millisecond ticks: what was really held is measured.
+            let held_from = Instant::now();
+            tokio::time::sleep(hold).await;
+            out.held += held_from.elapsed();
+        }
         // Stop counting before the release is sent: the server may hand the slot on as soon as
         // the request arrives, and the count must never include a holder that already let go.
         shared.holders.fetch_sub(1, Ordering::SeqCst);
@@ -429,6 +447,7 @@ struct Totals {
     latencies_us: Vec<u32>,
     /// Pairs of each task, summed over rounds (task i of every round together).
     per_task: Vec<u64>,
+    held: Duration,
 }
 
 impl Totals {
@@ -437,11 +456,13 @@ impl Totals {
     }
 }
 
-/// How one run goes: its length, the Redis retry pause, the pair bound, the server to measure.
+/// How one run goes: its length, the Redis retry pause, how long each grant is held, the pair
+/// bound, the server to measure.
 #[derive(Clone, Copy)]
 struct RunSpec {
     seconds: f64,
     retry: Duration,
+    hold: Duration,
     max_pairs: u64,
     server: Option<Probe>,
 }
@@ -455,6 +476,7 @@ async fn run_once<L: Locker>(
     let RunSpec {
         seconds,
         retry,
+        hold,
         max_pairs,
         server,
     } = spec;
@@ -467,7 +489,7 @@ async fn run_once<L: Locker>(
     let until = start + Duration::from_secs_f64(seconds);
     let handles: Vec<_> = lockers
         .into_iter()
-        .map(|l| tokio::spawn(task(l, shared.clone(), until, retry)))
+        .map(|l| tokio::spawn(task(l, shared.clone(), until, retry, hold)))
         .collect();
     let mut results = Vec::with_capacity(handles.len());
     for h in handles {
@@ -494,6 +516,7 @@ async fn run_once<L: Locker>(
             *t += r.pairs;
         }
         totals.latencies_us.extend(r.latencies_us);
+        totals.held += r.held;
     }
     Ok(())
 }
@@ -556,26 +579,38 @@ pub async fn run(args: LockArgs) -> Result<(), BoxError> {
         .redis_pid
         .map(|pid| Probe::new(pid, args.clk_tck))
         .transpose()?;
-    let nb_spec = |seconds| RunSpec {
+    let nb_spec = |seconds, hold| RunSpec {
         seconds,
         retry: Duration::ZERO,
+        hold,
         max_pairs: args.max_pairs,
         server: nb_probe,
     };
-    let redis_spec = |seconds| RunSpec {
+    let redis_spec = |seconds, hold| RunSpec {
         seconds,
         retry: Duration::from_millis(args.redis_retry_ms),
+        hold,
         max_pairs: args.max_pairs,
         server: redis_probe,
     };
     let mut rows = Vec::new();
     let mut summary = Vec::new();
     let mut all_ok = true;
-    for pool in &args.pools {
+    // Each pool bare (hold 0), then each pool callers queue on with every extra hold.
+    let mut scenarios: Vec<(&PoolArg, u64)> = args.pools.iter().map(|p| (p, 0)).collect();
+    for pool in args
+        .pools
+        .iter()
+        .filter(|p| (p.limit as usize) < args.concurrency)
+    {
+        scenarios.extend(args.hold_ms.iter().filter(|&&h| h > 0).map(|&h| (pool, h)));
+    }
+    for (pool, hold_ms) in scenarios {
+        let hold = Duration::from_millis(hold_ms);
         // A set of our own per scenario and run, so a shared redis-server's other keys are
         // never touched and a crashed run's leftovers never count against the next.
         let set = format!(
-            "nthbouncer-bench:{}:{}:{}",
+            "nthbouncer-bench:{}:{}:{}:{hold_ms}",
             std::process::id(),
             now_ms(),
             pool.name
@@ -598,7 +633,7 @@ pub async fn run(args: LockArgs) -> Result<(), BoxError> {
         let mut probe = sanity("redis", probe).await?;
 
         eprintln!(
-            "lock: pool {} (limit {}), {} tasks: warm-up {:.1} s each, then {} × {:.1} s rounds",
+            "lock: pool {} (limit {}), {} tasks, each grant held {hold_ms} ms: warm-up {:.1} s each, then {} × {:.1} s rounds",
             pool.name, pool.limit, args.concurrency, args.warmup_seconds, args.rounds, args.seconds
         );
         let mut nb = Totals::default();
@@ -606,18 +641,18 @@ pub async fn run(args: LockArgs) -> Result<(), BoxError> {
         if args.warmup_seconds > 0.0 {
             let mut discard = Totals::default();
             let l = nb_lockers(&args, &pool.name).await?;
-            run_once(l, nb_spec(args.warmup_seconds), &mut discard).await?;
+            run_once(l, nb_spec(args.warmup_seconds, hold), &mut discard).await?;
             let l = redis_lockers(&args, &client, &scripts, &set, pool.limit).await?;
-            run_once(l, redis_spec(args.warmup_seconds), &mut discard).await?;
+            run_once(l, redis_spec(args.warmup_seconds, hold), &mut discard).await?;
         }
         for round in 0..args.rounds {
             for nb_turn in [round % 2 == 0, round % 2 == 1] {
                 if nb_turn {
                     let l = nb_lockers(&args, &pool.name).await?;
-                    run_once(l, nb_spec(args.seconds), &mut nb).await?;
+                    run_once(l, nb_spec(args.seconds, hold), &mut nb).await?;
                 } else {
                     let l = redis_lockers(&args, &client, &scripts, &set, pool.limit).await?;
-                    run_once(l, redis_spec(args.seconds), &mut rd).await?;
+                    run_once(l, redis_spec(args.seconds, hold), &mut rd).await?;
                 }
             }
         }
@@ -631,11 +666,14 @@ pub async fn run(args: LockArgs) -> Result<(), BoxError> {
             .query_async(&mut probe.conn)
             .await?;
 
-        let scenario = if pool.limit as usize >= args.concurrency {
+        let mut scenario = if pool.limit as usize >= args.concurrency {
             format!("limit {} ≥ {} tasks", pool.limit, args.concurrency)
         } else {
             format!("limit {} < {} tasks", pool.limit, args.concurrency)
         };
+        if hold_ms > 0 {
+            scenario.push_str(&format!(", each held {hold_ms} ms"));
+        }
         for (name, t, extra_lost) in [("nthbouncer", &mut nb, 0), ("redis lua", &mut rd, left)] {
             t.latencies_us.sort_unstable();
             let held_ok = t.max_holders <= i64::from(pool.limit) && t.lost + extra_lost == 0;
@@ -675,6 +713,21 @@ pub async fn run(args: LockArgs) -> Result<(), BoxError> {
             "  {scenario}: pairs/s nthbouncer/redis = {:.2}{cpu_ratio}",
             nb.rate() / rd.rate().max(f64::EPSILON)
         ));
+        if hold_ms > 0 {
+            // The most any system can do: every slot busy holding, none idle between holders,
+            // at the hold the timer really gave (both systems' holds together).
+            let pairs = nb.pairs + rd.pairs;
+            let mean_hold = (nb.held + rd.held).as_secs_f64() / (pairs.max(1) as f64);
+            if mean_hold > 0.0 {
+                summary.push(format!(
+                    "    held {:.2} ms on average: at most {} pairs/s; nthbouncer {:.0} %, redis {:.0} % of that",
+                    mean_hold * 1000.0,
+                    count(f64::from(pool.limit) / mean_hold),
+                    100.0 * nb.rate() * mean_hold / f64::from(pool.limit),
+                    100.0 * rd.rate() * mean_hold / f64::from(pool.limit),
+                ));
+            }
+        }
     }
     println!(
         "LOCK  acquire+release pairs, {} client tasks (one connection each), {} × {:.0} s per system, alternating",
@@ -688,6 +741,10 @@ pub async fn run(args: LockArgs) -> Result<(), BoxError> {
         "      nthbouncer callers queue server-side (waitMs {})",
         args.wait_ms
     );
+    println!(
+        "      each grant held across one yield; in the \"each held\" rows for that long (a sleep),"
+    );
+    println!("      as a caller working under the lock would");
     println!();
     print!(
         "{}",
