@@ -16,6 +16,12 @@ pub const NO_QUEUE_HEADER: &str = "x-nthpool-no-queue";
 pub const PRIORITY_HEADER: &str = "x-nthpool-priority";
 pub const ASYNC_HEADER: &str = "x-nthpool-async";
 
+// Looked up as parsed names: a `&str` key is parsed and validated again on every lookup.
+static NO_QUEUE: HeaderName = HeaderName::from_static(NO_QUEUE_HEADER);
+static QUEUE_TIMEOUT: HeaderName = HeaderName::from_static(QUEUE_TIMEOUT_HEADER);
+static PRIORITY: HeaderName = HeaderName::from_static(PRIORITY_HEADER);
+static ASYNC: HeaderName = HeaderName::from_static(ASYNC_HEADER);
+
 static REMAINING_SLOTS: HeaderName = HeaderName::from_static("x-nthpool-remaining-slots");
 static EFFECTIVE_LIMIT: HeaderName = HeaderName::from_static("x-nthpool-effective-limit");
 static QUEUED_MS: HeaderName = HeaderName::from_static("x-nthpool-queued-ms");
@@ -38,12 +44,12 @@ pub fn wait_budget(
     caller: Caller,
     body_wait_ms: Option<u64>,
 ) -> Result<u64, ApiError> {
-    if headers.contains_key(NO_QUEUE_HEADER) {
+    if headers.contains_key(&NO_QUEUE) {
         return Ok(0);
     }
     let asked = match body_wait_ms {
         Some(w) => Some(w),
-        None => match headers.get(QUEUE_TIMEOUT_HEADER) {
+        None => match headers.get(&QUEUE_TIMEOUT) {
             Some(v) => Some(
                 v.to_str()
                     .ok()
@@ -69,7 +75,7 @@ pub fn wait_budget(
 
 /// `X-Nthpool-Priority: high|normal|low` (default normal).
 pub fn priority_from_headers(headers: &HeaderMap) -> Result<Priority, ApiError> {
-    match headers.get(PRIORITY_HEADER) {
+    match headers.get(&PRIORITY) {
         None => Ok(Priority::Normal),
         Some(v) => v
             .to_str()
@@ -88,16 +94,36 @@ pub fn priority_from_headers(headers: &HeaderMap) -> Result<Priority, ApiError> 
 pub fn write_gate_headers(headers: &mut HeaderMap, gate: &GateHeaders) {
     headers.insert(
         REMAINING_SLOTS.clone(),
-        HeaderValue::from(gate.remaining_slots),
+        number_value(u64::from(gate.remaining_slots)),
     );
     headers.insert(
         EFFECTIVE_LIMIT.clone(),
-        HeaderValue::from(gate.effective_limit),
+        number_value(u64::from(gate.effective_limit)),
     );
-    headers.insert(QUEUED_MS.clone(), HeaderValue::from(gate.queued_ms));
+    headers.insert(QUEUED_MS.clone(), number_value(gate.queued_ms));
     if let Some(rpm) = gate.rpm_remaining {
-        headers.insert(RPM_REMAINING.clone(), HeaderValue::from(rpm));
+        headers.insert(RPM_REMAINING.clone(), number_value(u64::from(rpm)));
     }
+}
+
+/// Numbers up to this are answered from a table built once: slots, limits and most queue
+/// times are small, and formatting one costs an allocation per header per answer.
+const SMALL_NUMBERS: usize = 1024;
+
+/// `n` as a header value; from the table (a static copy, no allocation) when it is small.
+fn number_value(n: u64) -> HeaderValue {
+    static TABLE: std::sync::LazyLock<Vec<HeaderValue>> = std::sync::LazyLock::new(|| {
+        (0..=SMALL_NUMBERS)
+            // Leaked once for the life of the process, so each value is a static slice whose
+            // clones copy a pointer instead of counting references across threads.
+            .map(|i| HeaderValue::from_static(Box::leak(i.to_string().into_boxed_str())))
+            .collect()
+    });
+    usize::try_from(n)
+        .ok()
+        .and_then(|i| TABLE.get(i))
+        .cloned()
+        .unwrap_or_else(|| HeaderValue::from(n))
 }
 
 /// A refusal as the caller sees it.
@@ -163,7 +189,7 @@ pub fn refuse(
 
 /// `X-Nthpool-Async`: `1`/`true` asks for a job; `0`/`false` (or absent) does not.
 pub fn async_requested(headers: &HeaderMap) -> Result<bool, ApiError> {
-    match headers.get(ASYNC_HEADER).map(|v| v.to_str().map(str::trim)) {
+    match headers.get(&ASYNC).map(|v| v.to_str().map(str::trim)) {
         None => Ok(false),
         Some(Ok("1")) | Some(Ok("true")) => Ok(true),
         Some(Ok("0")) | Some(Ok("false")) => Ok(false),
@@ -270,6 +296,27 @@ mod tests {
             Priority::High
         );
         assert!(priority_from_headers(&headers(&[(PRIORITY_HEADER, "urgent")])).is_err());
+    }
+
+    #[test]
+    fn gate_numbers_from_the_table_and_beyond_it() {
+        for n in [0u64, 1, 7, 1023, 1024, 1025, 65_536, u64::MAX] {
+            assert_eq!(number_value(n).to_str().unwrap(), n.to_string());
+        }
+        let mut h = HeaderMap::new();
+        write_gate_headers(
+            &mut h,
+            &GateHeaders {
+                remaining_slots: 3,
+                effective_limit: 5000,
+                rpm_remaining: Some(0),
+                queued_ms: 12,
+            },
+        );
+        assert_eq!(h["x-nthpool-remaining-slots"], "3");
+        assert_eq!(h["x-nthpool-effective-limit"], "5000");
+        assert_eq!(h["x-nthpool-rpm-remaining"], "0");
+        assert_eq!(h["x-nthpool-queued-ms"], "12");
     }
 
     #[test]
