@@ -38,6 +38,12 @@ pub enum StoreError {
     Backend(String),
 }
 
+/// Writes lease records on the calling thread (see [`Store::lease_writer`]).
+pub trait LeaseWriter: Send {
+    /// [`Store::apply_leases`], blocking until the transaction is committed.
+    fn apply(&mut self, granted: &[LeaseRecord], released: &[String], now: u64) -> Result<()>;
+}
+
 /// A pool created through the admin API.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StoredPool {
@@ -190,6 +196,13 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<()>;
     /// The recorded leases whose request deadline is after `now`.
     async fn outstanding_leases(&self, now: u64) -> Result<Vec<LeaseRecord>>;
+    /// A writer that does what [`Store::apply_leases`] does, blocking the calling thread, for
+    /// stores that can write without a runtime (`None`: use `apply_leases`). The lease book
+    /// runs it on a thread of its own: a grant's commit then costs one hand-over to that
+    /// thread and one back, where going through the runtime's blocking pool costs four.
+    fn lease_writer(&self) -> Option<Box<dyn LeaseWriter>> {
+        None
+    }
 
     /// Remembers a batch of seen nonces in one transaction (durable when this returns), and says
     /// for each, in order, whether it is new: `true` = newly remembered (never seen, or its

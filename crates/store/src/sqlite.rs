@@ -369,6 +369,11 @@ impl SqliteStore {
         &self.inner.path
     }
 
+    /// Runs `f` on the writer connection, on the calling thread (which it blocks).
+    pub(crate) fn write_here<T>(&self, f: impl FnOnce(&mut Connection) -> Result<T>) -> Result<T> {
+        f(&mut lock(&self.inner.writer))
+    }
+
     /// Runs `f` on the writer connection on the blocking pool.
     pub(crate) async fn write<T, F>(&self, f: F) -> Result<T>
     where
@@ -731,6 +736,10 @@ impl Store for SqliteStore {
         now: u64,
     ) -> Result<()> {
         self.journal_leases(granted, released, now).await
+    }
+
+    fn lease_writer(&self) -> Option<Box<dyn crate::LeaseWriter>> {
+        Some(Box::new(self.clone()))
     }
 
     async fn remember_nonces(&self, nonces: &[NonceRecord], now: u64) -> Result<Vec<bool>> {

@@ -40,6 +40,33 @@ struct Batch {
     released: Vec<String>,
 }
 
+impl Batch {
+    fn of(granted: &[LeaseRecord], released: &[String], now: u64) -> Batch {
+        Batch {
+            now,
+            granted: granted
+                .iter()
+                .map(|l| (l.slot_id.clone(), l.pool.clone(), l.request_deadline))
+                .collect(),
+            released: released.to_vec(),
+        }
+    }
+}
+
+/// One batch, one transaction.
+fn commit(conn: &mut Connection, batch: &Batch) -> Result<()> {
+    let tx = conn.transaction().ctx("apply_leases")?;
+    append(&tx, batch)?;
+    tx.commit().ctx("apply_leases")
+}
+
+impl crate::LeaseWriter for SqliteStore {
+    fn apply(&mut self, granted: &[LeaseRecord], released: &[String], now: u64) -> Result<()> {
+        let batch = Batch::of(granted, released, now);
+        self.write_here(|conn| commit(conn, &batch))
+    }
+}
+
 fn encode(batch: &Batch) -> Result<Vec<u8>> {
     postcard::to_allocvec(batch)
         .map_err(|e| StoreError::Backend(format!("packing lease records: {e}")))
@@ -147,20 +174,8 @@ impl SqliteStore {
         released: &[String],
         now: u64,
     ) -> Result<()> {
-        let batch = Batch {
-            now,
-            granted: granted
-                .iter()
-                .map(|l| (l.slot_id.clone(), l.pool.clone(), l.request_deadline))
-                .collect(),
-            released: released.to_vec(),
-        };
-        self.write(move |conn| {
-            let tx = conn.transaction().ctx("apply_leases")?;
-            append(&tx, &batch)?;
-            tx.commit().ctx("apply_leases")
-        })
-        .await
+        let batch = Batch::of(granted, released, now);
+        self.write(move |conn| commit(conn, &batch)).await
     }
 
     pub(crate) async fn replay_leases(&self, now: u64) -> Result<Vec<LeaseRecord>> {
