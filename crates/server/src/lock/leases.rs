@@ -154,7 +154,13 @@ fn write_on_own_thread(
                 None
             };
         }
-        let outcome = writer.apply(&granted, &released, clock.now_ms());
+        let now = clock.now_ms();
+        // A panic must not end the thread (every later grant would then be refused as if the
+        // store were gone): it fails this batch's callers, like a failed commit.
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            writer.apply(&granted, &released, now)
+        }))
+        .unwrap_or_else(|_| Err(StoreError::Backend("the lease writer panicked".into())));
         granted.clear();
         released.clear();
         let outcome = outcome.map_err(|e| {
