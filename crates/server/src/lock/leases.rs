@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use nthbouncer_coord::{AcquireRequest, Clock, Priority, SlotKind};
 use nthbouncer_store::{LeaseRecord, LeaseWriter, Store, StoreError};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use crate::core::batch::{BatchConfig, Batcher, Commit, CommitError};
 use crate::pools::Pools;
@@ -66,10 +66,26 @@ enum Book {
     /// Through the store's async API, by the group-commit writer task.
     Batched(Batcher<Op, ()>),
     /// On a thread of the book's own, with the store's blocking writer (SQLite).
-    Thread(mpsc::Sender<(Op, Option<Reply>)>),
+    Thread(OwnThread),
 }
 
 type Reply = oneshot::Sender<Result<(), CommitError>>;
+
+/// Releases wait at most this long for a grant's commit to go with, before the book's thread
+/// commits them on their own.
+const RELEASES_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The handle of the book's own thread.
+#[derive(Clone)]
+struct OwnThread {
+    /// Grants, each with its caller's reply. Unbounded: each caller waits for its reply, so
+    /// there are never more than the acquires in flight.
+    grants: std::sync::mpsc::Sender<(LeaseRecord, Reply)>,
+    /// Releases wait here without waking the thread, for the next commit: a grant's, or the
+    /// thread's own after [`RELEASES_WAIT`]. (A record left behind a while longer only holds
+    /// its slot back for a lease term after a crash, as any release not yet written does.)
+    released: Arc<parking_lot::Mutex<Vec<String>>>,
+}
 
 impl LeaseBook {
     pub fn start(store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> LeaseBook {
@@ -78,13 +94,18 @@ impl LeaseBook {
             // from a connection thread the way through the runtime's writer task and blocking
             // pool wakes four threads in turn; at low load each wake-up is most of the cost
             // (bench/RESULTS.md, "The lease book on its own thread").
-            let (tx, rx) = mpsc::channel(CONFIG.capacity);
+            let (tx, rx) = std::sync::mpsc::channel();
+            let handle = OwnThread {
+                grants: tx,
+                released: Arc::default(),
+            };
+            let released = handle.released.clone();
             let thread_clock = clock.clone();
             let spawned = std::thread::Builder::new()
                 .name("nthbouncer-leases".into())
-                .spawn(move || write_on_own_thread(writer, thread_clock, rx));
+                .spawn(move || write_on_own_thread(writer, thread_clock, rx, &released));
             match spawned {
-                Ok(_) => return LeaseBook(Book::Thread(tx)),
+                Ok(_) => return LeaseBook(Book::Thread(handle)),
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot start the lease book's thread; writing through the runtime")
                 }
@@ -107,8 +128,8 @@ impl LeaseBook {
             Book::Batched(book) => book.submit(Op::Granted(lease)).await,
             Book::Thread(book) => {
                 let (reply, done) = oneshot::channel();
-                book.send((Op::Granted(lease), Some(reply)))
-                    .await
+                book.grants
+                    .send((lease, reply))
                     .map_err(|_| CommitError::Stopped)?;
                 done.await.map_err(|_| CommitError::Stopped)?
             }
@@ -123,52 +144,60 @@ impl LeaseBook {
             Book::Batched(book) => {
                 book.enqueue(Op::Released(slot_id));
             }
-            Book::Thread(book) => {
-                let _ = book.try_send((Op::Released(slot_id), None));
-            }
+            Book::Thread(book) => book.released.lock().push(slot_id),
         }
     }
 }
 
-/// The book's thread: commits what arrived while the previous commit ran, in one transaction
-/// (up to a batch), until every handle is gone and the queue is drained.
+/// The book's thread: commits the grants that arrived while the previous commit ran (up to a
+/// batch) and the releases waiting, in one transaction; with no grant coming, the releases
+/// every [`RELEASES_WAIT`]. Ends once every handle is gone, after writing what is left.
 fn write_on_own_thread(
     mut writer: Box<dyn LeaseWriter>,
     clock: Arc<dyn Clock>,
-    mut queue: mpsc::Receiver<(Op, Option<Reply>)>,
+    grants: std::sync::mpsc::Receiver<(LeaseRecord, Reply)>,
+    released: &parking_lot::Mutex<Vec<String>>,
 ) {
+    use std::sync::mpsc::RecvTimeoutError;
     let mut granted = Vec::new();
-    let mut released = Vec::new();
     let mut replies = Vec::new();
-    while let Some(first) = queue.blocking_recv() {
-        let mut next = Some(first);
-        while let Some((op, reply)) = next {
-            match op {
-                Op::Granted(lease) => granted.push(lease),
-                Op::Released(id) => released.push(id),
+    loop {
+        let stopping = match grants.recv_timeout(RELEASES_WAIT) {
+            Ok((lease, reply)) => {
+                granted.push(lease);
+                replies.push(reply);
+                while granted.len() < CONFIG.max_batch {
+                    let Ok((lease, reply)) = grants.try_recv() else {
+                        break;
+                    };
+                    granted.push(lease);
+                    replies.push(reply);
+                }
+                false
             }
-            replies.extend(reply);
-            next = if granted.len() + released.len() < CONFIG.max_batch {
-                queue.try_recv().ok()
-            } else {
-                None
-            };
+            Err(RecvTimeoutError::Timeout) => false,
+            Err(RecvTimeoutError::Disconnected) => true,
+        };
+        let gone = std::mem::take(&mut *released.lock());
+        if !granted.is_empty() || !gone.is_empty() {
+            let now = clock.now_ms();
+            // A panic must not end the thread (every later grant would then be refused as if
+            // the store were gone): it fails this batch's callers, like a failed commit.
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                writer.apply(&granted, &gone, now)
+            }))
+            .unwrap_or_else(|_| Err(StoreError::Backend("the lease writer panicked".into())));
+            granted.clear();
+            let outcome = outcome.map_err(|e| {
+                tracing::warn!(error = %e, "lease records could not be committed");
+                CommitError::Failed(Arc::new(e))
+            });
+            for reply in replies.drain(..) {
+                let _ = reply.send(outcome.clone());
+            }
         }
-        let now = clock.now_ms();
-        // A panic must not end the thread (every later grant would then be refused as if the
-        // store were gone): it fails this batch's callers, like a failed commit.
-        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            writer.apply(&granted, &released, now)
-        }))
-        .unwrap_or_else(|_| Err(StoreError::Backend("the lease writer panicked".into())));
-        granted.clear();
-        released.clear();
-        let outcome = outcome.map_err(|e| {
-            tracing::warn!(error = %e, "lease records could not be committed");
-            CommitError::Failed(Arc::new(e))
-        });
-        for reply in replies.drain(..) {
-            let _ = reply.send(outcome.clone());
+        if stopping {
+            return;
         }
     }
 }
@@ -249,7 +278,7 @@ mod tests {
         for i in 0..150 {
             book.released(lease(i).slot_id);
         }
-        // Same queue, in order: once this grant is committed, so are the releases before it.
+        // Releases go with the next commit: once this grant is committed, so are they.
         book.granted(lease(999)).await.unwrap();
         let mut left: Vec<String> = store
             .outstanding_leases(1_000)
