@@ -291,6 +291,7 @@ async fn shut_down(state: &AppState, drain: &watch::Sender<()>) -> Drained {
     }
     state.jobs.stopping.cancel();
     state.access_log.flush().await;
+    state.lock.leases.flush().await;
     for pool in state.pools.snapshot().pools.values() {
         pool.gate.close().await;
     }

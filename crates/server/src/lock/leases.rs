@@ -71,6 +71,13 @@ enum Book {
 
 type Reply = oneshot::Sender<Result<(), CommitError>>;
 
+/// What the book's thread is handed.
+enum ToThread {
+    Grant(LeaseRecord, Reply),
+    /// Commit the releases waiting now (a stopping server's last write).
+    Flush(Reply),
+}
+
 /// Releases wait at most this long for a grant's commit to go with, before the book's thread
 /// commits them on their own.
 const RELEASES_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
@@ -78,9 +85,9 @@ const RELEASES_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 /// The handle of the book's own thread.
 #[derive(Clone)]
 struct OwnThread {
-    /// Grants, each with its caller's reply. Unbounded: each caller waits for its reply, so
-    /// there are never more than the acquires in flight.
-    grants: std::sync::mpsc::Sender<(LeaseRecord, Reply)>,
+    /// Grants, each with its caller's reply, and flushes. Unbounded: each caller waits for its
+    /// reply, so there are never more than the acquires in flight.
+    grants: std::sync::mpsc::Sender<ToThread>,
     /// Releases wait here without waking the thread, for the next commit: a grant's, or the
     /// thread's own after [`RELEASES_WAIT`]. (A record left behind a while longer only holds
     /// its slot back for a lease term after a crash, as any release not yet written does.)
@@ -129,7 +136,7 @@ impl LeaseBook {
             Book::Thread(book) => {
                 let (reply, done) = oneshot::channel();
                 book.grants
-                    .send((lease, reply))
+                    .send(ToThread::Grant(lease, reply))
                     .map_err(|_| CommitError::Stopped)?;
                 done.await.map_err(|_| CommitError::Stopped)?
             }
@@ -147,6 +154,21 @@ impl LeaseBook {
             Book::Thread(book) => book.released.lock().push(slot_id),
         }
     }
+
+    /// Waits until the releases handed over so far are on record (a stopping server, so that
+    /// a restart does not hold back the slots of leases released just before).
+    pub async fn flush(&self) {
+        match &self.0 {
+            Book::Off => {}
+            Book::Batched(book) => book.flush().await,
+            Book::Thread(book) => {
+                let (reply, done) = oneshot::channel();
+                if book.grants.send(ToThread::Flush(reply)).is_ok() {
+                    let _ = done.await;
+                }
+            }
+        }
+    }
 }
 
 /// The book's thread: commits the grants that arrived while the previous commit ran (up to a
@@ -155,7 +177,7 @@ impl LeaseBook {
 fn write_on_own_thread(
     mut writer: Box<dyn LeaseWriter>,
     clock: Arc<dyn Clock>,
-    grants: std::sync::mpsc::Receiver<(LeaseRecord, Reply)>,
+    grants: std::sync::mpsc::Receiver<ToThread>,
     released: &parking_lot::Mutex<Vec<String>>,
 ) {
     use std::sync::mpsc::RecvTimeoutError;
@@ -163,15 +185,21 @@ fn write_on_own_thread(
     let mut replies = Vec::new();
     loop {
         let stopping = match grants.recv_timeout(RELEASES_WAIT) {
-            Ok((lease, reply)) => {
-                granted.push(lease);
-                replies.push(reply);
-                while granted.len() < CONFIG.max_batch {
-                    let Ok((lease, reply)) = grants.try_recv() else {
-                        break;
+            Ok(first) => {
+                let mut next = Some(first);
+                while let Some(msg) = next {
+                    match msg {
+                        ToThread::Grant(lease, reply) => {
+                            granted.push(lease);
+                            replies.push(reply);
+                        }
+                        ToThread::Flush(reply) => replies.push(reply),
+                    }
+                    next = if granted.len() < CONFIG.max_batch {
+                        grants.try_recv().ok()
+                    } else {
+                        None
                     };
-                    granted.push(lease);
-                    replies.push(reply);
                 }
                 false
             }
@@ -179,7 +207,7 @@ fn write_on_own_thread(
             Err(RecvTimeoutError::Disconnected) => true,
         };
         let gone = std::mem::take(&mut *released.lock());
-        if !granted.is_empty() || !gone.is_empty() {
+        if !replies.is_empty() || !gone.is_empty() {
             let now = clock.now_ms();
             // A panic must not end the thread (every later grant would then be refused as if
             // the store were gone): it fails this batch's callers, like a failed commit.
@@ -291,5 +319,26 @@ mod tests {
         let mut expected: Vec<String> = (150..200).chain([999]).map(|i| lease(i).slot_id).collect();
         expected.sort();
         assert_eq!(left, expected);
+    }
+
+    /// A release waits for the next commit; a flush (a stopping server) is one, with no grant.
+    #[tokio::test]
+    async fn a_flush_puts_the_waiting_releases_on_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open_in_dir(dir.path()).unwrap());
+        let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(1_000));
+        let book = LeaseBook::start(store.clone(), clock);
+        book.granted(lease(1)).await.unwrap();
+        book.granted(lease(2)).await.unwrap();
+        book.released(lease(1).slot_id);
+        book.flush().await;
+        let left: Vec<String> = store
+            .outstanding_leases(1_000)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|l| l.slot_id)
+            .collect();
+        assert_eq!(left, vec![lease(2).slot_id]);
     }
 }
