@@ -199,7 +199,7 @@ fn wire(parts: Parts) -> Result<Arc<AppState>, StartError> {
     let lanes = 1 + connection_threads;
     let client = Arc::new(SharedClient::new(timeouts, lanes).map_err(StartError::Client)?);
     let deliveries_pending = Arc::new(Notify::new());
-    let (coordination, nonces, leases) = coordination_parts(shared.clone(), &store, &clock);
+    let (coordination, nonces, leases) = coordination_parts(shared.clone(), &store, &clock)?;
     let pools = Arc::new(Pools::new(PoolsParts {
         store: store.clone(),
         jobs: job_store.clone(),
@@ -314,15 +314,15 @@ fn coordination_parts(
     shared: Option<Arc<RedisCoordination>>,
     store: &Arc<dyn Store>,
     clock: &Arc<dyn Clock>,
-) -> (Arc<dyn Coordination>, NonceSource, LeaseBook) {
-    match shared {
+) -> Result<(Arc<dyn Coordination>, NonceSource, LeaseBook), StartError> {
+    Ok(match shared {
         Some(redis) => (redis.clone(), NonceSource::Shared(redis), LeaseBook::off()),
         None => (
             Arc::new(InProcessCoordination::new(clock.clone())),
             NonceSource::Journal(NonceJournal::start(store.clone(), clock.clone())),
-            LeaseBook::start(store.clone(), clock.clone()),
+            LeaseBook::start(store.clone(), clock.clone()).map_err(StartError::LeaseBook)?,
         ),
-    }
+    })
 }
 
 /// `[server.tls]`, read now; client certificates are asked for while any pool wants them.

@@ -69,6 +69,8 @@ pub enum StartError {
     Coordination(String),
     #[error("cannot start the connection threads: {0}")]
     Threads(#[source] std::io::Error),
+    #[error("cannot start the lease book's thread: {0}")]
+    LeaseBook(#[source] std::io::Error),
 }
 
 impl From<LoadError> for StartError {

@@ -5,6 +5,7 @@
 //! Acquire attempts are written to the access log; renew and release are not. The slot id is
 //! 128 random bits and lives in the pool's own gate, so another pool cannot name it.
 
+mod holdback;
 pub mod leases;
 
 use nthbouncer_coord::Clock;
@@ -463,7 +464,7 @@ pub async fn release(
         None => false,
     };
     if let (true, Some(id)) = (released, parsed) {
-        state.leases.released(slot);
+        state.leases.released(&slot);
         // The call's charge (if the pool has a token budget): corrected by its usage, and what
         // the origin announced teaches the budget.
         let usage = if is_blank(&bytes) {
