@@ -1,6 +1,6 @@
 //! What the lease book puts on record for a pool: not each lease, but a holdback of `count`
 //! slots until `until` (what a restart must hold back), written as `count` records
-//! (`holdback {i} of {pool}`) in the store's lease table.
+//! (`holdback {i} book {book} of {pool}`) in the store's lease table.
 //!
 //! Why: a restart needs only how many slots of each pool may still be in use by holders it
 //! cannot see, and a record per lease made every grant wait for a commit (half of the lock
@@ -48,6 +48,9 @@ struct PoolHoldback {
 
 #[derive(Default)]
 pub struct Holdbacks {
+    /// Which book (one per start) the rows are this one's: a book never rewrites or deletes
+    /// the rows of one before a restart, which hold their slots back until their `until`.
+    book: u64,
     live: Map<Live>,
     pools: Map<PoolHoldback>,
 }
@@ -67,12 +70,13 @@ struct Target {
 /// The holdbacks one commit writes.
 #[derive(Debug, Default)]
 pub struct Plan {
+    book: u64,
     targets: Vec<Target>,
 }
 
 /// The record id of a pool's holdback row. Slot ids are hex, so these never collide with them.
-fn row_id(pool: &str, i: u32) -> String {
-    format!("holdback {i} of {pool}")
+fn row_id(book: u64, pool: &str, i: u32) -> String {
+    format!("holdback {i} book {book} of {pool}")
 }
 
 impl Plan {
@@ -82,21 +86,31 @@ impl Plan {
 
     /// The records to write and the ids to delete, in one transaction.
     pub fn records(&self) -> (Vec<LeaseRecord>, Vec<String>) {
+        let book = self.book;
         let mut written = Vec::new();
         let mut deleted = Vec::new();
         for t in &self.targets {
             written.extend((t.write_from..t.count).map(|i| LeaseRecord {
-                slot_id: row_id(&t.pool, i),
+                slot_id: row_id(book, &t.pool, i),
                 pool: t.pool.clone(),
                 request_deadline: t.until,
             }));
-            deleted.extend((t.count..t.delete_to).map(|i| row_id(&t.pool, i)));
+            deleted.extend((t.count..t.delete_to).map(|i| row_id(book, &t.pool, i)));
         }
         (written, deleted)
     }
 }
 
 impl Holdbacks {
+    /// The holdbacks of one book: `book` tells its rows from those of books before a restart
+    /// (the time it started at will do).
+    pub fn of_book(book: u64) -> Holdbacks {
+        Holdbacks {
+            book,
+            ..Holdbacks::default()
+        }
+    }
+
     /// A grant about to be answered. `None` when the holdback on record covers it already;
     /// otherwise its slot id, and the grant must wait for the next commit.
     pub fn grant(&mut self, lease: LeaseRecord) -> Option<String> {
@@ -181,7 +195,10 @@ impl Holdbacks {
                 delete_to: holdback.rows.max(count),
             });
         }
-        Plan { targets }
+        Plan {
+            book: self.book,
+            targets,
+        }
     }
 
     /// `plan` is on record: its raises now cover the grants that waited for them.

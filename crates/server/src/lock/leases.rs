@@ -91,7 +91,7 @@ impl LeaseBook {
         let (tx, rx) = std::sync::mpsc::channel();
         let handle = OwnThread {
             to_thread: tx,
-            holdbacks: Arc::default(),
+            holdbacks: Arc::new(parking_lot::Mutex::new(Holdbacks::of_book(clock.now_ms()))),
         };
         let holdbacks = handle.holdbacks.clone();
         std::thread::Builder::new()
@@ -358,5 +358,27 @@ mod tests {
         book.released(&lease(1).slot_id);
         book.flush().await;
         assert_eq!(on_record(&store).await, 1);
+    }
+
+    /// A restarted gateway's book leaves the rows of the book before it alone: they hold their
+    /// slots back until their own `until`, whatever the new book raises and lowers.
+    #[tokio::test]
+    async fn a_new_book_leaves_the_rows_of_the_one_before_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open_in_dir(dir.path()).unwrap());
+        let before = LeaseBook::start(store.clone(), Arc::new(ManualClock::new(1_000))).unwrap();
+        before.granted(lease(1)).await.unwrap();
+        before.granted(lease(2)).await.unwrap();
+        drop(before); // the gateway died with two leases held
+        let after = LeaseBook::start(store.clone(), Arc::new(ManualClock::new(2_000))).unwrap();
+        after.granted(lease(3)).await.unwrap();
+        assert_eq!(on_record(&store).await, 3);
+        after.released(&lease(3).slot_id);
+        after.flush().await;
+        assert_eq!(
+            on_record(&store).await,
+            2,
+            "the first book's rows are still there"
+        );
     }
 }
