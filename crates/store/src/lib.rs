@@ -197,9 +197,10 @@ pub trait Store: Send + Sync + 'static {
     /// The recorded leases whose request deadline is after `now`.
     async fn outstanding_leases(&self, now: u64) -> Result<Vec<LeaseRecord>>;
     /// A writer that does what [`Store::apply_leases`] does, blocking the calling thread, for
-    /// stores that can write without a runtime (`None`: use `apply_leases`). The lease book
-    /// runs it on a thread of its own: a grant's commit then costs one hand-over to that
-    /// thread and one back, where going through the runtime's blocking pool costs four.
+    /// stores that can write without a runtime (`None`: the lease book's thread drives
+    /// `apply_leases` on the runtime instead). The lease book runs it on a thread of its own:
+    /// a commit then costs one hand-over to that thread and one back, where going through the
+    /// runtime's blocking pool costs four.
     fn lease_writer(&self) -> Option<Box<dyn LeaseWriter>> {
         None
     }
