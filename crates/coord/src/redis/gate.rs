@@ -1205,8 +1205,11 @@ impl Shared {
     }
 
     /// An admission through Redis showed the pool's state: with room to spare and keeping not
-    /// allowed yet, a check is asked for (it allows keeping); without, keeping stops.
-    fn saw_admission(&self, g: &Granted) {
+    /// allowed yet, an exchange's admission asks for a check (it allows keeping); without room,
+    /// keeping stops. A lock lease's admission never asks: only exchange slots are kept, and a
+    /// node admitting nothing else would hold none, so its check would stop keeping again at
+    /// once, and every lock grant would cost one more script call (bench/RESULTS.md).
+    fn saw_admission(&self, g: &Granted, kind: SlotKind) {
         let roomy = g.rpm_remaining.is_none() && Keeping::roomy(g.remaining, g.effective);
         let check = {
             let mut k = self.keeping.lock();
@@ -1215,7 +1218,7 @@ impl Shared {
             if !roomy {
                 k.allowed = false;
                 !k.idle.is_empty()
-            } else if !k.allowed && !k.wanted {
+            } else if kind == SlotKind::Exchange && !k.allowed && !k.wanted {
                 k.wanted = true;
                 true
             } else {
@@ -1631,7 +1634,7 @@ impl RedisGate {
             "admitted" => {
                 return match Granted::admitted(&reply, slot, server_now, start) {
                     Ok(g) => {
-                        s.saw_admission(&g);
+                        s.saw_admission(&g, kind);
                         Ok(s.grant(&g, kind, 0, true))
                     }
                     Err(e) => s.unavailable(&e, req).await,

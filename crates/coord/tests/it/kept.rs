@@ -223,3 +223,113 @@ async fn kept_slots_never_exceed_the_limit_and_every_loan_counts() {
     let s = gates[0].snapshot().await;
     assert_eq!((s.in_flight, s.queued), (0, 0));
 }
+
+/// A TCP forwarder to the real Redis that counts the script calls (`EVALSHA`) a node sends.
+struct ScriptCalls {
+    port: u16,
+    sent: Arc<AtomicU32>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl ScriptCalls {
+    async fn start() -> ScriptCalls {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let target = crate::on_redis::redis_url()
+            .trim_start_matches("redis://")
+            .trim_end_matches('/')
+            .split('/')
+            .next()
+            .unwrap()
+            .to_owned();
+        let sent = Arc::new(AtomicU32::new(0));
+        let counted = Arc::clone(&sent);
+        let accept = tokio::spawn(async move {
+            while let Ok((inbound, _)) = listener.accept().await {
+                let (target, counted) = (target.clone(), Arc::clone(&counted));
+                tokio::spawn(async move {
+                    let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
+                        return;
+                    };
+                    let (mut from_node, mut to_node) = inbound.into_split();
+                    let (mut from_redis, mut to_redis) = outbound.into_split();
+                    tokio::spawn(async move {
+                        let _ = tokio::io::copy(&mut from_redis, &mut to_node).await;
+                    });
+                    // The command name is a bulk string of its own: "$7\r\nEVALSHA\r\n". The
+                    // tail of each read is kept, so a name split across two reads counts once.
+                    let needle = b"\r\nEVALSHA\r\n";
+                    let mut window: Vec<u8> = Vec::new();
+                    let mut buf = vec![0u8; 16 * 1024];
+                    loop {
+                        let n = match from_node.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        if to_redis.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                        window.extend_from_slice(&buf[..n]);
+                        let found = window
+                            .windows(needle.len())
+                            .filter(|w| w.eq_ignore_ascii_case(needle))
+                            .count();
+                        counted.fetch_add(u32::try_from(found).unwrap(), Ordering::SeqCst);
+                        let keep = window.len().min(needle.len() - 1);
+                        window.drain(..window.len() - keep);
+                    }
+                });
+            }
+        });
+        ScriptCalls { port, sent, accept }
+    }
+}
+
+impl Drop for ScriptCalls {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+/// Keeping is for exchange slots: a lock lease admitted through Redis must not ask for a check
+/// of the pool (a `renew` call of its own). A lock pair on a free slot is its acquire and its
+/// release, two script calls (and one probe of the pool's generation when the gate starts).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_pair_costs_two_script_calls_and_asks_for_no_keeping_check() {
+    let space = Space::new();
+    let counter = ScriptCalls::start().await;
+    let options = RedisOptions {
+        url: format!("redis://127.0.0.1:{}/", counter.port),
+        ..space.options()
+    };
+    let node = RedisCoordination::new(options, Arc::new(SystemClock::new())).unwrap();
+    let gate = node.open("locks", settings(64));
+    // The gate's start (its generation probe) before counting.
+    let first = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
+    assert!(gate.release(first.slot_id, None).await);
+    until("the gate's first calls are done", || async {
+        counter.sent.load(Ordering::SeqCst) >= 2
+    })
+    .await;
+    let before = counter.sent.load(Ordering::SeqCst);
+    let pairs = 20;
+    for _ in 0..pairs {
+        let g = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
+        assert!(gate.release(g.slot_id, None).await);
+    }
+    // An exchange on the same gate does ask for a check: once its `renew` call has gone out,
+    // any the lock pairs asked for would have gone before it (the ticker runs them in turn).
+    let g = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
+    let with_exchange = before + 2 * pairs + 1;
+    until("the exchange's keeping check went out", || async {
+        counter.sent.load(Ordering::SeqCst) > with_exchange
+    })
+    .await;
+    assert!(gate.release(g.slot_id, None).await);
+    let sent = counter.sent.load(Ordering::SeqCst) - before;
+    assert!(
+        sent <= 2 * pairs + 3,
+        "{pairs} lock pairs and one exchange sent {sent} script calls"
+    );
+}

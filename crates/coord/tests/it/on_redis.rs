@@ -25,7 +25,7 @@ use tokio::task::JoinHandle;
 
 use crate::conformance::{limit, req, until};
 
-fn redis_url() -> String {
+pub fn redis_url() -> String {
     std::env::var("NB_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379/".to_owned())
 }
 
