@@ -236,13 +236,7 @@ impl ScriptCalls {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
-        let target = crate::on_redis::redis_url()
-            .trim_start_matches("redis://")
-            .trim_end_matches('/')
-            .split('/')
-            .next()
-            .unwrap()
-            .to_owned();
+        let target = crate::on_redis::redis_address();
         let sent = Arc::new(AtomicU32::new(0));
         let counted = Arc::clone(&sent);
         let accept = tokio::spawn(async move {

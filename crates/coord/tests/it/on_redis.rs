@@ -25,7 +25,18 @@ use tokio::task::JoinHandle;
 
 use crate::conformance::{limit, req, until};
 
-pub fn redis_url() -> String {
+/// `host:port` of the test Redis, for forwarders that stand between a node and it.
+pub fn redis_address() -> String {
+    redis_url()
+        .trim_start_matches("redis://")
+        .trim_end_matches('/')
+        .split('/')
+        .next()
+        .unwrap()
+        .to_owned()
+}
+
+fn redis_url() -> String {
     std::env::var("NB_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379/".to_owned())
 }
 
@@ -240,13 +251,7 @@ impl Switch {
         let port = listener.local_addr().unwrap().port();
         let up = Arc::new(AtomicBool::new(true));
         let conns: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::new(Mutex::new(Vec::new()));
-        let target = redis_url()
-            .trim_start_matches("redis://")
-            .trim_end_matches('/')
-            .split('/')
-            .next()
-            .unwrap()
-            .to_owned();
+        let target = redis_address();
         let (up2, conns2) = (Arc::clone(&up), Arc::clone(&conns));
         let accept = tokio::spawn(async move {
             while let Ok((mut inbound, _)) = listener.accept().await {

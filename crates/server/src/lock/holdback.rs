@@ -251,6 +251,12 @@ mod tests {
                 self.0.remove(&id);
             }
         }
+        /// Plans, writes and commits, as the book's thread does when its write succeeds.
+        fn write(&mut self, holdbacks: &mut Holdbacks, now: u64, lower: bool) {
+            let plan = holdbacks.plan(now, lower);
+            self.apply(&plan);
+            holdbacks.committed(&plan);
+        }
         fn count(&self, pool: &str, now: u64) -> u32 {
             let n = self
                 .0
@@ -266,9 +272,7 @@ mod tests {
         let mut holdbacks = Holdbacks::default();
         let mut record = Record::default();
         assert!(holdbacks.grant(lease("p", 1, 1_000)).is_some());
-        let plan = holdbacks.plan(0, false);
-        record.apply(&plan);
-        holdbacks.committed(&plan);
+        record.write(&mut holdbacks, 0, false);
         assert_eq!(record.count("p", 0), 1);
         // Released and granted again: the holdback on record covers it, nothing to write.
         holdbacks.release(&lease("p", 1, 0).slot_id);
@@ -276,17 +280,13 @@ mod tests {
         assert!(holdbacks.plan(0, false).is_empty());
         // A second one at once outgrows the holdback.
         assert!(holdbacks.grant(lease("p", 3, 1_000)).is_some());
-        let plan = holdbacks.plan(0, false);
-        record.apply(&plan);
-        holdbacks.committed(&plan);
+        record.write(&mut holdbacks, 0, false);
         assert_eq!(record.count("p", 0), 2);
         // Both released: lowered at the next lowering, to nothing.
         holdbacks.release(&lease("p", 2, 0).slot_id);
         holdbacks.release(&lease("p", 3, 0).slot_id);
         assert!(holdbacks.plan(0, false).is_empty());
-        let plan = holdbacks.plan(0, true);
-        record.apply(&plan);
-        holdbacks.committed(&plan);
+        record.write(&mut holdbacks, 0, true);
         assert_eq!(record.count("p", 0), 0);
         assert!(record.0.is_empty(), "every holdback row deleted");
     }
@@ -320,14 +320,10 @@ mod tests {
         for i in 0..3 {
             assert!(holdbacks.grant(lease("p", i, 500)).is_some());
         }
-        let plan = holdbacks.plan(0, false);
-        record.apply(&plan);
-        holdbacks.committed(&plan);
+        record.write(&mut holdbacks, 0, false);
         assert_eq!(record.count("p", 0), 3);
         // Never released (their holders vanished); at 500 their deadline has passed.
-        let plan = holdbacks.plan(500, true);
-        record.apply(&plan);
-        holdbacks.committed(&plan);
+        record.write(&mut holdbacks, 500, true);
         assert!(record.0.is_empty());
     }
 
@@ -338,18 +334,14 @@ mod tests {
         for i in 0..4 {
             holdbacks.grant(lease("p", i, 1_000));
         }
-        let plan = holdbacks.plan(0, false);
-        record.apply(&plan);
-        holdbacks.committed(&plan);
+        record.write(&mut holdbacks, 0, false);
         for i in 0..4 {
             holdbacks.release(&lease("p", i, 0).slot_id);
         }
         let lowering = holdbacks.plan(0, true);
         holdbacks.failed(&lowering); // not applied to the record
         assert_eq!(record.count("p", 0), 4);
-        let plan = holdbacks.plan(0, true);
-        record.apply(&plan);
-        holdbacks.committed(&plan);
+        record.write(&mut holdbacks, 0, true);
         assert!(record.0.is_empty(), "{:?}", record.0);
     }
 
@@ -429,9 +421,7 @@ mod tests {
             for (id, _) in answered.drain(..).chain(waiting.drain(..)) {
                 holdbacks.release(&id);
             }
-            let plan = holdbacks.plan(0, true);
-            record.apply(&plan);
-            holdbacks.committed(&plan);
+            record.write(&mut holdbacks, 0, true);
             prop_assert!(record.0.is_empty(), "left: {:?}", record.0);
         }
     }
