@@ -90,12 +90,18 @@ pub fn wait_listening(port: u16) {
     panic!("nothing listened on port {port}");
 }
 
+/// How long any request a helper here makes may take: a server that accepts and never answers
+/// fails the test with the request's URL, instead of hanging it (and CI) for good.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Waits (bounded, 10 s) until `/readyz` on `port` answers 200.
 pub async fn wait_ready(client: &reqwest::Client, port: u16) {
     let ready = wait_until(400, Duration::from_millis(25), async || {
         client
             .get(format!("http://127.0.0.1:{port}/readyz"))
             .header("host", API_HOST)
+            // Whatever answers on the port must answer at once, or this is not our server.
+            .timeout(Duration::from_secs(2))
             .send()
             .await
             .is_ok_and(|r| r.status() == 200)
@@ -230,6 +236,7 @@ impl Server {
         let r = self
             .client
             .post(self.url("/admin/reload"))
+            .timeout(REQUEST_TIMEOUT)
             .header("host", API_HOST)
             .bearer_auth(ADMIN_TOKEN)
             .send()
@@ -256,10 +263,11 @@ impl Server {
         format!("http://127.0.0.1:{}{path}", self.port)
     }
 
-    /// A request to `path` on `pool`'s host with the test key.
+    /// A request to `path` on `pool`'s host with the test key, bounded by [`REQUEST_TIMEOUT`].
     pub fn pool(&self, pool: &str, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
         self.client
             .request(method, self.url(path))
+            .timeout(REQUEST_TIMEOUT)
             .header("host", format!("{pool}.localhost"))
             .header("x-nthpool-key", KEY)
     }
@@ -269,10 +277,11 @@ impl Server {
         self.pool(pool, reqwest::Method::GET, path)
     }
 
-    /// A request to `path` on the API host with the test key.
+    /// A request to `path` on the API host with the test key, bounded by [`REQUEST_TIMEOUT`].
     pub fn api(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
         self.client
             .request(method, self.url(path))
+            .timeout(REQUEST_TIMEOUT)
             .header("host", API_HOST)
             .header("x-nthpool-key", KEY)
     }
@@ -281,6 +290,7 @@ impl Server {
     pub async fn admin_json(&self, path: &str) -> Value {
         self.client
             .get(self.url(path))
+            .timeout(REQUEST_TIMEOUT)
             .header("host", API_HOST)
             .bearer_auth(ADMIN_TOKEN)
             .send()
