@@ -299,11 +299,17 @@ async fn a_lock_pair_costs_two_script_calls_and_asks_for_no_keeping_check() {
     };
     let node = RedisCoordination::new(options, Arc::new(SystemClock::new())).unwrap();
     let gate = node.open("locks", settings(64));
-    // The gate's start (its generation probe) before counting.
+    // The gate's start, before counting: its ticker probes the pool's generation at once (no
+    // call has told it yet), then one pair. Waiting for the probe first keeps it from going out
+    // after the pair, into the count.
+    until("the gate's generation probe went out", || async {
+        counter.sent.load(Ordering::SeqCst) >= 1
+    })
+    .await;
     let first = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
     assert!(gate.release(first.slot_id, None).await);
     until("the gate's first calls are done", || async {
-        counter.sent.load(Ordering::SeqCst) >= 2
+        counter.sent.load(Ordering::SeqCst) >= 3
     })
     .await;
     let before = counter.sent.load(Ordering::SeqCst);
