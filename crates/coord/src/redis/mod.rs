@@ -151,7 +151,7 @@ impl RedisCoordination {
             return Err(SetupError::Prefix);
         }
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| SetupError::NoRuntime)?;
-        let client = ::redis::Client::open(options.url.as_str()).map_err(SetupError::Url)?;
+        let client = client_for(&options.url).map_err(SetupError::Url)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(options.connect_timeout))
             .set_response_timeout(Some(options.command_timeout))
@@ -241,6 +241,18 @@ impl Coordination for RedisCoordination {
     }
 }
 
+/// A client for `url` whose TCP connections send at once (`TCP_NODELAY`; redis-rs leaves Nagle's
+/// algorithm on by default). A node's calls share one multiplexed connection: with Nagle on, a
+/// call written while another's bytes are still unacknowledged waits for that call's reply
+/// (which carries the acknowledgement) before it leaves, so concurrent calls would go out one
+/// round trip apart.
+fn client_for(url: &str) -> ::redis::RedisResult<::redis::Client> {
+    use ::redis::IntoConnectionInfo;
+    let info = url.into_connection_info()?;
+    let tcp = ::redis::io::tcp::TcpSettings::default().set_nodelay(true);
+    ::redis::Client::open(info.set_tcp_settings(tcp))
+}
+
 /// Keeps the node subscribed to its wake-up channel and to the reclaims of kept slots
 /// (`{prefix}:wake:reclaim`, every node's; see the gate's `Keeping`), and wakes or reclaims the
 /// named pool's gates on each message. A broken subscription is re-made after a pause;
@@ -296,5 +308,22 @@ async fn listen(client: ::redis::Client, node: Weak<Node>) {
         clock
             .sleep_until_monotonic(clock.monotonic_ms().saturating_add(retry))
             .await;
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::expect_used)]
+mod tests {
+    use super::client_for;
+
+    #[test]
+    fn a_nodes_redis_connections_send_at_once_and_keep_the_urls_settings() {
+        let client = client_for("redis://:s3cret@127.0.0.1:6390/4").expect("a valid URL");
+        let info = client.get_connection_info();
+        assert!(info.tcp_settings().nodelay(), "Nagle's algorithm left on");
+        assert_eq!(info.addr().to_string(), "127.0.0.1:6390");
+        assert_eq!(info.redis_settings().db(), 4);
+        assert_eq!(info.redis_settings().password(), Some("s3cret"));
+        assert!(client_for("not a url").is_err());
     }
 }
