@@ -565,12 +565,9 @@ async fn sanity<L: Locker>(what: &str, mut l: L) -> Result<L, BoxError> {
 }
 
 pub async fn run(args: LockArgs) -> Result<(), BoxError> {
-    // TCP_NODELAY, as nthbouncer's own Redis connections have it (redis-rs leaves Nagle on):
-    // the semaphore's calls are one at a time per connection, so it should not matter, and
-    // the two sides stay alike.
-    let info = redis::IntoConnectionInfo::into_connection_info(args.redis.as_str())?
-        .set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true));
-    let client = redis::Client::open(info)?;
+    // Connected as a node connects (TCP_NODELAY): the semaphore's calls are one at a time per
+    // connection, so it should not matter, and the two sides stay alike.
+    let client = nthbouncer_coord::redis::client_for(&args.redis)?;
     let scripts = Arc::new(Scripts {
         acquire: Script::new(ACQUIRE_LUA),
         renew: Script::new(RENEW_LUA),

@@ -245,8 +245,9 @@ impl Coordination for RedisCoordination {
 /// algorithm on by default). A node's calls share one multiplexed connection: with Nagle on, a
 /// call written while another's bytes are still unacknowledged waits for that call's reply
 /// (which carries the acknowledgement) before it leaves, so concurrent calls would go out one
-/// round trip apart.
-fn client_for(url: &str) -> ::redis::RedisResult<::redis::Client> {
+/// round trip apart. Public so that a peer measured beside a node (the bench's Lua semaphore)
+/// connects the same way.
+pub fn client_for(url: &str) -> ::redis::RedisResult<::redis::Client> {
     use ::redis::IntoConnectionInfo;
     let info = url.into_connection_info()?;
     let tcp = ::redis::io::tcp::TcpSettings::default().set_nodelay(true);
