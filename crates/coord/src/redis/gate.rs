@@ -311,6 +311,13 @@ pub(crate) struct Shared {
     generation: Mutex<String>,
     /// This node's acquires and releases for the pool, on their way into a batch (`batch`).
     batch: tokio::sync::mpsc::UnboundedSender<Queued>,
+    /// Releases Redis did not confirm (Redis away, the connection cut mid-call), by slot id,
+    /// with the monotonic ms after which the slot's lease has surely ended anyway: the ticker
+    /// makes them again until Redis answers (a release is idempotent by slot id), so a blip
+    /// costs the pool its slots for as long as Redis is away, not for a lease term after.
+    unconfirmed: Mutex<HashMap<u128, u64>>,
+    /// Monotonic ms at which the ticker next tries the `unconfirmed` releases.
+    unconfirmed_at: AtomicU64,
 }
 
 /// One pool's gate on Redis. Dropping it (or [`PoolGate::close`]) stops its ticker.
@@ -383,6 +390,8 @@ impl RedisGate {
             recover_until: AtomicU64::new(0),
             generation: Mutex::new(String::new()),
             batch,
+            unconfirmed: Mutex::new(HashMap::new()),
+            unconfirmed_at: AtomicU64::new(0),
             node: Arc::clone(&node),
         });
         node.runtime
@@ -780,7 +789,14 @@ impl Shared {
     /// it makes to a waiter of this node is collected by the ticker (not here: this is how
     /// [`Shared::deliver`] frees orphans).
     async fn free(&self, slot: SlotId) {
-        let args = vec![
+        if let Err(e) = self.call_op(Op::Release, Self::free_args(slot)).await {
+            self.release_later(slot, &e);
+        }
+    }
+
+    /// A release of `slot` that neither learns nor collects grants for waiters.
+    fn free_args(slot: SlotId) -> Vec<String> {
+        vec![
             slot.to_string(),
             "0".to_owned(),
             "0".to_owned(),
@@ -789,10 +805,62 @@ impl Shared {
             // admitted at once whose caller left before the reply is not, and then the read and
             // delete of its absent `held` entry are no-ops (it frees the lease all the same).
             String::new(),
-        ];
-        if let Err(e) = self.call_op(Op::Release, args).await {
-            tracing::warn!(pool = %self.pool, slot = %slot, error = %e, "could not free an unclaimed slot; its lease will expire");
+        ]
+    }
+
+    /// A release of `slot` failed with `e`: it is made again from the ticker until Redis
+    /// confirms it, or until the slot's lease has surely ended (its last renewal was before
+    /// this release, so within one lease term from now). Not when the gate stopped (its ticker
+    /// is gone with it) or the reply was unreadable (the release ran).
+    fn release_later(&self, slot: SlotId, e: &CallError) {
+        if matches!(e, CallError::Stopped | CallError::Reply(_)) {
+            tracing::warn!(pool = %self.pool, slot = %slot, error = %e, "release not confirmed in redis; the lease will expire");
+            return;
         }
+        tracing::warn!(pool = %self.pool, slot = %slot, error = %e, "release not confirmed in redis; trying again until it answers");
+        let until = self.mono().saturating_add(self.settings().lease_term_ms);
+        self.unconfirmed.lock().insert(slot.0, until);
+        self.nudge();
+    }
+
+    /// Makes the releases Redis did not confirm again, once they are due; drops those whose
+    /// lease has ended meanwhile. The ms until the next try while any is left.
+    async fn retry_releases(&self) -> Option<u64> {
+        let now = self.mono();
+        let slots: Vec<u128> = {
+            let mut unconfirmed = self.unconfirmed.lock();
+            unconfirmed.retain(|_, until| *until > now);
+            if unconfirmed.is_empty() {
+                return None;
+            }
+            let due = self.unconfirmed_at.load(Ordering::Acquire);
+            if now < due {
+                return Some(due - now);
+            }
+            unconfirmed.keys().copied().collect()
+        };
+        let calls = slots.iter().map(|&slot| async move {
+            let confirmed = self
+                .call_op(Op::Release, Self::free_args(SlotId(slot)))
+                .await
+                .is_ok();
+            (slot, confirmed)
+        });
+        let results = futures_util::future::join_all(calls).await;
+        let mut unconfirmed = self.unconfirmed.lock();
+        for (slot, confirmed) in results {
+            if confirmed {
+                unconfirmed.remove(&slot);
+            }
+        }
+        if unconfirmed.is_empty() {
+            tracing::info!(pool = %self.pool, "releases redis had missed are confirmed");
+            return None;
+        }
+        let retry = self.retry_redis_ms().max(MIN_TICK_MS);
+        self.unconfirmed_at
+            .store(self.mono().saturating_add(retry), Ordering::Release);
+        Some(retry)
     }
 
     /// The waiter of `ticket` on this gate with its grant (`Ok(Some)`), or the grant kept for
@@ -859,7 +927,7 @@ impl Shared {
         let reply = match self.call_op(Op::Release, args).await {
             Ok(reply) => reply,
             Err(e) => {
-                tracing::warn!(pool = %self.pool, slot = %slot, error = %e, "release not confirmed in redis; the lease will expire");
+                self.release_later(slot, &e);
                 return false;
             }
         };
@@ -920,7 +988,7 @@ impl Shared {
                 reply.int(0).unwrap_or(0) == 1
             }
             Err(e) => {
-                tracing::warn!(pool = %self.pool, slot = %slot, error = %e, "release not confirmed in redis; the lease will expire");
+                self.release_later(slot, &e);
                 false
             }
         }
@@ -1056,6 +1124,10 @@ impl Shared {
             if let Some(until) = self.holds.lock().values().map(|h| h.confirmed_until).min() {
                 at_most(until.saturating_sub(now));
             }
+        }
+
+        if let Some(ms) = self.retry_releases().await {
+            at_most(ms);
         }
 
         if sleep.is_some() {

@@ -338,6 +338,52 @@ async fn fail_open_goes_back_to_redis_when_it_answers_again() {
     assert_eq!(seen.snapshot().await.in_flight, 0);
 }
 
+/// A release Redis did not confirm (the node's connection cut, Redis away) is made again once
+/// Redis answers: the slots come back then, not a lease term later (60 s here; the wait is
+/// bounded by `until`'s 10 s). Fail closed, the default: a lock lease and an exchange slot,
+/// released while the forwarder is down, are both gone from Redis once it is up again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_redis_missed_is_made_again_when_it_answers() {
+    let space = Space::new();
+    let switch = Switch::start().await;
+    let options = RedisOptions {
+        url: format!("redis://127.0.0.1:{}/", switch.port),
+        retry_redis_after: Duration::from_millis(100),
+        ..space.options()
+    };
+    let settings = PoolSettings {
+        lease_term_ms: 60_000,
+        ..limit(2)
+    };
+    let node = RedisCoordination::new(options, Arc::new(SystemClock::new())).unwrap();
+    let gate = node.open("missed", settings.clone());
+    let observer = space.node();
+    let seen = observer.open("missed", settings);
+
+    let lease = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
+    let exchange = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
+    assert_eq!(seen.snapshot().await.in_flight, 2);
+
+    switch.down();
+    assert!(
+        !gate.release(lease.slot_id, None).await,
+        "a release with Redis away is not confirmed"
+    );
+    assert!(!gate.release(exchange.slot_id, None).await);
+    assert_eq!(seen.snapshot().await.in_flight, 2, "Redis saw neither");
+
+    switch.up();
+    until("the missed releases made again", || async {
+        seen.snapshot().await.in_flight == 0
+    })
+    .await;
+    // Both slots are free for anyone again.
+    let a = seen.acquire(req(0, SlotKind::Lease)).await.unwrap();
+    let b = seen.acquire(req(0, SlotKind::Lease)).await.unwrap();
+    assert!(seen.release(a.slot_id, None).await);
+    assert!(seen.release(b.slot_id, None).await);
+}
+
 /// Fail open, Redis away and back: what a node admitted on its own while Redis was away still
 /// counts once it answers again, on every node. Two nodes, limit 4, two expected (a share of 2
 /// each): A's two calls taken on its own are still running when Redis comes back, and B, which
