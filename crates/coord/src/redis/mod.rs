@@ -158,7 +158,7 @@ impl RedisCoordination {
             // One attempt per call: a caller must learn quickly that Redis is away (to refuse or
             // fail open), and the next call tries again anyway.
             .set_number_of_retries(0);
-        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config)
+        let conn = ConnectionManager::new_lazy_with_config(calls_client(&client), config)
             .map_err(SetupError::Url)?;
         let id = format!("{:016x}", rand::random::<u64>());
         let wake_prefix = format!("{}:wake:", options.key_prefix);
@@ -254,6 +254,22 @@ pub fn client_for(url: &str) -> ::redis::RedisResult<::redis::Client> {
     ::redis::Client::open(info.set_tcp_settings(tcp))
 }
 
+/// The client of a node's calls: `client`'s address and settings, on RESP3 (Redis 6 or later).
+/// On RESP3 redis-rs hears at once that Redis closed the connection (its `timeout`, `CLIENT
+/// KILL`, a restart, a proxy's idle cut) and connects again in the background; on RESP2 it only
+/// finds out from the next call, which fails: a caller refused, or a release missed, with Redis
+/// up all along. The scripts' replies (arrays of integers and strings) read the same on both.
+/// The wake-up subscription keeps `client` as it is.
+fn calls_client(client: &::redis::Client) -> ::redis::Client {
+    let info = client.get_connection_info().clone();
+    let redis = info
+        .redis_settings()
+        .clone()
+        .set_protocol(::redis::ProtocolVersion::RESP3);
+    // Infallible in practice: the same settings opened `client`.
+    ::redis::Client::open(info.clone().set_redis_settings(redis)).unwrap_or_else(|_| client.clone())
+}
+
 /// Keeps the node subscribed to its wake-up channel and to the reclaims of kept slots
 /// (`{prefix}:wake:reclaim`, every node's; see the gate's `Keeping`), and wakes or reclaims the
 /// named pool's gates on each message. A broken subscription is re-made after a pause;
@@ -315,7 +331,7 @@ async fn listen(client: ::redis::Client, node: Weak<Node>) {
 #[cfg(test)]
 #[allow(clippy::expect_used)]
 mod tests {
-    use super::client_for;
+    use super::{calls_client, client_for};
 
     #[test]
     fn a_nodes_redis_connections_send_at_once_and_keep_the_urls_settings() {
@@ -326,5 +342,23 @@ mod tests {
         assert_eq!(info.redis_settings().db(), 4);
         assert_eq!(info.redis_settings().password(), Some("s3cret"));
         assert!(client_for("not a url").is_err());
+    }
+
+    #[test]
+    fn a_nodes_calls_speak_resp3_with_the_urls_settings() {
+        let client = client_for("redis://:s3cret@127.0.0.1:6390/4").expect("a valid URL");
+        let calls = calls_client(&client);
+        let info = calls.get_connection_info();
+        assert_eq!(
+            info.redis_settings().protocol(),
+            ::redis::ProtocolVersion::RESP3
+        );
+        assert!(info.tcp_settings().nodelay(), "Nagle's algorithm left on");
+        assert_eq!(info.addr().to_string(), "127.0.0.1:6390");
+        assert_eq!(info.redis_settings().db(), 4);
+        assert_eq!(info.redis_settings().password(), Some("s3cret"));
+        // The subscription's client is left as the URL says.
+        let subscription = client.get_connection_info().redis_settings().protocol();
+        assert_eq!(subscription, ::redis::ProtocolVersion::RESP2);
     }
 }

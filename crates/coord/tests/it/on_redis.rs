@@ -10,7 +10,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -241,6 +241,8 @@ async fn unreachable_redis_fails_open_up_to_the_nodes_share() {
 struct Switch {
     port: u16,
     up: Arc<AtomicBool>,
+    /// Connections forwarded so far.
+    forwarded: Arc<AtomicUsize>,
     conns: Arc<Mutex<Vec<JoinHandle<()>>>>,
     accept: JoinHandle<()>,
 }
@@ -250,14 +252,17 @@ impl Switch {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let up = Arc::new(AtomicBool::new(true));
+        let forwarded = Arc::new(AtomicUsize::new(0));
         let conns: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::new(Mutex::new(Vec::new()));
         let target = redis_address();
-        let (up2, conns2) = (Arc::clone(&up), Arc::clone(&conns));
+        let (up2, conns2, forwarded2) =
+            (Arc::clone(&up), Arc::clone(&conns), Arc::clone(&forwarded));
         let accept = tokio::spawn(async move {
             while let Ok((mut inbound, _)) = listener.accept().await {
                 if !up2.load(Ordering::SeqCst) {
                     continue; // dropped: the connection is closed at once
                 }
+                forwarded2.fetch_add(1, Ordering::SeqCst);
                 let target = target.clone();
                 conns2.lock().push(tokio::spawn(async move {
                     if let Ok(mut outbound) = TcpStream::connect(&target).await {
@@ -269,6 +274,7 @@ impl Switch {
         Switch {
             port,
             up,
+            forwarded,
             conns,
             accept,
         }
@@ -283,6 +289,10 @@ impl Switch {
 
     fn up(&self) {
         self.up.store(true, Ordering::SeqCst);
+    }
+
+    fn forwarded(&self) -> usize {
+        self.forwarded.load(Ordering::SeqCst)
     }
 }
 
@@ -336,6 +346,45 @@ async fn fail_open_goes_back_to_redis_when_it_answers_again() {
     assert!(gate.release(local.slot_id, None).await);
     assert!(gate.release(shared.slot_id, None).await);
     assert_eq!(seen.snapshot().await.in_flight, 0);
+}
+
+/// A connection Redis closes while the node is idle (Redis's `timeout`, `CLIENT KILL`, a proxy's
+/// idle cut) costs no caller anything: the node connects again at once, before its next call,
+/// which succeeds. (When it learned of the cut from that call, the call failed: a caller
+/// refused with Redis up all along.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_redis_closes_is_made_again_before_the_next_call() {
+    let space = Space::new();
+    let switch = Switch::start().await;
+    let options = RedisOptions {
+        url: format!("redis://127.0.0.1:{}/", switch.port),
+        retry_redis_after: Duration::from_millis(100),
+        ..space.options()
+    };
+    let node = RedisCoordination::new(options, Arc::new(SystemClock::new())).unwrap();
+    let gate = node.open("cut", limit(2));
+    let g = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
+    assert!(gate.release(g.slot_id, None).await);
+    // The calls' connection and the wake-up subscription's.
+    until("both connections made", || async {
+        switch.forwarded() >= 2
+    })
+    .await;
+    let before = switch.forwarded();
+
+    switch.down();
+    switch.up();
+    until("both connections made again", || async {
+        switch.forwarded() >= before + 2
+    })
+    .await;
+    for _ in 0..3 {
+        let g = gate
+            .acquire(req(0, SlotKind::Lease))
+            .await
+            .expect("admitted: Redis never went away");
+        assert!(gate.release(g.slot_id, None).await);
+    }
 }
 
 /// A release Redis did not confirm (the node's connection cut, Redis away) is made again once
