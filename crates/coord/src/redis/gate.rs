@@ -496,6 +496,7 @@ impl Shared {
         };
         let reply = script::call(
             &self.node.conn,
+            &self.node.runtime,
             which,
             &self.keys,
             &settings,

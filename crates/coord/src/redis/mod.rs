@@ -53,6 +53,7 @@ mod script;
 mod tokens;
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -191,7 +192,8 @@ impl RedisCoordination {
         let mut conn = self.node.conn.clone();
         let timeout = self.node.options.command_timeout;
         let cmd = ::redis::cmd("PING");
-        tokio::time::timeout(timeout, cmd.query_async::<()>(&mut conn))
+        let ping = cmd.query_async::<()>(&mut conn);
+        on_home(&self.node.runtime, tokio::time::timeout(timeout, ping))
             .await
             .map_err(|_| CallError::Timeout(timeout))??;
         Ok(())
@@ -222,6 +224,7 @@ impl RedisCoordination {
     pub fn nonces(&self, pool: &str) -> Arc<dyn NonceStore> {
         Arc::new(RedisNonces::new(
             self.node.conn.clone(),
+            self.node.runtime.clone(),
             &self.node.options.key_prefix,
             pool,
             self.node.options.command_timeout,
@@ -252,6 +255,21 @@ pub fn client_for(url: &str) -> ::redis::RedisResult<::redis::Client> {
     let info = url.into_connection_info()?;
     let tcp = ::redis::io::tcp::TcpSettings::default().set_nodelay(true);
     ::redis::Client::open(info.set_tcp_settings(tcp))
+}
+
+/// Polls `call` (one of the node's calls to Redis) with `home`, the node's runtime, as the
+/// current one, whichever thread polls it. redis-rs spawns the driver of the node's connection
+/// on the current runtime when it makes the connection (at the first call) or makes it again
+/// (after a call met a closed one). Made from a call on a connection thread, the driver would
+/// end with that thread's runtime, which a stopping server ends before its last calls (the
+/// frees of kept slots): every call after that would fail.
+pub(crate) async fn on_home<T>(home: &tokio::runtime::Handle, call: impl Future<Output = T>) -> T {
+    let mut call = std::pin::pin!(call);
+    std::future::poll_fn(|cx| {
+        let _home = home.enter();
+        call.as_mut().poll(cx)
+    })
+    .await
 }
 
 /// The client of a node's calls: `client`'s address and settings, on RESP3 (Redis 6 or later).

@@ -14,6 +14,8 @@ use crate::{NonceKey, NonceStore, NonceVerdict};
 /// One pool's seen nonces in Redis.
 pub struct RedisNonces {
     conn: ConnectionManager,
+    /// The node's runtime (see `on_home`).
+    home: tokio::runtime::Handle,
     prefix: String,
     timeout: Duration,
 }
@@ -21,12 +23,14 @@ pub struct RedisNonces {
 impl RedisNonces {
     pub(crate) fn new(
         conn: ConnectionManager,
+        home: tokio::runtime::Handle,
         prefix: &str,
         pool: &str,
         timeout: Duration,
     ) -> Self {
         RedisNonces {
             conn,
+            home,
             prefix: pool_key(prefix, pool, "nonce:"),
             timeout,
         }
@@ -49,8 +53,8 @@ impl NonceStore for RedisNonces {
         let mut cmd = ::redis::cmd("SET");
         cmd.arg(&key).arg(1).arg("NX").arg("PX").arg(ttl);
         let mut conn = self.conn.clone();
-        match tokio::time::timeout(self.timeout, cmd.query_async::<Option<String>>(&mut conn)).await
-        {
+        let set = cmd.query_async::<Option<String>>(&mut conn);
+        match super::on_home(&self.home, tokio::time::timeout(self.timeout, set)).await {
             Ok(Ok(Some(_))) => NonceVerdict::Fresh,
             Ok(Ok(None)) => NonceVerdict::Replayed,
             Ok(Err(e)) => {

@@ -104,9 +104,12 @@ pub(crate) struct Caller<'a> {
     pub generation: &'a str,
 }
 
-/// Runs `script` for one pool with the shared arguments, then `extra`, within `timeout`.
+/// Runs `script` for one pool with the shared arguments, then `extra`, within `timeout`, polled
+/// on `home` (the node's runtime, see `on_home`).
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn call(
     conn: &ConnectionManager,
+    home: &tokio::runtime::Handle,
     script: &Script,
     keys: &[String],
     settings: &PoolSettings,
@@ -135,7 +138,8 @@ pub(crate) async fn call(
     }
     // The manager is a cheap handle onto one multiplexed connection; each call gets its own.
     let mut conn = conn.clone();
-    let value: Value = tokio::time::timeout(timeout, inv.invoke_async(&mut conn))
+    let call = inv.invoke_async(&mut conn);
+    let value: Value = super::on_home(home, tokio::time::timeout(timeout, call))
         .await
         .map_err(|_| CallError::Timeout(timeout))??;
     let Value::Array(mut items) = value else {

@@ -120,9 +120,11 @@ impl RedisTokens {
         }
         let mut conn = self.node.conn.clone();
         let timeout = self.node.options.command_timeout;
-        let value: ::redis::Value = tokio::time::timeout(timeout, inv.invoke_async(&mut conn))
-            .await
-            .map_err(|_| CallError::Timeout(timeout))??;
+        let call = inv.invoke_async(&mut conn);
+        let value: ::redis::Value =
+            super::on_home(&self.node.runtime, tokio::time::timeout(timeout, call))
+                .await
+                .map_err(|_| CallError::Timeout(timeout))??;
         let ::redis::Value::Array(items) = value else {
             return Err(CallError::Reply("not an array"));
         };
@@ -221,7 +223,8 @@ impl RedisTokens {
         let timeout = self.node.options.command_timeout;
         let mut cmd = ::redis::cmd("HEXISTS");
         cmd.arg(&self.keys[0]).arg(charge_field(id));
-        let found: bool = tokio::time::timeout(timeout, cmd.query_async(&mut conn))
+        let query = cmd.query_async(&mut conn);
+        let found: bool = super::on_home(&self.node.runtime, tokio::time::timeout(timeout, query))
             .await
             .map_err(|_| CallError::Timeout(timeout))??;
         Ok(found)

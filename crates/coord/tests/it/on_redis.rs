@@ -348,6 +348,33 @@ async fn fail_open_goes_back_to_redis_when_it_answers_again() {
     assert_eq!(seen.snapshot().await.in_flight, 0);
 }
 
+/// The node's connection belongs to the node's runtime, whichever runtime made its first call:
+/// a call from another runtime (in the server, a connection thread's, which a stopping server
+/// ends first) that then ends leaves the node's calls working. (The connection's driver task
+/// used to be spawned on the runtime of the call that made the connection, and died with it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_nodes_connection_outlives_the_runtime_of_its_first_call() {
+    let space = Space::new();
+    let node = Arc::new(space.node());
+    let first = Arc::clone(&node);
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(first.ping()).unwrap();
+        // The runtime ends here, and every task it runs with it.
+    })
+    .join()
+    .unwrap();
+    node.ping()
+        .await
+        .expect("the connection made on the other runtime still works");
+    let gate = node.open("home", limit(1));
+    let g = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
+    assert!(gate.release(g.slot_id, None).await);
+}
+
 /// A connection Redis closes while the node is idle (Redis's `timeout`, `CLIENT KILL`, a proxy's
 /// idle cut) costs no caller anything: the node connects again at once, before its next call,
 /// which succeeds. (When it learned of the cut from that call, the call failed: a caller

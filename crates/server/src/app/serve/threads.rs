@@ -18,7 +18,8 @@
 //! The exception: a connection shared by every runtime must not be opened here, for its socket
 //! and its driver task would end with this thread, before a stopping server's last statements.
 //! The stores' and Redis's connections are made on the main runtime whoever asks
-//! (`nthbouncer_store::postgres`'s `OnHomeRuntime`, the Redis coordination's runtime handle).
+//! (`nthbouncer_store::postgres`'s `OnHomeRuntime`, the Redis coordination's `on_home`, which polls
+//! every call of a node with the main runtime current).
 //! Owns the threads and the choice of one for a new connection; must not look at requests.
 
 use std::future::Future;
