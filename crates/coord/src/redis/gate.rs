@@ -453,13 +453,12 @@ impl Shared {
         if self.ticker_started.load(Ordering::Acquire) {
             return;
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
         if self.ticker_started.swap(true, Ordering::AcqRel) {
             return;
         }
-        runtime.spawn(run_ticker(
+        // On the node's runtime, not the opener's: a gate opened while serving a request (a
+        // pool the admin API added) would otherwise lose its ticker with a connection thread.
+        self.node.runtime.spawn(run_ticker(
             Arc::downgrade(self),
             Arc::clone(&self.signal),
             Arc::clone(&self.node.clock),
@@ -1527,9 +1526,8 @@ impl Drop for PendingAcquire {
         let Some(call) = self.call.take() else {
             return;
         };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return; // No runtime to clean up on: the lease or queue entry expires in Redis.
-        };
+        // On the node's runtime, which outlives a connection thread's (see `ensure_ticker`).
+        let runtime = self.shared.node.runtime.clone();
         let (shared, slot) = (Arc::clone(&self.shared), self.slot);
         runtime.spawn(async move {
             let Ok(reply) = call.await else {
@@ -1561,9 +1559,8 @@ impl Drop for EarlyGuard {
         let Some(g) = self.shared.early.lock().remove(&self.slot.0).flatten() else {
             return;
         };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return; // No runtime to clean up on: the lease expires in Redis.
-        };
+        // On the node's runtime, which outlives a connection thread's (see `ensure_ticker`).
+        let runtime = self.shared.node.runtime.clone();
         let shared = Arc::clone(&self.shared);
         runtime.spawn(async move { shared.free(g.slot).await });
     }
@@ -1588,9 +1585,8 @@ impl Drop for QueueGuard {
         } else {
             None
         };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return; // No runtime to clean up on: the lease or queue entry expires in Redis.
-        };
+        // On the node's runtime, which outlives a connection thread's (see `ensure_ticker`).
+        let runtime = self.shared.node.runtime.clone();
         let shared = Arc::clone(&self.shared);
         let ticket = std::mem::take(&mut self.ticket);
         runtime.spawn(async move {

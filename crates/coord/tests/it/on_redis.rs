@@ -375,6 +375,40 @@ async fn the_nodes_connection_outlives_the_runtime_of_its_first_call() {
     assert!(gate.release(g.slot_id, None).await);
 }
 
+/// A gate's own tasks run on its node's runtime, whichever runtime opened it (in the server, a
+/// pool added through the admin API opens its gate on a connection thread): opened from a
+/// runtime that then ends, the gate still collects a grant another node's release makes to its
+/// waiter. (Its ticker, which collects such grants, used to run on the opener's runtime.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gate_opened_from_another_runtime_keeps_collecting_grants() {
+    let space = Space::new();
+    let (a, b) = (Arc::new(space.node()), space.node());
+    let opener = Arc::clone(&a);
+    let ga = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move { opener.open("opened", limit(1)) })
+        // The runtime ends here, and every task it runs with it.
+    })
+    .join()
+    .unwrap();
+    let gb = b.open("opened", limit(1));
+    let held = gb.acquire(req(0, SlotKind::Lease)).await.unwrap();
+    let waiter = tokio::spawn(async move { ga.acquire(req(60_000, SlotKind::Lease)).await });
+    until("A's caller queued", || async {
+        gb.snapshot().await.queued == 1
+    })
+    .await;
+    assert!(gb.release(held.slot_id, None).await);
+    let granted = crate::conformance::join(waiter).await;
+    assert!(
+        granted.is_ok(),
+        "A's waiter never got the slot B freed: {granted:?}"
+    );
+}
+
 /// A connection Redis closes while the node is idle (Redis's `timeout`, `CLIENT KILL`, a proxy's
 /// idle cut) costs no caller anything: the node connects again at once, before its next call,
 /// which succeeds. (When it learned of the cut from that call, the call failed: a caller
