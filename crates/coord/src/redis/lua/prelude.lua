@@ -48,7 +48,10 @@ end
 -- A node with waiters calls at least every poll interval (its ticker collects their grants);
 -- those calls, and queueing itself, are its heartbeat: waiters of a node that stopped calling
 -- are skipped at dispatch. Calls of a node without waiters need none.
+local beat = false
 local function heartbeat()
+  if beat then return end
+  beat = true
   redis.call('ZADD', K_NODES, now + node_ttl, node)
 end
 
@@ -59,7 +62,9 @@ end
 -- at the loss ends within a term of its last renewal, and a renewal in that time re-asserts its
 -- slot (see `renew`), so the running calls count again before anyone new gets in. A pool nobody
 -- has seen before (the caller has no generation) starts at once.
-local gen = redis.call('HMGET', K_META, 'gen', 'gen_at', 'quiet_until')
+-- With the fields of `meta` most calls read, in the same command (see `finish`).
+local gen = redis.call('HMGET', K_META, 'gen', 'gen_at', 'quiet_until', 'hold', 'last_full',
+  'kept_until')
 local gen_id, quiet_until = gen[1], tonumber(gen[3]) or 0
 if not gen_id then
   gen_id = clock[1] .. string.format('%06d', tonumber(clock[2]))
@@ -129,53 +134,62 @@ local function lease_del(slot)
   return removed == 1
 end
 
--- Meta fields several operations of one call read or bump, read at most once and written once
--- when the call ends (`finish`): the mean hold time (`false`: not read yet), the admissions
--- counted, the last time the pool was full (`false`: not read yet).
-local hold_mean, hold_dirty = false, false
+-- Meta fields the operations of one call read or change, read with the generation and written
+-- once when the call ends (`finish`): the mean hold time (nil: none yet), the last time the pool
+-- was full (-1: never), until when some node keeps idle slots (nil: none; see `reclaim_kept`),
+-- and the admissions counted.
+local hold_mean, hold_dirty = tonumber(gen[4]), false
+local last_full, full_dirty = tonumber(gen[5]) or -1, false
+local kept_until = tonumber(gen[6])
 local admitted_n = 0
-local last_full = false
 
 local function hold_get()
-  if hold_mean == false then hold_mean = tonumber(redis.call('HGET', K_META, 'hold')) end
   return hold_mean
 end
 
 local function last_full_get()
-  if last_full == false then
-    last_full = tonumber(redis.call('HGET', K_META, 'last_full')) or -1
-  end
   return last_full
 end
 
 local function set_full()
-  last_full = now
-  redis.call('HSET', K_META, 'last_full', fmt(now))
+  last_full, full_dirty = now, true
 end
 
 -- Writes what the call kept in memory; every script runs it after its operation.
 local function finish()
-  if hold_dirty then redis.call('HSET', K_META, 'hold', fmt(hold_mean)) end
+  if hold_dirty or full_dirty then
+    local fields = {}
+    if hold_dirty then
+      table.insert(fields, 'hold')
+      table.insert(fields, fmt(hold_mean))
+    end
+    if full_dirty then
+      table.insert(fields, 'last_full')
+      table.insert(fields, fmt(last_full))
+    end
+    redis.call('HSET', K_META, unpack(fields))
+    hold_dirty, full_dirty = false, false
+  end
   if admitted_n > 0 then redis.call('HINCRBY', K_META, 'admitted', admitted_n) end
 end
 
--- The number of waiters, read once per script and kept up to date by what changes a queue
--- (`queue_changed`), since every operation asks for it at least once.
+-- The number of waiters per class, read once per script and kept up to date by what changes a
+-- queue (`queue_changed`), since every operation asks for it at least once.
 local n_queued = nil
 -- Whether this call took a waiter out of a queue (the fair-share rounds are reset once empty).
 local left_queue = false
 
 local function queued()
   if not n_queued then
-    n_queued = redis.call('ZCARD', K_QUEUES[1]) + redis.call('ZCARD', K_QUEUES[2])
-      + redis.call('ZCARD', K_QUEUES[3])
+    n_queued = { redis.call('ZCARD', K_QUEUES[1]), redis.call('ZCARD', K_QUEUES[2]),
+      redis.call('ZCARD', K_QUEUES[3]) }
   end
-  return n_queued
+  return n_queued[1] + n_queued[2] + n_queued[3]
 end
 
--- A queue gained (+1) or lost (-1) a waiter.
-local function queue_changed(delta)
-  if n_queued then n_queued = n_queued + delta end
+-- Class `c`'s queue gained (+1) or lost (-1) a waiter.
+local function queue_changed(c, delta)
+  if n_queued then n_queued[c] = n_queued[c] + delta end
   if delta < 0 then left_queue = true end
 end
 
@@ -275,7 +289,7 @@ local function forget(m)
   local meta = redis.call('HGET', K_WAITERS, m)
   if meta then
     local c = parse_waiter(meta)
-    if c and redis.call('ZREM', K_QUEUES[c], m) == 1 then queue_changed(-1) end
+    if c and redis.call('ZREM', K_QUEUES[c], m) == 1 then queue_changed(c, -1) end
     redis.call('HDEL', K_WAITERS, m)
   end
   redis.call('HDEL', K_GRANTS, m)
@@ -301,13 +315,15 @@ end
 -- The oldest waiter of the highest class present (within a class, lowest round first: with
 -- fair share on, rounds rotate across fairness keys; ties go by ticket, i.e. FIFO).
 local function pop_waiter()
+  queued()
   for c = 1, 3 do
-    local head = redis.call('ZRANGE', K_QUEUES[c], 0, 0, 'WITHSCORES')
-    if head[1] then
-      redis.call('ZREM', K_QUEUES[c], head[1])
-      queue_changed(-1)
-      if cfg_fair then redis.call('HSET', K_META, 'r' .. c, head[2]) end
-      return head[1]
+    if n_queued[c] > 0 then
+      local head = redis.call('ZPOPMIN', K_QUEUES[c])
+      if head[1] then
+        queue_changed(c, -1)
+        if cfg_fair then redis.call('HSET', K_META, 'r' .. c, head[2]) end
+        return head[1]
+      end
     end
   end
   return nil
@@ -443,8 +459,8 @@ end
 -- idle and stop keeping; once per keeping period (a lost message is made up by the keepers'
 -- own checks, which see the queue within a poll interval).
 local function reclaim_kept()
-  local until_ = tonumber(redis.call('HGET', K_META, 'kept_until'))
-  if until_ and until_ > now then
+  if kept_until and kept_until > now then
+    kept_until = nil
     redis.call('HDEL', K_META, 'kept_until')
     redis.call('PUBLISH', wake_prefix .. 'reclaim', pool)
   end

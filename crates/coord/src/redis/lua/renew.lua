@@ -16,8 +16,10 @@ if ARGV[13] ~= '' then
   -- Lent slots were admissions (counted here, not when lent).
   admitted_n = admitted_n + (tonumber(ARGV[13]) or 0)
   local until_ = now + (tonumber(ARGV[14]) or 0)
-  local old = tonumber(redis.call('HGET', K_META, 'kept_until')) or 0
-  if until_ > old then redis.call('HSET', K_META, 'kept_until', fmt(until_)) end
+  if until_ > (kept_until or 0) then
+    kept_until = until_
+    redis.call('HSET', K_META, 'kept_until', fmt(until_))
+  end
 end
 local blocked = 0
 local b = blocker()
