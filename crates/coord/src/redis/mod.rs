@@ -15,9 +15,10 @@
 //! pool's keys share one slot and each script touches one slot only (Cluster itself is
 //! untested). `leases` is a sorted set of slot ids scored by lease deadline in the server's
 //! `TIME` milliseconds: no node clock sets or judges a deadline. Waiters are ordered tickets
-//! (`HINCRBY seq`) in one sorted set per priority class; with `fair_share` a ticket's score is
-//! its fairness key's round (start-time fair queuing), so keys take turns within a class and
-//! each key stays FIFO; ties go by ticket. A freed slot is granted *by the script that freed
+//! (`HINCRBY seq`) in one sorted set, `queue`, scored by priority class first (each class a
+//! span of scores of its own); with `fair_share` a ticket's score within its class is its
+//! fairness key's round (start-time fair queuing), so keys take turns within a class and each
+//! key stays FIFO; ties go by ticket. A freed slot is granted *by the script that freed
 //! it* to the head waiter, recorded for the waiter's node to collect, and that node is woken
 //! on its channel `{prefix}:wake:{node}` (pub/sub, at most once: every node with waiters also
 //! polls at `poll_interval`, which doubles as its heartbeat; a waiter whose node stopped

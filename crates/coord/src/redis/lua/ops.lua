@@ -51,8 +51,8 @@ local function op_acquire(slot, fkey, class, lease_ms, may_wait, wait_ms, grace,
       round = math.max(current, last + 1)
       redis.call('HSET', K_ROUNDS, field, fmt(round))
     end
-    redis.call('ZADD', K_QUEUES[class], round, m)
-    queue_changed(class, 1)
+    redis.call('ZADD', K_QUEUE, fmt(queue_score(class, round)), m)
+    queue_changed(1)
     redis.call('HSET', K_WAITERS, m, class .. ':' .. fkey .. ':' .. fmt(lease_ms) .. ':' .. fmt(hold_grace) .. ':' .. node .. ':' .. slot)
     redis.call('ZADD', K_DEADLINES, now + wait_ms + grace, m)
     publish()

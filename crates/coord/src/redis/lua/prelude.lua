@@ -7,19 +7,28 @@
 -- KEYS: 1 leases (zset slot -> lease deadline), 2 held (hash slot -> "requestDeadline:grantedAt";
 -- not for an exchange admitted at once, whose node keeps both and passes them back, see `admit`),
 -- 3 waiters (hash ticket -> "class:fairnessKey:leaseMs:holdGraceMs:node:slot"), 4 deadlines (zset ticket ->
--- when its queue entry or unclaimed grant is forgotten), 5..7 queues high/normal/low (zset ticket
--- -> round), 8 meta (hash), 9 rounds (hash "class:fairnessKey" -> last round), 10 grants (hash
--- ticket -> grant), 11 learned (hash), 12 rpm (zset slot -> admission time), 13 nodes (zset
--- node -> alive until).
+-- when its queue entry or unclaimed grant is forgotten), 5 queue (zset ticket -> class and
+-- round, see `queue_score`), 6 meta (hash), 7 rounds (hash "class:fairnessKey" -> last round),
+-- 8 grants (hash ticket -> grant), 9 learned (hash), 10 rpm (zset slot -> admission time),
+-- 11 nodes (zset node -> alive until).
 -- ARGV: 1 limit, 2 queue_size, 3 rpm, 4 request_timeout_ms, 5 lease_term_ms, 6 min_limit,
 -- 7 fair_share (0/1), 8 node, 9 node_ttl_ms, 10 wake channel prefix, 11 pool, 12 the pool's
 -- generation as the caller last saw it ('' for none); the operation's own arguments from 13.
 -- Every reply ends with the pool's current generation (appended after the operation returns).
 
 local K_LEASES, K_HELD, K_WAITERS, K_DEADLINES = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local K_QUEUES = { KEYS[5], KEYS[6], KEYS[7] }
-local K_META, K_ROUNDS, K_GRANTS, K_LEARNED = KEYS[8], KEYS[9], KEYS[10], KEYS[11]
-local K_RPM, K_NODES = KEYS[12], KEYS[13]
+local K_QUEUE, K_META, K_ROUNDS, K_GRANTS = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local K_LEARNED, K_RPM, K_NODES = KEYS[9], KEYS[10], KEYS[11]
+
+-- Every class's waiters are in one sorted set (one count, one pop): a waiter's score is its
+-- round plus its class's base, so a higher class (1 high .. 3 low) always comes first, and
+-- within a class the lower round, then the lower ticket (ties go by member, and tickets are
+-- zero-padded). Rounds count one fairness key's waiters; they stay far below the span, and the
+-- scores below 2^53, where doubles are exact.
+local CLASS_SPAN = 1099511627776 -- 2^40
+local function queue_score(class, round)
+  return (class - 1) * CLASS_SPAN + round
+end
 
 local cfg_limit = tonumber(ARGV[1])
 local cfg_queue = tonumber(ARGV[2])
@@ -173,23 +182,20 @@ local function finish()
   if admitted_n > 0 then redis.call('HINCRBY', K_META, 'admitted', admitted_n) end
 end
 
--- The number of waiters per class, read once per script and kept up to date by what changes a
--- queue (`queue_changed`), since every operation asks for it at least once.
+-- The number of waiters, read once per script and kept up to date by what changes the queue
+-- (`queue_changed`), since every operation asks for it at least once.
 local n_queued = nil
--- Whether this call took a waiter out of a queue (the fair-share rounds are reset once empty).
+-- Whether this call took a waiter out of the queue (the fair-share rounds are reset once empty).
 local left_queue = false
 
 local function queued()
-  if not n_queued then
-    n_queued = { redis.call('ZCARD', K_QUEUES[1]), redis.call('ZCARD', K_QUEUES[2]),
-      redis.call('ZCARD', K_QUEUES[3]) }
-  end
-  return n_queued[1] + n_queued[2] + n_queued[3]
+  if not n_queued then n_queued = redis.call('ZCARD', K_QUEUE) end
+  return n_queued
 end
 
--- Class `c`'s queue gained (+1) or lost (-1) a waiter.
-local function queue_changed(c, delta)
-  if n_queued then n_queued[c] = n_queued[c] + delta end
+-- The queue gained (+1) or lost (-1) a waiter.
+local function queue_changed(delta)
+  if n_queued then n_queued = n_queued + delta end
   if delta < 0 then left_queue = true end
 end
 
@@ -286,11 +292,8 @@ end
 
 -- Forgets a ticket: a waiter whose budget (plus grace) ran out, or a grant nobody collected.
 local function forget(m)
-  local meta = redis.call('HGET', K_WAITERS, m)
-  if meta then
-    local c = parse_waiter(meta)
-    if c and redis.call('ZREM', K_QUEUES[c], m) == 1 then queue_changed(c, -1) end
-    redis.call('HDEL', K_WAITERS, m)
+  if redis.call('HDEL', K_WAITERS, m) == 1 and redis.call('ZREM', K_QUEUE, m) == 1 then
+    queue_changed(-1)
   end
   redis.call('HDEL', K_GRANTS, m)
   redis.call('ZREM', K_DEADLINES, m)
@@ -315,18 +318,16 @@ end
 -- The oldest waiter of the highest class present (within a class, lowest round first: with
 -- fair share on, rounds rotate across fairness keys; ties go by ticket, i.e. FIFO).
 local function pop_waiter()
-  queued()
-  for c = 1, 3 do
-    if n_queued[c] > 0 then
-      local head = redis.call('ZPOPMIN', K_QUEUES[c])
-      if head[1] then
-        queue_changed(c, -1)
-        if cfg_fair then redis.call('HSET', K_META, 'r' .. c, head[2]) end
-        return head[1]
-      end
-    end
+  if queued() == 0 then return nil end
+  local head = redis.call('ZPOPMIN', K_QUEUE)
+  if not head[1] then return nil end
+  queue_changed(-1)
+  if cfg_fair then
+    local score = tonumber(head[2])
+    local c = math.floor(score / CLASS_SPAN) + 1
+    redis.call('HSET', K_META, 'r' .. c, fmt(score - (c - 1) * CLASS_SPAN))
   end
-  return nil
+  return head[1]
 end
 
 -- Admits waiters while nothing blocks. A grant is recorded for the waiter's node to collect
@@ -404,7 +405,8 @@ local function settle(full)
     if not rpm_limit then redis.call('DEL', K_RPM) end
   end
   dispatch()
-  if (full or left_queue) and queued() == 0 then
+  -- Rounds are written only with fair share (a tick or snapshot tidies what an earlier setting left).
+  if (full or (left_queue and cfg_fair)) and queued() == 0 then
     redis.call('DEL', K_ROUNDS)
     redis.call('HDEL', K_META, 'r1', 'r2', 'r3')
   end
