@@ -211,23 +211,36 @@ impl RedisTokens {
     ) -> Result<Option<TokenView>, CallError> {
         // A charge is written before its lease or request goes on, so one that is not there
         // now never will be; finishing an unknown charge changes nothing in the ledger.
-        if !self.has_charge(id).await? {
+        if !self.charged(&[id]).await?.first().copied().unwrap_or(false) {
             return Ok(None);
         }
         self.finish(settings, id, actual).await.map(Some)
     }
 
-    /// Whether the ledger holds charge `id` (one `HEXISTS`).
-    async fn has_charge(&self, id: u128) -> Result<bool, CallError> {
+    /// Which of `ids` the ledger holds charges for, in order (one `HMGET` for all of them: a
+    /// node reporting the ends of many uncharged calls asks once).
+    pub async fn charged(&self, ids: &[u128]) -> Result<Vec<bool>, CallError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
         let mut conn = self.node.conn.clone();
         let timeout = self.node.options.command_timeout;
-        let mut cmd = ::redis::cmd("HEXISTS");
-        cmd.arg(&self.keys[0]).arg(charge_field(id));
+        let mut cmd = ::redis::cmd("HMGET");
+        cmd.arg(&self.keys[0]);
+        for id in ids {
+            cmd.arg(charge_field(*id));
+        }
         let query = cmd.query_async(&mut conn);
-        let found: bool = super::on_home(&self.node.runtime, tokio::time::timeout(timeout, query))
-            .await
-            .map_err(|_| CallError::Timeout(timeout))??;
-        Ok(found)
+        let found: Vec<Option<Vec<u8>>> =
+            super::on_home(&self.node.runtime, tokio::time::timeout(timeout, query))
+                .await
+                .map_err(|_| CallError::Timeout(timeout))??;
+        if found.len() != ids.len() {
+            return Err(CallError::Reply(
+                "HMGET answered for another number of fields",
+            ));
+        }
+        Ok(found.iter().map(Option::is_some).collect())
     }
 
     /// Takes a charge back whole (its request never reached the origin).

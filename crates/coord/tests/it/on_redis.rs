@@ -775,6 +775,13 @@ async fn the_token_budget_is_one_across_nodes() {
     let v = ta.peek(&s).await.unwrap();
     assert_eq!((v.remaining, v.admitted_tokens), (Some(500), 500));
     assert_eq!(v.source, Some(BudgetSource::Configured));
+    // Which calls were charged, asked for several at once: not 99 (never admitted) nor 3
+    // (refused), but 1 and 4.
+    assert_eq!(
+        tb.charged(&[99, 1, 3, 4]).await.unwrap(),
+        [false, true, false, true]
+    );
+    assert!(tb.charged(&[]).await.unwrap().is_empty());
     // A charge the ledger never had (a lease granted with no budget in force) has nothing to
     // finish, whatever usage is reported for it; one it has is finished.
     assert!(tb

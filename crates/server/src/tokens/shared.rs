@@ -417,36 +417,80 @@ fn deliver(sh: &Shared, id: u128, answer: Answer) {
     }
 }
 
+/// The most reports taken from the queue at once.
+const REPORTS_AT_ONCE: usize = 64;
+
 /// Sends this node's reports to the ledger one at a time, in order. A report Redis does not
 /// take is dropped (a charge never ended there is taken as ended after a while).
 async fn reporter(sh: Weak<Shared>, mut rx: mpsc::UnboundedReceiver<Report>) {
-    while let Some(report) = rx.recv().await {
+    let mut reports = Vec::with_capacity(REPORTS_AT_ONCE);
+    while rx.recv_many(&mut reports, REPORTS_AT_ONCE).await > 0 {
         let Some(sh) = sh.upgrade() else { return };
         let settings = sh.settings();
-        let l = &sh.ledger;
-        let done = match report {
-            // With no budget in force here, most releases were never charged (a lock's
-            // releasing node cannot tell): ask whether the ledger has the charge first.
-            Report::Finish(id, usage) if settings.tpm == 0 && sh.view().source.is_none() => {
-                l.finish_if_charged(&settings, id, usage).await
-            }
-            Report::Finish(id, usage) => l.finish(&settings, id, usage).await.map(Some),
-            Report::Refund(id) => l.refund(&settings, id).await.map(Some),
-            Report::Unhold(id) => l.unhold(&settings, id).await.map(Some),
-            Report::Observe(..) if !settings.learn => continue,
-            Report::Observe(id, part, window) => {
-                l.observe(&settings, id, part, window).await.map(Some)
-            }
+        // With no budget in force here, most releases were never charged (a lock's releasing
+        // node cannot tell): the ledger is asked which were, for all the finishes at hand in
+        // one call, and only those are finished. Reports make no charge, so asking before the
+        // reports ahead of a finish are sent gives the same answer.
+        let uncharged_likely = settings.tpm == 0 && sh.view().source.is_none();
+        let charged = if uncharged_likely {
+            charged_among(&sh, &reports).await
+        } else {
+            None
         };
-        match done {
-            // Nothing to finish: the ledger has no such charge.
-            Ok(None) => {}
-            Ok(Some(view)) => {
-                sh.seen(view);
-                // Room may have come back for this node's waiters.
-                sh.wake.notify_one();
-            }
-            Err(e) => tracing::debug!(error = %e, "token report to redis dropped"),
+        for report in reports.drain(..) {
+            report_one(&sh, &settings, report, charged.as_ref()).await;
         }
+    }
+}
+
+/// Which of the finishes among `reports` the ledger holds charges for (`None`: all of them,
+/// when asking failed, so that none is lost).
+async fn charged_among(sh: &Shared, reports: &[Report]) -> Option<HashSet<u128>> {
+    let ids: Vec<u128> = reports
+        .iter()
+        .filter_map(|r| match r {
+            Report::Finish(id, _) => Some(*id),
+            _ => None,
+        })
+        .collect();
+    match sh.ledger.charged(&ids).await {
+        Ok(found) => Some(
+            ids.iter()
+                .zip(found)
+                .filter_map(|(id, charged)| charged.then_some(*id))
+                .collect(),
+        ),
+        Err(e) => {
+            tracing::debug!(error = %e, "could not ask redis which calls were charged");
+            None
+        }
+    }
+}
+
+/// Sends one report. `charged`: the finishes known to have a charge, when that was asked.
+async fn report_one(
+    sh: &Shared,
+    settings: &TokenSettings,
+    report: Report,
+    charged: Option<&HashSet<u128>>,
+) {
+    let l = &sh.ledger;
+    let done = match report {
+        Report::Finish(id, _) if charged.is_some_and(|c| !c.contains(&id)) => Ok(None),
+        Report::Finish(id, usage) => l.finish(settings, id, usage).await.map(Some),
+        Report::Refund(id) => l.refund(settings, id).await.map(Some),
+        Report::Unhold(id) => l.unhold(settings, id).await.map(Some),
+        Report::Observe(..) if !settings.learn => return,
+        Report::Observe(id, part, window) => l.observe(settings, id, part, window).await.map(Some),
+    };
+    match done {
+        // Nothing to finish: the ledger has no such charge.
+        Ok(None) => {}
+        Ok(Some(view)) => {
+            sh.seen(view);
+            // Room may have come back for this node's waiters.
+            sh.wake.notify_one();
+        }
+        Err(e) => tracing::debug!(error = %e, "token report to redis dropped"),
     }
 }
