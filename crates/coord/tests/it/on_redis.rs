@@ -294,6 +294,16 @@ impl Switch {
     fn forwarded(&self) -> usize {
         self.forwarded.load(Ordering::SeqCst)
     }
+
+    /// `space`'s options for a node that reaches Redis through this forwarder, and tries
+    /// Redis again 100 ms after a failure.
+    fn options(&self, space: &Space) -> RedisOptions {
+        RedisOptions {
+            url: format!("redis://127.0.0.1:{}/", self.port),
+            retry_redis_after: Duration::from_millis(100),
+            ..space.options()
+        }
+    }
 }
 
 impl Drop for Switch {
@@ -308,10 +318,8 @@ async fn fail_open_goes_back_to_redis_when_it_answers_again() {
     let space = Space::new();
     let switch = Switch::start().await;
     let options = RedisOptions {
-        url: format!("redis://127.0.0.1:{}/", switch.port),
         fail_open: Some(2),
-        retry_redis_after: Duration::from_millis(100),
-        ..space.options()
+        ..switch.options(&space)
     };
     let node = RedisCoordination::new(options, Arc::new(SystemClock::new())).unwrap();
     let gate = node.open("flap", limit(4));
@@ -417,11 +425,7 @@ async fn a_gate_opened_from_another_runtime_keeps_collecting_grants() {
 async fn a_connection_redis_closes_is_made_again_before_the_next_call() {
     let space = Space::new();
     let switch = Switch::start().await;
-    let options = RedisOptions {
-        url: format!("redis://127.0.0.1:{}/", switch.port),
-        retry_redis_after: Duration::from_millis(100),
-        ..space.options()
-    };
+    let options = switch.options(&space);
     let node = RedisCoordination::new(options, Arc::new(SystemClock::new())).unwrap();
     let gate = node.open("cut", limit(2));
     let g = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
@@ -456,11 +460,7 @@ async fn a_connection_redis_closes_is_made_again_before_the_next_call() {
 async fn a_release_redis_missed_is_made_again_when_it_answers() {
     let space = Space::new();
     let switch = Switch::start().await;
-    let options = RedisOptions {
-        url: format!("redis://127.0.0.1:{}/", switch.port),
-        retry_redis_after: Duration::from_millis(100),
-        ..space.options()
-    };
+    let options = switch.options(&space);
     let settings = PoolSettings {
         lease_term_ms: 60_000,
         ..limit(2)
@@ -505,10 +505,8 @@ async fn fail_open_recovery_counts_the_calls_admitted_on_each_nodes_own() {
     let space = Space::new();
     let switch = Switch::start().await;
     let options = RedisOptions {
-        url: format!("redis://127.0.0.1:{}/", switch.port),
         fail_open: Some(2),
-        retry_redis_after: Duration::from_millis(100),
-        ..space.options()
+        ..switch.options(&space)
     };
     let node = |o: &RedisOptions| RedisCoordination::new(o.clone(), Arc::new(SystemClock::new()));
     let (a, b) = (node(&options).unwrap(), node(&options).unwrap());
