@@ -199,26 +199,11 @@ impl RedisTokens {
         Ok(self.call("finish", settings, Some(id), &extra).await?.1)
     }
 
-    /// [`RedisTokens::finish`] if the ledger holds charge `id` (one `HEXISTS` first); `None`
-    /// when it does not: nothing to finish, and the ledger's script is not run. For a node
-    /// with no budget in force, whose charges are rare: a lock released there cannot tell
-    /// whether the node that granted it charged it, so it reports every release.
-    pub async fn finish_if_charged(
-        &self,
-        settings: &TokenSettings,
-        id: u128,
-        actual: Option<Usage>,
-    ) -> Result<Option<TokenView>, CallError> {
-        // A charge is written before its lease or request goes on, so one that is not there
-        // now never will be; finishing an unknown charge changes nothing in the ledger.
-        if !self.charged(&[id]).await?.first().copied().unwrap_or(false) {
-            return Ok(None);
-        }
-        self.finish(settings, id, actual).await.map(Some)
-    }
-
-    /// Which of `ids` the ledger holds charges for, in order (one `HMGET` for all of them: a
-    /// node reporting the ends of many uncharged calls asks once).
+    /// Which of `ids` the ledger holds charges for, in order (one `HMGET` for all of them). For
+    /// a node with no budget in force, whose charges are rare: a lock released there cannot
+    /// tell whether the node that granted it charged it, so it reports every release and
+    /// finishes only the charged ones. A charge is written before its lease or request goes
+    /// on, so one that is not there now never will be.
     pub async fn charged(&self, ids: &[u128]) -> Result<Vec<bool>, CallError> {
         if ids.is_empty() {
             return Ok(Vec::new());
