@@ -89,6 +89,12 @@ impl RedisTokens {
         }
     }
 
+    /// The node's runtime: where a budget's own tasks (its reporter, its ticker) belong, not
+    /// on whichever connection thread opened the pool (a stopping server ends those first).
+    pub fn runtime(&self) -> &tokio::runtime::Handle {
+        &self.node.runtime
+    }
+
     /// After a failed call, how long before Redis is tried again.
     pub fn retry_after_ms(&self) -> u64 {
         u64::try_from(self.node.options.retry_redis_after.as_millis()).unwrap_or(u64::MAX)

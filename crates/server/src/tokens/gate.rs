@@ -86,8 +86,8 @@ impl TokenGate {
             me: me.clone(),
             ticking: AtomicBool::new(false),
         });
-        if gate.shared.is_some() && tokio::runtime::Handle::try_current().is_ok() {
-            tokio::spawn(shared::ticker(Arc::downgrade(&gate)));
+        if let Some(sh) = &gate.shared {
+            sh.runtime().spawn(shared::ticker(Arc::downgrade(&gate)));
         }
         gate
     }
@@ -150,11 +150,8 @@ impl TokenGate {
         {
             return;
         }
-        if tokio::runtime::Handle::try_current().is_err() {
-            return;
-        }
         let (sh, engaged) = (sh.clone(), self.engaged.clone());
-        tokio::spawn(async move {
+        sh.runtime().clone().spawn(async move {
             if sh.peek().await.source.is_some() {
                 engaged.store(true, Ordering::Release);
             }

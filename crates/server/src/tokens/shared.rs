@@ -88,10 +88,16 @@ impl Shared {
             local: Mutex::new(HashSet::new()),
             wake: Notify::new(),
         });
-        if tokio::runtime::Handle::try_current().is_ok() {
-            tokio::spawn(reporter(Arc::downgrade(&shared), rx));
-        }
         shared
+            .ledger
+            .runtime()
+            .spawn(reporter(Arc::downgrade(&shared), rx));
+        shared
+    }
+
+    /// The node's runtime, where this budget's tasks run.
+    pub(super) fn runtime(&self) -> &tokio::runtime::Handle {
+        self.ledger.runtime()
     }
 
     pub(super) fn settings(&self) -> TokenSettings {
@@ -492,5 +498,83 @@ async fn report_one(
             sh.wake.notify_one();
         }
         Err(e) => tracing::debug!(error = %e, "token report to redis dropped"),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::time::Duration;
+
+    use nthbouncer_coord::redis::{RedisCoordination, RedisOptions};
+    use nthbouncer_coord::{Clock, SystemClock};
+
+    use super::*;
+
+    /// Deletes every key under `prefix` in the machine's Redis when dropped.
+    struct Keys(String, String);
+
+    impl Drop for Keys {
+        fn drop(&mut self) {
+            let Ok(mut c) = ::redis::Client::open(self.1.as_str()).and_then(|c| c.get_connection())
+            else {
+                return;
+            };
+            let keys: Vec<String> = ::redis::cmd("KEYS")
+                .arg(format!("{}:*", self.0))
+                .query(&mut c)
+                .unwrap_or_default();
+            if !keys.is_empty() {
+                let _: Result<(), _> = ::redis::cmd("DEL").arg(&keys).query(&mut c);
+            }
+        }
+    }
+
+    /// A shared budget opened on a runtime that then ends (a pool added through the admin API
+    /// opens on a connection thread, and a stopping server ends those first) still reports
+    /// its calls' usage to Redis: its reporter runs on the node's runtime.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_budget_opened_from_another_runtime_keeps_reporting_to_redis() {
+        let url =
+            std::env::var("NB_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
+        let prefix = format!("nbtokrt-{:x}", rand::random::<u64>());
+        let _keys = Keys(prefix.clone(), url.clone());
+        let mut options = RedisOptions::new(url);
+        options.key_prefix = prefix;
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock::new());
+        let redis = RedisCoordination::new(options, clock.clone()).unwrap();
+        redis.ping().await.unwrap();
+        let ledger = redis.token_ledger("p");
+        let settings = TokenSettings {
+            tpm: 1_000,
+            window_ms: 60_000,
+            ..TokenSettings::default()
+        };
+        let gate = std::thread::spawn(move || {
+            let elsewhere = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            elsewhere.block_on(async { TokenGate::open(settings, clock, Some(ledger)) })
+        })
+        .join()
+        .unwrap();
+
+        let remaining = gate
+            .acquire(1, TokenCost::from(600), Priority::Normal, 0)
+            .await
+            .unwrap();
+        assert_eq!(remaining, Some(400));
+        // The call used 100 tokens: the reporter corrects the charge in Redis.
+        gate.finish(1, Some(Usage::Total(100)));
+        let mut seen = None;
+        for _ in 0..100 {
+            seen = gate.snapshot().await.remaining;
+            if seen == Some(900) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(seen, Some(900), "the finish never reached Redis");
     }
 }
