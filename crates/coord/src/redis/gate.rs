@@ -273,7 +273,8 @@ pub(crate) struct Shared {
     keeping: Mutex<Keeping>,
     /// Monotonic ms at which the pool's state is next checked, while keeping is active.
     check_at: AtomicU64,
-    /// Monotonic ms at which the ticker next collects grants for this node's waiters (0: now).
+    /// Monotonic ms at which the ticker next collects grants for this node's waiters (0: now;
+    /// `u64::MAX` until the first waiter parks).
     poll_at: AtomicU64,
     learner: Mutex<Learner>,
     /// Server ms minus this node's monotonic ms, as of the last answer (for the learner's clock
@@ -375,7 +376,7 @@ impl RedisGate {
             renew_at: AtomicU64::new(0),
             keeping: Mutex::new(Keeping::default()),
             check_at: AtomicU64::new(0),
-            poll_at: AtomicU64::new(0),
+            poll_at: AtomicU64::new(u64::MAX),
             offset: AtomicI64::new(0),
             signal: Arc::new(Notify::new()),
             closed: AtomicBool::new(false),
@@ -421,6 +422,25 @@ impl Shared {
     pub(crate) fn wake(&self) {
         self.poll_at.store(0, Ordering::Release);
         self.signal.notify_one();
+    }
+
+    /// A waiter parked: the ticker collects grants by monotonic ms `due` at the latest. For
+    /// the `first_waiter` (nobody else waited here), a time left from an earlier wait is not a
+    /// collection due now (the waiter's own call just found no slot; a grant for it comes with
+    /// a wake-up) and is replaced, unless it is a wake-up's 0.
+    fn collect_by(&self, due: u64, first_waiter: bool) {
+        if first_waiter {
+            let left = self.poll_at.load(Ordering::Acquire);
+            if left != 0
+                && self
+                    .poll_at
+                    .compare_exchange(left, due, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+            {
+                return;
+            }
+        }
+        self.poll_at.fetch_min(due, Ordering::AcqRel);
     }
 
     /// Lets the ticker reschedule (a hold or waiter came), without collecting grants before
@@ -1733,7 +1753,7 @@ impl RedisGate {
         };
 
         let (tx, rx) = oneshot::channel();
-        {
+        let first_waiter = {
             let mut waiters = s.waiters.lock();
             let early = s.early.lock().remove(&slot.0).flatten();
             if let Some(g) = early {
@@ -1746,17 +1766,16 @@ impl RedisGate {
             // lock: a waiter queued in Redis just before the close must not park after it (it
             // would wait its whole budget). Not parked, its sender is dropped here, so it is
             // refused `PoolClosed` below and its guard leaves the queue.
+            let first_waiter = waiters.is_empty();
             if !s.closed.load(Ordering::Acquire) {
                 waiters.insert(ticket.clone(), tx);
             }
-        }
+            first_waiter
+        };
         // The ticker collects this node's grants: when woken by a grant's wake-up, at the
         // script's next wake-up time, and at least every poll interval while anyone waits.
         let poll = reply.opt(3).ok().flatten().unwrap_or(u64::MAX);
-        s.poll_at.fetch_min(
-            s.mono().saturating_add(poll.min(s.poll_ms())),
-            Ordering::AcqRel,
-        );
+        s.collect_by(s.mono().saturating_add(poll.min(s.poll_ms())), first_waiter);
         s.nudge();
         let mut guard = QueueGuard {
             shared: Arc::clone(s),

@@ -333,3 +333,47 @@ async fn a_lock_pair_costs_two_script_calls_and_asks_for_no_keeping_check() {
         "{pairs} lock pairs and one exchange sent {sent} script calls"
     );
 }
+
+/// A hand-over to a waiter on the same node costs the waiter's enqueue and the holder's
+/// release (which grants the slot and answers the grant), and nothing more: a waiter that
+/// parks where nobody waited makes no collection call of its own, on a fresh gate as after
+/// earlier waits (its own call just found no slot; its grant comes with the release).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_over_on_one_node_costs_the_enqueue_and_the_release() {
+    let space = Space::new();
+    let counter = ScriptCalls::start().await;
+    let options = RedisOptions {
+        url: format!("redis://127.0.0.1:{}/", counter.port),
+        // No polling fallback within the test: every call counted is one the hand-over made.
+        poll_interval: Duration::from_secs(600),
+        ..space.options()
+    };
+    let node = RedisCoordination::new(options, Arc::new(SystemClock::new())).unwrap();
+    let gate = node.open("handover", settings(1));
+    until("the gate's generation probe went out", || async {
+        counter.sent.load(Ordering::SeqCst) >= 1
+    })
+    .await;
+    for round in 0..3 {
+        let held = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
+        let before = counter.sent.load(Ordering::SeqCst);
+        let waiting = Arc::clone(&gate);
+        let waiter =
+            tokio::spawn(async move { waiting.acquire(req(60_000, SlotKind::Lease)).await });
+        until("the waiter's enqueue went out", || async {
+            counter.sent.load(Ordering::SeqCst) > before
+        })
+        .await;
+        // Room for a call the park would make (the ticker runs at once when nudged).
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(gate.release(held.slot_id, None).await);
+        let granted = waiter.await.unwrap().unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let sent = counter.sent.load(Ordering::SeqCst) - before;
+        assert_eq!(
+            sent, 2,
+            "round {round}: the hand-over sent {sent} script calls"
+        );
+        assert!(gate.release(granted.slot_id, None).await);
+    }
+}
