@@ -336,6 +336,57 @@ impl Drop for Keys {
     }
 }
 
+/// A shared budget opened on a runtime that then ends (a pool added through the admin API
+/// opens on a connection thread, and a stopping server ends those first) still reports its
+/// calls' usage to Redis: its reporter runs on the node's runtime.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_budget_opened_from_another_runtime_keeps_reporting_to_redis() {
+    use nthbouncer_coord::redis::{RedisCoordination, RedisOptions};
+    use nthbouncer_coord::{Clock, Priority, SystemClock};
+    use nthbouncer_governor::{TokenCost, TokenSettings, Usage};
+    use nthbouncer_server::tokens::TokenGate;
+
+    let prefix = format!("nbtokrt-{:x}", rand::random::<u64>());
+    let _keys = Keys(prefix.clone());
+    let mut options = RedisOptions::new(format!("redis://{}/", redis_addr()));
+    options.key_prefix = prefix;
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock::new());
+    let redis = RedisCoordination::new(options, clock.clone()).unwrap();
+    redis.ping().await.unwrap();
+    let ledger = redis.token_ledger("p");
+    let settings = TokenSettings {
+        tpm: 1_000,
+        window_ms: 60_000,
+        ..TokenSettings::default()
+    };
+    let gate = std::thread::spawn(move || {
+        let elsewhere = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        elsewhere.block_on(async { TokenGate::open(settings, clock, Some(ledger)) })
+    })
+    .join()
+    .unwrap();
+
+    let remaining = gate
+        .acquire(1, TokenCost::from(600), Priority::Normal, 0)
+        .await
+        .unwrap();
+    assert_eq!(remaining, Some(400));
+    // The call used 100 tokens: the reporter corrects its charge in Redis.
+    gate.finish(1, Some(Usage::Total(100)));
+    let mut seen = None;
+    for _ in 0..100 {
+        seen = gate.snapshot().await.remaining;
+        if seen == Some(900) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(seen, Some(900), "the finish never reached Redis");
+}
+
 /// With coordination on a Redis that stops answering, the token budget behaves as the slot
 /// gate: refused with `503 coordination_unavailable` (fail closed), or admitted against this
 /// node's share of the configured budget (fail open), and nothing past it reaches the origin.
