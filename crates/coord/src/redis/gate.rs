@@ -501,7 +501,7 @@ impl Shared {
 
     pub(crate) async fn call(
         &self,
-        which: &::redis::Script,
+        which: &script::GateScript,
         extra: &[String],
     ) -> Result<Reply, CallError> {
         let settings = self.settings();
@@ -516,6 +516,7 @@ impl Shared {
         let reply = script::call(
             &self.node.conn,
             &self.node.runtime,
+            &self.node.scripts,
             which,
             &self.keys,
             &settings,

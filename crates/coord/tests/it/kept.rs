@@ -224,7 +224,8 @@ async fn kept_slots_never_exceed_the_limit_and_every_loan_counts() {
     assert_eq!((s.in_flight, s.queued), (0, 0));
 }
 
-/// A TCP forwarder to the real Redis that counts the script calls (`EVALSHA`) a node sends.
+/// A TCP forwarder to the real Redis that counts the script calls (`FCALL`, or `EVALSHA`) a
+/// node sends.
 struct ScriptCalls {
     port: u16,
     sent: Arc<AtomicU32>,
@@ -251,9 +252,12 @@ impl ScriptCalls {
                     tokio::spawn(async move {
                         let _ = tokio::io::copy(&mut from_redis, &mut to_node).await;
                     });
-                    // The command name is a bulk string of its own: "$7\r\nEVALSHA\r\n". The
-                    // tail of each read is kept, so a name split across two reads counts once.
-                    let needle = b"\r\nEVALSHA\r\n";
+                    // The command name is a bulk string of its own: "$5\r\nFCALL\r\n" (a
+                    // script as a function), or "$7\r\nEVALSHA\r\n" on a Redis without them.
+                    // The tail of each read is kept, so a name split across two reads counts
+                    // once.
+                    let needles: [&[u8]; 2] = [b"\r\nFCALL\r\n", b"\r\nEVALSHA\r\n"];
+                    let longest = needles.iter().map(|n| n.len()).max().unwrap_or(1);
                     let mut window: Vec<u8> = Vec::new();
                     let mut buf = vec![0u8; 16 * 1024];
                     loop {
@@ -261,17 +265,24 @@ impl ScriptCalls {
                             Ok(0) | Err(_) => return,
                             Ok(n) => n,
                         };
+                        // Counted before Redis sees it, so before the node can have its answer:
+                        // a test that reads the count after a call returns finds it there.
+                        window.extend_from_slice(&buf[..n]);
+                        let found: usize = needles
+                            .iter()
+                            .map(|needle| {
+                                window
+                                    .windows(needle.len())
+                                    .filter(|w| w.eq_ignore_ascii_case(needle))
+                                    .count()
+                            })
+                            .sum();
+                        counted.fetch_add(u32::try_from(found).unwrap(), Ordering::SeqCst);
+                        let keep = window.len().min(longest - 1);
+                        window.drain(..window.len() - keep);
                         if to_redis.write_all(&buf[..n]).await.is_err() {
                             return;
                         }
-                        window.extend_from_slice(&buf[..n]);
-                        let found = window
-                            .windows(needle.len())
-                            .filter(|w| w.eq_ignore_ascii_case(needle))
-                            .count();
-                        counted.fetch_add(u32::try_from(found).unwrap(), Ordering::SeqCst);
-                        let keep = window.len().min(needle.len() - 1);
-                        window.drain(..window.len() - keep);
                     }
                 });
             }

@@ -44,22 +44,29 @@ fn redis_url() -> String {
 /// failing test cleans up too.
 pub struct Space {
     pub prefix: String,
+    url: String,
 }
 
 impl Space {
+    /// On the machine's Redis.
     pub fn new() -> Space {
-        let client = ::redis::Client::open(redis_url()).unwrap();
+        Space::on(redis_url())
+    }
+
+    /// On the Redis at `url`.
+    pub fn on(url: String) -> Space {
+        let client = ::redis::Client::open(url.as_str()).unwrap();
         let pong: Result<String, _> = client
             .get_connection_with_timeout(Duration::from_secs(2))
             .and_then(|mut c| ::redis::cmd("PING").query(&mut c));
         assert!(
             pong.is_ok(),
-            "Redis is not answering at {} ({pong:?}): these tests need a real Redis \
+            "Redis is not answering at {url} ({pong:?}): these tests need a real Redis \
              (start one, or set NB_TEST_REDIS)",
-            redis_url()
         );
         Space {
             prefix: format!("nbtest-{:012x}", rand::random::<u64>() >> 16),
+            url,
         }
     }
 
@@ -67,7 +74,7 @@ impl Space {
         RedisOptions {
             key_prefix: self.prefix.clone(),
             poll_interval: Duration::from_millis(200),
-            ..RedisOptions::new(redis_url())
+            ..RedisOptions::new(self.url.clone())
         }
     }
 
@@ -77,7 +84,7 @@ impl Space {
 
     /// Every key under the prefix, for checks and cleanup.
     fn keys(&self) -> Vec<String> {
-        let client = ::redis::Client::open(redis_url()).unwrap();
+        let client = ::redis::Client::open(self.url.as_str()).unwrap();
         let mut c = client.get_connection().unwrap();
         let iter: ::redis::Iter<String> = ::redis::cmd("SCAN")
             .cursor_arg(0)
@@ -92,9 +99,77 @@ impl Space {
     }
 
     pub fn sync_cmd<T: ::redis::FromRedisValue>(&self, cmd: &::redis::Cmd) -> T {
-        let client = ::redis::Client::open(redis_url()).unwrap();
+        let client = ::redis::Client::open(self.url.as_str()).unwrap();
         let mut c = client.get_connection().unwrap();
         cmd.query(&mut c).unwrap()
+    }
+}
+
+/// A `redis-server` of the test's own on a free port, stopped on drop. `functions: false` renames
+/// them away (`FCALL`, `FUNCTION`), so that it answers them as Redis 6 does (`unknown command`):
+/// the gate runs its operations as scripts there.
+pub struct OwnRedis {
+    child: std::process::Child,
+    pub url: String,
+}
+
+impl OwnRedis {
+    pub fn start(functions: bool) -> OwnRedis {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+            .port();
+        let mut command = std::process::Command::new("redis-server");
+        command
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"]);
+        if !functions {
+            command.args(["--rename-command", "FCALL", ""]).args([
+                "--rename-command",
+                "FUNCTION",
+                "",
+            ]);
+        }
+        let child = command
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server must be installed for this test (.ci/run installs it)");
+        let server = OwnRedis {
+            child,
+            url: format!("redis://127.0.0.1:{port}/"),
+        };
+        for _ in 0..250 {
+            if server.cmd::<String>(&::redis::cmd("PING")).is_ok() {
+                return server;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("our redis-server at {} never answered", server.url);
+    }
+
+    pub fn cmd<T: ::redis::FromRedisValue>(&self, cmd: &::redis::Cmd) -> ::redis::RedisResult<T> {
+        ::redis::Client::open(self.url.as_str())
+            .and_then(|c| c.get_connection_with_timeout(Duration::from_millis(200)))
+            .and_then(|mut c| cmd.query(&mut c))
+    }
+
+    /// How many times `command` ran (its `INFO commandstats` line; 0 if never).
+    pub fn calls(&self, command: &str) -> u64 {
+        let info: String = self.cmd(::redis::cmd("INFO").arg("commandstats")).unwrap();
+        let line = format!("cmdstat_{command}:calls=");
+        info.lines()
+            .find_map(|l| l.strip_prefix(line.as_str()))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for OwnRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
@@ -102,7 +177,7 @@ impl Drop for Space {
     fn drop(&mut self) {
         let keys = self.keys();
         if !keys.is_empty() {
-            let _: Result<(), _> = ::redis::Client::open(redis_url())
+            let _: Result<(), _> = ::redis::Client::open(self.url.as_str())
                 .and_then(|c| c.get_connection())
                 .and_then(|mut c| ::redis::cmd("DEL").arg(&keys).query(&mut c));
         }
@@ -647,10 +722,16 @@ async fn an_exchange_admitted_at_once_is_untracked_and_still_capped() {
     assert!(watch.is_lost(), "its holder is told once the lease ends");
     assert!(latest > exchange.lease_deadline, "its node renewed it");
     assert!(latest <= cap, "never past its cap: {latest} > {cap}");
-    // The next call sweeps it.
-    let next = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
-    assert!(!leased(&exchange.slot_id));
-    assert!(gate.release(next.slot_id, None).await);
+    // A call past its deadline in Redis sweeps it. (Its node tells the holder up to one call's
+    // transit before that deadline: it fences early, never late. So the very next call may
+    // still find it leased.)
+    until("a call past the lease's deadline sweeps it", || async {
+        let next = gate.acquire(req(0, SlotKind::Exchange)).await.unwrap();
+        let swept = !leased(&exchange.slot_id);
+        assert!(gate.release(next.slot_id, None).await);
+        swept
+    })
+    .await;
     assert!(!gate.release(exchange.slot_id, None).await);
 
     // Released by its node: freed, and its hold time counted, without a `held` entry.
@@ -969,4 +1050,48 @@ async fn the_shared_ledger_agrees_with_the_pure_budget() {
         );
         assert_eq!(v.admitted_tokens, snap.admitted_tokens, "step {step}");
     }
+}
+
+/// A pair on free slot, through a node on `server`.
+async fn one_pair(server: &OwnRedis) {
+    let space = Space::on(server.url.clone());
+    let node = space.node();
+    let gate = node.open("fn", limit(2));
+    let g = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
+    assert!(gate.release(g.slot_id, None).await);
+}
+
+/// On Redis 7 the gate's operations are the functions of its library, loaded by the first call
+/// that finds it missing, at the start and again after Redis lost it (`FUNCTION FLUSH`, a
+/// restart without persistence); on a Redis without functions (as Redis 6) they go as scripts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gate_calls_functions_where_redis_has_them_and_scripts_where_not() {
+    let with = OwnRedis::start(true);
+    one_pair(&with).await;
+    let functions = with.calls("fcall");
+    assert!(functions >= 2, "{functions} function calls for a pair");
+    assert_eq!(with.calls("evalsha"), 0);
+    // Loaded by the first calls that found it missing (the gate's first two go at once).
+    let loads = with.calls("function|load");
+    assert!(loads >= 1);
+    one_pair(&with).await;
+    assert!(with.calls("fcall") >= functions + 2);
+    assert_eq!(
+        with.calls("function|load"),
+        loads,
+        "loaded only when missing"
+    );
+    let _: String = with.cmd(::redis::cmd("FUNCTION").arg("FLUSH")).unwrap();
+    one_pair(&with).await;
+    assert!(
+        with.calls("function|load") > loads,
+        "loaded again once lost"
+    );
+    assert_eq!(with.calls("evalsha"), 0);
+
+    let without = OwnRedis::start(false);
+    one_pair(&without).await;
+    assert!(without.calls("evalsha") >= 2);
+    one_pair(&without).await;
+    assert!(without.calls("evalsha") >= 4);
 }

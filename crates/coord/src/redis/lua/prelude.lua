@@ -16,9 +16,16 @@
 -- generation as the caller last saw it ('' for none); the operation's own arguments from 13.
 -- Every reply ends with the pool's current generation (appended after the operation returns).
 
-local K_LEASES, K_HELD, K_WAITERS, K_DEADLINES = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local K_QUEUE, K_META, K_ROUNDS, K_GRANTS = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
-local K_LEARNED, K_RPM, K_NODES = KEYS[9], KEYS[10], KEYS[11]
+-- The prelude defines its functions once and `begin` sets each call's state: as a Redis
+-- function library (Redis 7) the definitions run once, when the library is loaded, and every
+-- call runs only `begin` and its operation; as a script (`EVAL`, older Redis) all of it runs
+-- per call. Everything a call reads from its keys and arguments, and everything it keeps while
+-- it runs, is one of the variables below, assigned by `begin`: nothing carries over from one
+-- call to the next.
+local KEYS, ARGV
+local K_LEASES, K_HELD, K_WAITERS, K_DEADLINES
+local K_QUEUE, K_META, K_ROUNDS, K_GRANTS
+local K_LEARNED, K_RPM, K_NODES
 
 -- Every class's waiters are in one sorted set (one count, one pop): a waiter's score is its
 -- round plus its class's base, so a higher class (1 high .. 3 low) always comes first, and
@@ -30,23 +37,12 @@ local function queue_score(class, round)
   return (class - 1) * CLASS_SPAN + round
 end
 
-local cfg_limit = tonumber(ARGV[1])
-local cfg_queue = tonumber(ARGV[2])
-local cfg_rpm = tonumber(ARGV[3])
-local cfg_request_ms = tonumber(ARGV[4])
-local cfg_term_ms = tonumber(ARGV[5])
-local cfg_min = math.min(tonumber(ARGV[6]), cfg_limit)
-local cfg_fair = ARGV[7] == '1'
-local node = ARGV[8]
-local node_ttl = tonumber(ARGV[9])
-local wake_prefix = ARGV[10]
-local pool = ARGV[11]
-local known_gen = ARGV[12]
+local cfg_limit, cfg_queue, cfg_rpm, cfg_request_ms, cfg_term_ms, cfg_min, cfg_fair
+local node, node_ttl, wake_prefix, pool, known_gen
 
 local WINDOW_MS = 60000
 
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local clock, now
 
 -- Integers as decimal strings: Lua numbers are doubles, and the default conversion may use an
 -- exponent for large values.
@@ -57,7 +53,7 @@ end
 -- A node with waiters calls at least every poll interval (its ticker collects their grants);
 -- those calls, and queueing itself, are its heartbeat: waiters of a node that stopped calling
 -- are skipped at dispatch. Calls of a node without waiters need none.
-local beat = false
+local beat
 local function heartbeat()
   if beat then return end
   beat = true
@@ -72,23 +68,26 @@ end
 -- slot (see `renew`), so the running calls count again before anyone new gets in. A pool nobody
 -- has seen before (the caller has no generation) starts at once.
 -- With the fields of `meta` most calls read, in the same command (see `finish`).
-local gen = redis.call('HMGET', K_META, 'gen', 'gen_at', 'quiet_until', 'hold', 'last_full',
-  'kept_until')
-local gen_id, quiet_until = gen[1], tonumber(gen[3]) or 0
-if not gen_id then
-  gen_id = clock[1] .. string.format('%06d', tonumber(clock[2]))
-  quiet_until = 0
-  if known_gen ~= '' then quiet_until = now + cfg_term_ms end
-  -- Tickets keep rising across the loss (a node may still wait on an old one of the same number).
-  redis.call('HSET', K_META, 'gen', gen_id, 'gen_at', fmt(now), 'quiet_until', fmt(quiet_until),
-    'seq', fmt(now * 1000))
-elseif known_gen ~= '' and known_gen ~= gen_id then
-  -- The first caller after the loss had not seen the pool before: the quiet period starts with
-  -- the first one that had (grants made in between could not be stopped).
-  local q = (tonumber(gen[2]) or now) + cfg_term_ms
-  if q > quiet_until and q > now then
-    quiet_until = q
-    redis.call('HSET', K_META, 'quiet_until', fmt(q))
+local gen, gen_id, quiet_until
+local function read_generation()
+  gen = redis.call('HMGET', K_META, 'gen', 'gen_at', 'quiet_until', 'hold', 'last_full',
+    'kept_until')
+  gen_id, quiet_until = gen[1], tonumber(gen[3]) or 0
+  if not gen_id then
+    gen_id = clock[1] .. string.format('%06d', tonumber(clock[2]))
+    quiet_until = 0
+    if known_gen ~= '' then quiet_until = now + cfg_term_ms end
+    -- Tickets keep rising across the loss (a node may still wait on an old one of the same number).
+    redis.call('HSET', K_META, 'gen', gen_id, 'gen_at', fmt(now), 'quiet_until', fmt(quiet_until),
+      'seq', fmt(now * 1000))
+  elseif known_gen ~= '' and known_gen ~= gen_id then
+    -- The first caller after the loss had not seen the pool before: the quiet period starts with
+    -- the first one that had (grants made in between could not be stopped).
+    local q = (tonumber(gen[2]) or now) + cfg_term_ms
+    if q > quiet_until and q > now then
+      quiet_until = q
+      redis.call('HSET', K_META, 'quiet_until', fmt(q))
+    end
   end
 end
 
@@ -113,11 +112,10 @@ local function load_learned()
   if cfg_rpm > 0 then rpm_limit = cfg_rpm end
   if l_rpm and (not rpm_limit or l_rpm < rpm_limit) then rpm_limit = l_rpm end
 end
-load_learned()
 
 -- The number of leases, read once per call and kept up to date by this call's own changes
 -- (every change to `leases` goes through `lease_set` or `lease_del`).
-local n_leases = nil
+local n_leases
 
 local function in_flight()
   if not n_leases then n_leases = redis.call('ZCARD', K_LEASES) end
@@ -147,10 +145,10 @@ end
 -- once when the call ends (`finish`): the mean hold time (nil: none yet), the last time the pool
 -- was full (-1: never), until when some node keeps idle slots (nil: none; see `reclaim_kept`),
 -- and the admissions counted.
-local hold_mean, hold_dirty = tonumber(gen[4]), false
-local last_full, full_dirty = tonumber(gen[5]) or -1, false
-local kept_until = tonumber(gen[6])
-local admitted_n = 0
+local hold_mean, hold_dirty
+local last_full, full_dirty
+local kept_until
+local admitted_n
 
 local function hold_get()
   return hold_mean
@@ -184,9 +182,9 @@ end
 
 -- The number of waiters, read once per script and kept up to date by what changes the queue
 -- (`queue_changed`), since every operation asks for it at least once.
-local n_queued = nil
+local n_queued
 -- Whether this call took a waiter out of the queue (the fair-share rounds are reset once empty).
-local left_queue = false
+local left_queue
 
 local function queued()
   if not n_queued then n_queued = redis.call('ZCARD', K_QUEUE) end
@@ -299,12 +297,12 @@ local function forget(m)
   redis.call('ZREM', K_DEADLINES, m)
 end
 
-local woken = {}
+local woken
 -- With `collect_own` set (by the operation, before `settle`), grants to this node's own
 -- waiters are not recorded for its ticker to collect but returned by this call: ticket, grant,
 -- ticket, grant, ... (no wake-up, no second round trip).
-local collect_own = false
-local own_grants = {}
+local collect_own
+local own_grants
 
 -- Publishes the wake-ups decided so far, once each (an operation publishes before it returns;
 -- several in one call publish each their own).
@@ -388,7 +386,7 @@ end
 -- Expiry is swept once per call: the time does not move within a call, and nothing a call
 -- writes expires at that same time (leases and deadlines are set into the future), so a second
 -- sweep by a later operation of the same call would find nothing.
-local swept = false
+local swept
 local function settle(full)
   if not swept then
     swept = true
@@ -500,4 +498,40 @@ end
 
 local function headers()
   return { math.max(0, eff - in_flight()), eff, rpm_remaining() }
+end
+
+-- A call's state, from its keys and arguments (see the top of this file), before its operation.
+local function begin(keys, args)
+  KEYS, ARGV = keys, args
+  K_LEASES, K_HELD, K_WAITERS, K_DEADLINES = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+  K_QUEUE, K_META, K_ROUNDS, K_GRANTS = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+  K_LEARNED, K_RPM, K_NODES = KEYS[9], KEYS[10], KEYS[11]
+  cfg_limit = tonumber(ARGV[1])
+  cfg_queue = tonumber(ARGV[2])
+  cfg_rpm = tonumber(ARGV[3])
+  cfg_request_ms = tonumber(ARGV[4])
+  cfg_term_ms = tonumber(ARGV[5])
+  cfg_min = math.min(tonumber(ARGV[6]), cfg_limit)
+  cfg_fair = ARGV[7] == '1'
+  node = ARGV[8]
+  node_ttl = tonumber(ARGV[9])
+  wake_prefix = ARGV[10]
+  pool = ARGV[11]
+  known_gen = ARGV[12]
+  clock = redis.call('TIME')
+  now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+  beat = false
+  read_generation()
+  load_learned()
+  n_leases = nil
+  hold_mean, hold_dirty = tonumber(gen[4]), false
+  last_full, full_dirty = tonumber(gen[5]) or -1, false
+  kept_until = tonumber(gen[6])
+  admitted_n = 0
+  n_queued = nil
+  left_queue = false
+  woken = {}
+  collect_own = false
+  own_grants = {}
+  swept = false
 end
