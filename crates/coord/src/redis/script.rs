@@ -229,9 +229,14 @@ pub(crate) async fn call(
                 load_library(&mut conn, home, scripts, timeout).await?;
                 Some(send(&mut conn, home, &fcall, timeout).await)
             }
-            Err(CallError::Redis(e)) if says(&e, "unknown command") => {
+            // Redis 6, or a user whose ACL does not allow `FCALL`.
+            Err(CallError::Redis(e))
+                if says(&e, "unknown command") || e.code() == Some("NOPERM") =>
+            {
                 tracing::info!(
-                    "this Redis has no functions (Redis 7): the gate's operations go as scripts"
+                    error = %e,
+                    "no Redis functions here (they need Redis 7, and an ACL that allows FCALL): \
+                     the gate's operations go as scripts"
                 );
                 scripts.functions.store(false, Ordering::Relaxed);
                 None

@@ -1052,9 +1052,14 @@ async fn the_shared_ledger_agrees_with_the_pure_budget() {
     }
 }
 
-/// A pair on free slot, through a node on `server`.
+/// A pair on a free slot, through a node on `server`.
 async fn one_pair(server: &OwnRedis) {
-    let space = Space::on(server.url.clone());
+    pair_at(server.url.clone()).await;
+}
+
+/// A pair on a free slot, through a node on the Redis at `url`.
+async fn pair_at(url: String) {
+    let space = Space::on(url);
     let node = space.node();
     let gate = node.open("fn", limit(2));
     let g = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
@@ -1088,6 +1093,25 @@ async fn the_gate_calls_functions_where_redis_has_them_and_scripts_where_not() {
         "loaded again once lost"
     );
     assert_eq!(with.calls("evalsha"), 0);
+
+    // A user whose ACL does not allow functions gets scripts too.
+    let _: String = with
+        .cmd(
+            ::redis::cmd("ACL")
+                .arg("SETUSER")
+                .arg("scripts")
+                .arg("on")
+                .arg(">secret")
+                .arg("~*")
+                .arg("&*")
+                .arg("+@all")
+                .arg("-fcall")
+                .arg("-function"),
+        )
+        .unwrap();
+    let evalsha = with.calls("evalsha");
+    pair_at(with.url.replace("redis://", "redis://scripts:secret@")).await;
+    assert!(with.calls("evalsha") >= evalsha + 2);
 
     let without = OwnRedis::start(false);
     one_pair(&without).await;
