@@ -115,8 +115,8 @@ pub enum SetupError {
     Url(::redis::RedisError),
     #[error("key prefix must not be empty or contain '{{' or '}}'")]
     Prefix,
-    #[error("a redis coordination must be created inside a tokio runtime")]
-    NoRuntime,
+    #[error("cannot start the coordination's thread: {0}")]
+    Thread(std::io::Error),
 }
 
 /// What every gate of one node shares.
@@ -131,10 +131,44 @@ pub(crate) struct Node {
     /// Open gates by pool, for wake-ups (a pool may be opened more than once, e.g. reopened
     /// while the old gate still drains).
     pub gates: Mutex<HashMap<String, Vec<Weak<gate::Shared>>>>,
-    /// The runtime the coordination was made on: the node's own tasks (each gate's batches)
-    /// run there, not on whichever runtime first touched a gate (a connection thread's ends
-    /// before the last calls of a stopping server).
+    /// The runtime of the node's own thread (see [`NodeThread`]): the node's tasks (each gate's
+    /// batches and ticker, the connection's driver, the wake-up subscription) run there, not on
+    /// whichever runtime first touched a gate (a connection thread's ends before the last calls
+    /// of a stopping server).
     pub runtime: tokio::runtime::Handle,
+    /// Stops that thread when the node goes.
+    _thread: NodeThread,
+}
+
+/// The thread every Redis task of a node runs on: one single-threaded runtime. A call then goes
+/// out and its answer comes back on one thread: the batch task hands its call to the
+/// connection's driver, and the driver reads the reply and completes the batch, without a
+/// hand-over between threads. Only the caller's own thread is woken, once, for its answer. On
+/// a work-stealing runtime these tasks moved between its workers, and each move woke one
+/// (bench/RESULTS.md, "The node's Redis tasks on a thread of their own"). Ends when the node is
+/// dropped.
+struct NodeThread {
+    /// Dropped with the node: the thread's `block_on` ends, and its tasks are dropped.
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl NodeThread {
+    fn start() -> std::io::Result<(NodeThread, tokio::runtime::Handle)> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let handle = runtime.handle().clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        std::thread::Builder::new()
+            .name("nthbouncer-redis".to_owned())
+            .spawn(move || {
+                let _ = runtime.block_on(stopped);
+                // Not `drop`: the last reference to the node may be dropped by a task of this
+                // very runtime, and a blocking task must not hold the thread.
+                runtime.shutdown_background();
+            })?;
+        Ok((NodeThread { _stop: stop }, handle))
+    }
 }
 
 /// Redis [`Coordination`]: one per node. Gates of the same pool opened by different nodes (or
@@ -146,13 +180,13 @@ pub struct RedisCoordination {
 
 impl RedisCoordination {
     /// Sets up the connection without waiting for Redis (a node may start while Redis is down:
-    /// it then fails closed or open like any later outage), and subscribes to the node's
-    /// wake-up channel in the background. Must be called inside a tokio runtime.
+    /// it then fails closed or open like any later outage), starts the node's thread, and
+    /// subscribes to the node's wake-up channel in the background.
     pub fn new(options: RedisOptions, clock: Arc<dyn Clock>) -> Result<Self, SetupError> {
         if options.key_prefix.is_empty() || options.key_prefix.contains(['{', '}']) {
             return Err(SetupError::Prefix);
         }
-        let runtime = tokio::runtime::Handle::try_current().map_err(|_| SetupError::NoRuntime)?;
+        let (thread, runtime) = NodeThread::start().map_err(SetupError::Thread)?;
         let client = client_for(&options.url).map_err(SetupError::Url)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(options.connect_timeout))
@@ -173,6 +207,7 @@ impl RedisCoordination {
             wake_prefix,
             gates: Mutex::new(HashMap::new()),
             runtime: runtime.clone(),
+            _thread: thread,
         });
         let listener = runtime.spawn(listen(client, Arc::downgrade(&node)));
         Ok(RedisCoordination { node, listener })

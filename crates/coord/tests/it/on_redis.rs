@@ -1119,3 +1119,27 @@ async fn the_gate_calls_functions_where_redis_has_them_and_scripts_where_not() {
     one_pair(&without).await;
     assert!(without.calls("evalsha") >= 4);
 }
+
+/// A node's Redis tasks run on a thread of its own, which ends with the node: nothing of a
+/// dropped coordination keeps running (a server started and stopped many times in one process,
+/// as the tests do, leaves no thread behind).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nodes_thread_ends_when_the_node_is_dropped() {
+    let space = Space::new();
+    let node = space.node();
+    let home = node.token_ledger("ends").runtime().clone();
+    let gate = node.open("ends", limit(1));
+    let g = gate.acquire(req(0, SlotKind::Lease)).await.unwrap();
+    assert!(gate.release(g.slot_id, None).await);
+    assert!(
+        home.spawn(async {}).await.is_ok(),
+        "the node's runtime runs while the node is there"
+    );
+    drop(gate);
+    drop(node);
+    until("the node's runtime is shut down", || {
+        let probe = home.spawn(async {});
+        async move { probe.await.is_err_and(|e| e.is_cancelled()) }
+    })
+    .await;
+}
