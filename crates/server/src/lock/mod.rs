@@ -479,6 +479,10 @@ pub async fn release(
         if let Some(window) = window {
             pool.tokens.observe(Some(id.0), window);
         }
+        // The freed slot may have gone to a waiter on this very thread, whose task is now
+        // queued behind this one: let it answer first, so the slot's next holder hears of it
+        // before this caller hears that it let go (the caller holds nothing any more).
+        tokio::task::yield_now().await;
     }
     Ok(Json(Released { released }))
 }

@@ -396,6 +396,52 @@ async fn body_priority_overtakes_queued_normal_waiters() {
     finished_ok("the normal waiter", normal).await;
 }
 
+/// A release that frees a slot lets the waiter it went to answer first: the slot's next holder
+/// hears of its grant before the releasing caller hears it let go, which holds nothing any more
+/// (a slot idles from its release until its next holder knows). Server and clients share this
+/// test's one thread, so the order the answers are written in is the order they arrive in.
+#[tokio::test]
+async fn a_freed_slot_s_next_holder_is_answered_before_its_releaser() {
+    let gw = gateway(&lock_pool_toml("p", "limit = 1")).await;
+    for round in 0..3 {
+        let held = grant(&gw, "p").await;
+        let order = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let waiter = {
+            let order = order.clone();
+            let rb = keyed(&gw, "p", "acquire").json(&json!({ "waitMs": 10_000 }));
+            tokio::spawn(async move {
+                let r = bounded("the waiter", rb.send()).await.unwrap();
+                order.lock().unwrap().push("grant");
+                r
+            })
+        };
+        gw.wait_queued("p", 1, "waiter parked").await;
+        let releaser = {
+            let order = order.clone();
+            let rb = keyed(&gw, "p", &format!("{}/release", slot(&held)));
+            tokio::spawn(async move {
+                let r = bounded("the release", rb.send()).await.unwrap();
+                order.lock().unwrap().push("released");
+                r
+            })
+        };
+        let r = finish("the release", releaser).await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.json::<Value>().await.unwrap()["released"], true);
+        let g: Value = finished_ok("the waiter", waiter)
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(
+            *order.lock().unwrap(),
+            ["grant", "released"],
+            "round {round}: the next holder is answered first"
+        );
+        assert!(released(&gw, "p", &slot(&g), None).await);
+    }
+}
+
 /// A waiter whose client goes away leaves the queue and holds nothing.
 #[tokio::test]
 async fn a_waiter_that_goes_away_leaves_the_queue() {

@@ -17,9 +17,9 @@
 //! needs to know which runtime it is on: tasks talk through channels and `Arc`s as before.
 //! The exception: a connection shared by every runtime must not be opened here, for its socket
 //! and its driver task would end with this thread, before a stopping server's last statements.
-//! The stores' and Redis's connections are made on the main runtime whoever asks
-//! (`nthbouncer_store::postgres`'s `OnHomeRuntime`, the Redis coordination's `on_home`, which polls
-//! every call of a node with the main runtime current).
+//! The stores' connections are made on the main runtime and Redis's on the coordination's own
+//! thread, whoever asks (`nthbouncer_store::postgres`'s `OnHomeRuntime`; the Redis coordination's
+//! `on_home`, which polls every call of a node with the node's own runtime current).
 //! Owns the threads and the choice of one for a new connection; must not look at requests.
 
 use std::future::Future;
