@@ -18,7 +18,8 @@
 //!   lease and stretches no pause; epoch ms appear only in what the gate hands out (a grant's
 //!   deadlines, a renewed lease, the snapshot), converted at the moment they are handed out.
 
-use std::collections::HashMap;
+// foldhash for the waiters by (random) slot id, as the governor's own maps.
+use foldhash::{HashMap, HashMapExt};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 

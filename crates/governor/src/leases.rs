@@ -7,7 +7,11 @@
 //! Deadlines are kept in a `BTreeSet<(deadline, id)>` beside the holder map, so the next expiry
 //! and the reclaim of one expired slot are both `O(log n)`.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
+
+// foldhash, not SipHash: the ids are random (`SlotId::random`), and the map is read on every
+// admission and release (SipHash cost ~160 instructions a lookup, bench/RESULTS.md).
+use foldhash::HashMap;
 
 use crate::RenewRefusal;
 

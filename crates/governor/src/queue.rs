@@ -16,7 +16,10 @@
 //! Without fair share every waiter of a class is filed under the single queue key `0`, which turns
 //! the ring of one key into strict FIFO by sequence number.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+// foldhash, not SipHash, as in `leases`: ids are random, keys are our own fairness ids.
+use foldhash::{HashMap, HashMapExt};
 
 use crate::Priority;
 

@@ -2,7 +2,9 @@
 //! accepts. The key's format and checksum are checked before any lookup; lookups compare
 //! SHA-256 digests. Failure reasons go to the access log, never to the caller.
 
-use std::collections::HashMap;
+// foldhash, not SipHash: the index is keyed by SHA-256 digests (uniform, not chosen by
+// anyone) and looked up on every request.
+use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
 
 use http::HeaderMap;

@@ -4,7 +4,6 @@
 //! across pools on the hot path. Writers (admin API, start-up) build a new registry and swap it
 //! in, serialised by [`super::Pools`].
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
@@ -268,8 +267,10 @@ fn read_ca_file(at: &str, path: &std::path::Path) -> Result<Vec<u8>, ConfigError
 /// An immutable snapshot of every pool.
 #[derive(Default, Clone)]
 pub struct Registry {
-    pub pools: HashMap<String, Arc<PoolRuntime>>,
-    pub domains: HashMap<String, Arc<PoolRuntime>>,
+    // foldhash, not SipHash: every request looks its pool up by `Host`, and only the
+    // configuration inserts names here (a lookup of an attacker's name cannot degrade the map).
+    pub pools: foldhash::HashMap<String, Arc<PoolRuntime>>,
+    pub domains: foldhash::HashMap<String, Arc<PoolRuntime>>,
 }
 
 impl Registry {
