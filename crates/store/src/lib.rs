@@ -168,15 +168,19 @@ pub trait Store: Send + Sync + 'static {
 
     /// Appends a batch in one transaction.
     async fn append_access_log(&self, entries: &[AccessLogEntry]) -> Result<()> {
-        self.append_access_log_folded(entries, &[]).await.map(drop)
+        self.append_access_log_folded(entries.to_vec(), Vec::new())
+            .await
+            .map(drop)
     }
     /// Appends `entries` and adds to the `count` of rows already written (`bumps`: a row id and
     /// how many more requests it stands for), in one transaction. Returns the new rows' ids, in
     /// order. A bump of a row no longer there (trimmed, or its pool deleted) changes nothing.
+    /// Takes the batch by value: the embedded store writes it on a blocking thread, which would
+    /// otherwise copy every entry (and each of its strings) of every batch.
     async fn append_access_log_folded(
         &self,
-        entries: &[AccessLogEntry],
-        bumps: &[(u64, u64)],
+        entries: Vec<AccessLogEntry>,
+        bumps: Vec<(u64, u64)>,
     ) -> Result<Vec<u64>>;
     async fn query_access_log(
         &self,

@@ -867,14 +867,14 @@ impl Store for PgStore {
 
     async fn append_access_log_folded(
         &self,
-        entries: &[AccessLogEntry],
-        bumps: &[(u64, u64)],
+        entries: Vec<AccessLogEntry>,
+        bumps: Vec<(u64, u64)>,
     ) -> Result<Vec<u64>> {
         if entries.is_empty() && bumps.is_empty() {
             return Ok(Vec::new());
         }
         let conn = self.conn().await?;
-        crate::postgres_log::append(&conn, entries, bumps).await
+        crate::postgres_log::append(&conn, &entries, &bumps).await
     }
 
     async fn query_access_log(

@@ -707,14 +707,13 @@ impl Store for SqliteStore {
 
     async fn append_access_log_folded(
         &self,
-        entries: &[AccessLogEntry],
-        bumps: &[(u64, u64)],
+        entries: Vec<AccessLogEntry>,
+        bumps: Vec<(u64, u64)>,
     ) -> Result<Vec<u64>> {
         if entries.is_empty() && bumps.is_empty() {
             return Ok(Vec::new());
         }
-        self.append_log_pages(entries.to_vec(), bumps.to_vec())
-            .await
+        self.append_log_pages(entries, bumps).await
     }
 
     async fn query_access_log(

@@ -186,7 +186,8 @@ impl Append {
         });
     }
 
-    async fn trim(&mut self, rows: &[AccessLogEntry]) {
+    /// Counts `rows` towards their pools' next trims.
+    fn count_for_trim(&mut self, rows: &[AccessLogEntry]) {
         for entry in rows {
             match self.since_trim.get_mut(entry.pool.as_str()) {
                 Some(n) => *n += 1,
@@ -195,6 +196,10 @@ impl Append {
                 }
             }
         }
+    }
+
+    /// Trims the pools whose new rows reached a tenth of what the log keeps.
+    async fn trim(&mut self) {
         let keep = self.live.load().access_log_keep;
         let trim_every = (keep / 10).max(100);
         for (pool, n) in self.since_trim.iter_mut() {
@@ -219,14 +224,17 @@ impl Commit for Append {
         let newest = batch.iter().map(|r| r.entry.at).max().unwrap_or(0);
         let (rows, bumps) = self.fold(batch);
         let bumps: Vec<(u64, u64)> = bumps.into_iter().collect();
-        match self.store.append_access_log_folded(&rows, &bumps).await {
+        // Counted before the store takes the rows: a batch that then fails to be written
+        // counts too, which only brings its pool's next trim forward.
+        self.count_for_trim(&rows);
+        match self.store.append_access_log_folded(rows, bumps).await {
             Ok(ids) => self.settle(Some(&ids), newest),
             Err(e) => {
                 self.settle(None, newest);
                 return Err(e);
             }
         }
-        self.trim(&rows).await;
+        self.trim().await;
         Ok(vec![(); n])
     }
 }

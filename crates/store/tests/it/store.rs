@@ -862,7 +862,7 @@ async fn a_v6_store_migrates_to_counted_access_log_rows() {
     folded.count = 3;
     let old = rows[1].id;
     let ids = store
-        .append_access_log_folded(&[folded], &[(old, 2), (9_999, 5)])
+        .append_access_log_folded(vec![folded], vec![(old, 2), (9_999, 5)])
         .await
         .unwrap();
     assert_eq!(ids.len(), 1);
@@ -1053,15 +1053,15 @@ async fn access_log_pages_trim_and_read_across_batches(b: &Backend) {
 async fn folded_access_log_rows_count_every_bump(b: &Backend) {
     let store = b.open().await;
     let first = store
-        .append_access_log_folded(&[entry("p", 1, "401", None)], &[])
+        .append_access_log_folded(vec![entry("p", 1, "401", None)], vec![])
         .await
         .unwrap();
     let mut folded = entry("p", 2, "401", None);
     folded.count = 4;
     let ids = store
         .append_access_log_folded(
-            &[folded, entry("p", 3, "admitted", Some("k"))],
-            &[(first[0], 2), (9_999, 5), (first[0], 3)],
+            vec![folded, entry("p", 3, "admitted", Some("k"))],
+            vec![(first[0], 2), (9_999, 5), (first[0], 3)],
         )
         .await
         .unwrap();
@@ -1074,7 +1074,7 @@ async fn folded_access_log_rows_count_every_bump(b: &Backend) {
         (6, 4, 1)
     );
     let bumps_only = store
-        .append_access_log_folded(&[], &[(ids[1], 1)])
+        .append_access_log_folded(vec![], vec![(ids[1], 1)])
         .await
         .unwrap();
     assert!(bumps_only.is_empty());
