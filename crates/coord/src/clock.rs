@@ -76,8 +76,14 @@ impl Clock for SystemClock {
         let wall = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-        let previous = self.last.fetch_max(wall, Ordering::AcqRel);
-        previous.max(wall)
+        // Read first: within a millisecond every reading is the same, and a plain load keeps
+        // the shared cache line shared between the connection threads, where a `fetch_max` on
+        // every reading (several per request) would take it over from the other core each time.
+        let previous = self.last.load(Ordering::Acquire);
+        if wall <= previous {
+            return previous;
+        }
+        self.last.fetch_max(wall, Ordering::AcqRel).max(wall)
     }
 
     fn sleep_until(&self, deadline_ms: u64) -> Pin<Box<dyn Future<Output = ()> + Send>> {
