@@ -876,6 +876,14 @@ where
     std::mem::size_of::<F>()
 }
 
+/// [`future_size`] of a function of six arguments.
+fn future_size6<A, B, C, D, E, H, F, G>(_: &G) -> usize
+where
+    G: Fn(A, B, C, D, E, H) -> F,
+{
+    std::mem::size_of::<F>()
+}
+
 /// What a parked request keeps in its state machine besides the gate's own future: the proxy's
 /// and the lock acquire's handler futures (the server boxes each request's future, HTTP/1.1 in
 /// the connection, h2 in a task per stream).
@@ -883,7 +891,7 @@ fn handler_future_sizes() -> Vec<(&'static str, usize)> {
     vec![
         (
             "proxy::handle",
-            future_size(&nthbouncer_server::proxy::handle),
+            future_size6(&nthbouncer_server::proxy::handle),
         ),
         (
             "lock::acquire",

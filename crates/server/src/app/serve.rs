@@ -99,29 +99,33 @@ impl Dispatcher {
         let id = RequestId::assign(req.headers());
         req.headers_mut()
             .insert(request_id::HEADER, id.header_value());
-        req.extensions_mut().insert(id.clone());
-        let resp = self.route(req, peer, route).await;
+        let resp = self.route(req, peer, route, &id).await;
         request_id::stamp(&id, resp).await
     }
 
+    /// Where the request goes. Handlers that read the request's id from its extensions (the
+    /// API's routes, a database pool's) find it there; the proxy is handed it: an extension
+    /// costs a request a map allocated and hashed into (~500 instructions, bench/RESULTS.md).
     async fn route(
         self: Arc<Self>,
         mut req: Request<Incoming>,
         peer: Peer,
         route: &Route,
+        id: &RequestId,
     ) -> Response<Body> {
         if let Route::Pool(name) = route {
             // A pool deleted since its listener accepted this connection is gone here too.
             let Some(pool) = self.state.pools.get(name) else {
                 return ApiError::pool_not_found().into_response();
             };
-            return self.pool_host(pool, req, peer).await;
+            return self.pool_host(pool, req, peer, id).await;
         }
         let Some(host) = request_host(&req) else {
             return ApiError::pool_not_found().into_response();
         };
         match self.state.pools.host_role(&host) {
             HostRole::Api => {
+                req.extensions_mut().insert(id.clone());
                 req.extensions_mut().insert(ConnectInfo(peer.addr()));
                 match self.api.clone().oneshot(req).await {
                     Ok(resp) => resp,
@@ -133,7 +137,7 @@ impl Dispatcher {
                 "this connection was opened for another host; open a new one for this host",
             )
             .into_response(),
-            HostRole::Pool(pool) => self.pool_host(pool, req, peer).await,
+            HostRole::Pool(pool) => self.pool_host(pool, req, peer, id).await,
             HostRole::Unknown => ApiError::pool_not_found().into_response(),
         }
     }
@@ -142,16 +146,19 @@ impl Dispatcher {
     async fn pool_host(
         &self,
         pool: Arc<PoolRuntime>,
-        req: Request<Incoming>,
+        mut req: Request<Incoming>,
         peer: Peer,
+        id: &RequestId,
     ) -> Response<Body> {
         match pool.spec.kind {
             PoolKind::Proxy => {
                 let original_host = req.headers().get(http::header::HOST).cloned();
                 let proxy = self.state.proxy.clone();
-                crate::proxy::handle(proxy, pool, req, peer, original_host).await
+                let request_id = Some(id.0.clone());
+                crate::proxy::handle(proxy, pool, req, peer, original_host, request_id).await
             }
             PoolKind::Database => {
+                req.extensions_mut().insert(id.clone());
                 let database = self.state.database.clone();
                 crate::database::handle(database, pool, req, peer.addr()).await
             }

@@ -371,10 +371,10 @@ async fn fetch(
     }
     let req = origin_request(pool, job, body)?;
     let deadline = crate::core::time::deadline_in(pool.concurrency.request_timeout_ms);
-    let (resp, guard) =
-        upstream::exchange(&pool.client(&state.client), req, guard, deadline).await?;
+    let answer = upstream::exchange(&pool.client(&state.client), req, guard, deadline).await?;
     let max = pool.spec.async_jobs.max_body_bytes as usize;
-    let (parts, collected) = upstream::collect(resp, max, deadline).await?;
+    let (resp, guard) = (answer.resp, answer.guard);
+    let (parts, collected) = upstream::collect(resp, answer.closed, max, deadline).await?;
     let outcome =
         upstream::outcome::from_response(parts.status.as_u16(), &parts.headers, state.now());
     let mut result_headers = parts.headers;

@@ -34,7 +34,6 @@ use crate::core::admission::{self, Plan};
 use crate::core::error::{ApiError, ErrorCode};
 use crate::core::extract::content_length;
 use crate::core::peer::Peer;
-use crate::core::request_id::RequestId;
 use crate::jobs::Jobs;
 use crate::pools::registry::PoolRuntime;
 use crate::upstream::prepare::{self, Consumed, Forwarded, Origin};
@@ -99,12 +98,13 @@ pub async fn handle(
     req: Request<Incoming>,
     peer: Peer,
     original_host: Option<HeaderValue>,
+    request_id: Option<String>,
 ) -> Response<Body> {
     let cached = pool.spec.cache.is_some();
     // Taken apart in the `let`: a named `Front` matched later would stay in the state while
     // the call waits, beside the call moved out of it.
     let (call, body, plan, mark) =
-        match Box::pin(front(&state, &pool, req, peer, original_host)).await {
+        match Box::pin(front(&state, &pool, req, peer, original_host, request_id)).await {
             Front::Answered(resp) => return marked(resp, cached),
             Front::Admit(call, body, plan, mark) => (call, body, plan, mark),
         };
@@ -141,6 +141,7 @@ async fn front<'a>(
     req: Request<Incoming>,
     peer: Peer,
     original_host: Option<HeaderValue>,
+    request_id: Option<String>,
 ) -> Front<'a> {
     let (parts, body) = req.into_parts();
     let client = access::client_addr(
@@ -155,7 +156,7 @@ async fn front<'a>(
         peer: SocketAddr::new(client, peer.addr().port()),
         peer_text: peer.text_of(client),
         route: route(&parts.method, parts.uri.path()),
-        request_id: RequestId::of(&parts.extensions),
+        request_id,
         client_cert: crate::tls::PeerTls::client_of(&parts.extensions),
     };
     let authorized = authorize(state, pool, client, &parts, &body, log.at).await;
@@ -399,8 +400,12 @@ async fn forward(
     )
     .await;
     let latency_ms = started.elapsed().as_millis() as u64;
-    let (resp, mut guard) = match sent {
-        Ok(r) => r,
+    let upstream::Answer {
+        resp,
+        mut guard,
+        closed,
+    } = match sent {
+        Ok(answer) => answer,
         Err(e) => {
             if let Some(c) = &charge {
                 // Never sent: not spent. Sent and unanswered: the estimate stands.
@@ -416,7 +421,6 @@ async fn forward(
     pool.metrics
         .upstream_latency
         .record(latency_ms as f64 / 1000.0);
-    let closed = upstream::ConnectionClosed::of(&resp);
     let (mut rparts, rbody) = resp.into_parts();
     let now = call.state.now();
     guard.outcome = Some(upstream::outcome::from_response(

@@ -91,7 +91,7 @@ impl DirectPool {
     }
 
     /// Sends `req` (an absolute `http://` URI) on an idle connection to its origin, else on a
-    /// new one. The response carries its connection's [`ConnectionClosed`] as hyper-util's did.
+    /// new one. The connection it went on is in `picked` (its [`ConnectionClosed`]).
     pub async fn send(
         self: Arc<Self>,
         mut req: Request<Body>,
@@ -111,8 +111,7 @@ impl DirectPool {
             };
             *picked.lock() = Some(conn.closed.clone());
             match conn.sender.try_send_request(req).await {
-                Ok(mut resp) => {
-                    resp.extensions_mut().insert(conn.closed.clone());
+                Ok(resp) => {
                     self.checkin(authority, conn);
                     return Ok(resp);
                 }
@@ -299,8 +298,8 @@ mod tests {
         let req = Request::get(url).body(Body::empty()).unwrap();
         let picked = Picked::default();
         let resp = pool.clone().send(req, picked.clone()).await.unwrap();
-        let closed = ConnectionClosed::of(&resp);
-        assert!(picked.lock().is_some());
+        let closed = picked.lock().clone();
+        assert!(closed.is_some());
         let body = resp.into_body().collect().await.unwrap().to_bytes();
         (String::from_utf8(body.to_vec()).unwrap(), closed)
     }

@@ -29,8 +29,16 @@ pub use client::{
 };
 pub use connector::ConnectionClosed;
 pub use error::{Stage, UpstreamError};
-pub use slot::{Exchange, Fence, Fenced, SlotBody, SlotGuard};
+pub use slot::{Answered, Exchange, Fence, Fenced, SlotBody, SlotGuard};
 pub use target::{PathRefused, Target};
+
+/// An origin's response head, the slot it holds, and the connection it came on when cutting
+/// its body closes that connection (HTTP/1; see [`ConnectionClosed::of`]).
+pub struct Answer {
+    pub resp: Response<Incoming>,
+    pub guard: SlotGuard,
+    pub closed: Option<ConnectionClosed>,
+}
 
 /// Sends `req` holding `guard`'s slot and waits for the response head until `deadline`. If
 /// the caller goes away first, the call runs on detached and keeps the slot ([`Exchange`]). A
@@ -40,12 +48,12 @@ pub async fn exchange(
     req: Request<Body>,
     guard: SlotGuard,
     deadline: Instant,
-) -> Result<(Response<Incoming>, SlotGuard), UpstreamError> {
+) -> Result<Answer, UpstreamError> {
     let mut fence = guard.fence();
     let call = Exchange::send(client, req, guard, deadline);
     tokio::select! {
         sent = tokio::time::timeout_at(deadline, call) => match sent {
-            Ok((Ok(resp), guard)) => Ok((resp, guard)),
+            Ok((Ok((resp, closed)), guard)) => Ok(Answer { resp, guard, closed }),
             Ok((Err(e), _slot_freed)) => Err(UpstreamError::from_client(e)),
             Err(_) => Err(UpstreamError::deadline(Stage::ResponseHead)),
         },
@@ -60,13 +68,14 @@ pub struct Collected {
 }
 
 /// Reads a response body up to `max` bytes before `deadline`. A body cut short (too long, too
-/// late, broken) returns only once its connection is closed: the caller frees the slot next.
+/// late, broken) returns only once its connection (`closed`) is closed: the caller frees the
+/// slot next.
 pub async fn collect(
     resp: Response<Incoming>,
+    closed: Option<ConnectionClosed>,
     max: usize,
     deadline: Instant,
 ) -> Result<(http::response::Parts, Collected), UpstreamError> {
-    let closed = ConnectionClosed::of(&resp);
     let (parts, mut body) = resp.into_parts();
     let read = async move {
         let mut collected = Vec::new();

@@ -136,7 +136,20 @@ impl Connection {
             Connection::Direct(picked) => picked.lock().clone(),
         }
     }
+
+    /// The connection `resp` came on, when cutting its body closes the connection: the pooled
+    /// client puts it in the response's extensions; a direct call's is the one it picked last
+    /// (an extension would cost every call a map allocated and hashed into).
+    fn answered(&self, resp: &Response<Incoming>) -> Option<ConnectionClosed> {
+        match self {
+            Connection::Pooled(_) => ConnectionClosed::of(resp),
+            Connection::Direct(picked) => picked.lock().clone(),
+        }
+    }
 }
+
+/// A response head and the connection it came on (see [`Connection::answered`]).
+pub type Answered = (Response<Incoming>, Option<ConnectionClosed>);
 
 impl Future for Call {
     type Output = UpstreamResult;
@@ -195,7 +208,7 @@ pub enum CallError {
 pub type UpstreamResult = Result<Response<Incoming>, CallError>;
 
 impl Future for Exchange {
-    type Output = (UpstreamResult, SlotGuard);
+    type Output = (Result<Answered, CallError>, SlotGuard);
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = &mut *self;
@@ -203,7 +216,10 @@ impl Future for Exchange {
             // Polled after completion: never happens through `.await`.
             return Poll::Pending;
         };
-        let result = std::task::ready!(Pin::new(call).poll(cx));
+        let result = std::task::ready!(Pin::new(call).poll(cx)).map(|resp| {
+            let closed = this.connection.answered(&resp);
+            (resp, closed)
+        });
         this.call = None;
         match this.guard.take() {
             Some(guard) => Poll::Ready((result, guard)),
@@ -246,7 +262,7 @@ impl Drop for Exchange {
             };
             let closed = match answered {
                 Some(Ok(resp)) if resp.body().is_end_stream() => None,
-                Some(Ok(resp)) => ConnectionClosed::of(&resp),
+                Some(Ok(resp)) => connection.answered(&resp),
                 Some(Err(_)) => None,
                 None => connection.closed(),
             };
