@@ -214,6 +214,18 @@ pub fn plan(
     concurrency: &ConcurrencySpec,
     async_enabled: bool,
 ) -> Result<Plan, ApiError> {
+    // Most calls send none of the four headers read below: one pass over the (few) names
+    // the request has costs less than four lookups by name, each hashing its name (~150
+    // instructions apiece, bench/RESULTS.md). Without any of them, every reading below sees
+    // what it would see in an empty map, which answers at once.
+    let none = HeaderMap::new();
+    let asks =
+        |k: &http::HeaderName| k == NO_QUEUE || k == QUEUE_TIMEOUT || k == PRIORITY || k == ASYNC;
+    let headers = if headers.keys().any(asks) {
+        headers
+    } else {
+        &none
+    };
     let wait_ms = wait_budget(headers, concurrency, Caller::Proxy, None)?;
     let priority = priority_from_headers(headers)?;
     let asked_async = async_requested(headers)?;
@@ -249,6 +261,39 @@ mod tests {
             h.insert(*k, HeaderValue::from_static(v));
         }
         h
+    }
+
+    /// The plan reads each of its headers among others, and defaults without them.
+    #[test]
+    fn plan_reads_its_headers_among_others() {
+        let open = spec(ProxyWait::Open);
+        let others = headers(&[("x-nthpool-key", "k"), ("accept", "*/*")]);
+        let p = plan(&others, &open, true).unwrap();
+        assert_eq!(
+            (p.wait_ms, p.priority, p.asked_async),
+            (5000, Priority::Normal, false)
+        );
+        let each = [
+            (NO_QUEUE_HEADER, "1"),
+            (QUEUE_TIMEOUT_HEADER, "100"),
+            (PRIORITY_HEADER, "high"),
+            (ASYNC_HEADER, "1"),
+        ];
+        for (name, value) in each {
+            let h = headers(&[("x-nthpool-key", "k"), (name, value), ("accept", "*/*")]);
+            let p = plan(&h, &open, true).unwrap();
+            let got = (p.wait_ms, p.priority, p.asked_async);
+            let want = match name {
+                NO_QUEUE_HEADER => (0, Priority::Normal, false),
+                QUEUE_TIMEOUT_HEADER => (100, Priority::Normal, false),
+                PRIORITY_HEADER => (5000, Priority::High, false),
+                _ => (5000, Priority::Normal, true),
+            };
+            assert_eq!(got, want, "{name}");
+        }
+        let bad = headers(&[("x-nthpool-key", "k"), (PRIORITY_HEADER, "urgent")]);
+        let refused = plan(&bad, &open, true).err().map(|e| e.field);
+        assert_eq!(refused, Some(Some("X-Nthpool-Priority".into())));
     }
 
     #[test]
