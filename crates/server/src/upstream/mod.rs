@@ -29,7 +29,7 @@ pub use client::{
 };
 pub use connector::ConnectionClosed;
 pub use error::{Stage, UpstreamError};
-pub use slot::{Answered, Exchange, Fence, Fenced, SlotBody, SlotGuard};
+pub use slot::{Exchange, Fence, Fenced, SlotBody, SlotGuard};
 pub use target::{PathRefused, Target};
 
 /// An origin's response head, the slot it holds, and the connection it came on when cutting
