@@ -7,10 +7,23 @@
 //! its waiters has waited long enough to hold the budget. It must not know about HTTP.
 //!
 //! # Layout
-//! `{prefix}:{pool}:tok:charges` (hash charge id → `seq:at:cost:finishedSeq`) and
-//! `{prefix}:{pool}:tok:meta` (hash: the admission sequence, the tokens admitted, the origin's
-//! last announcement, the charge the budget is held for). Under the pool's hash tag like the
-//! gate's keys; forgotten ten minutes after the pool's last use.
+//! - `{prefix}:{pool}:tok:charges`: hash charge id → `seq:at:input:output:finishedSeq`.
+//! - `{prefix}:{pool}:tok:meta`: hash of the admission sequence, the tokens admitted, the
+//!   script's clock, the origin's last announcements, the charge the budget is held for, and
+//!   the running sums that spare a call from rereading the window (below).
+//! - `{prefix}:{pool}:tok:order` and `tok:ends`: the charges ordered by admission and by when
+//!   they ended (those in flight last).
+//!
+//! Under the pool's hash tag like the gate's keys; forgotten ten minutes after the pool's last
+//! use.
+//!
+//! # Cost
+//! A call reads the charges that left the window since the last call, the ledger's oldest
+//! (to drop what no budget counts any more), and for an announcement the charges admitted or
+//! ended since the request that carried it; never the whole window. The sums the rules need
+//! are kept by the calls that change them. A ledger written by an older version is indexed
+//! again once, by the first call that finds it so (and again if one of them changes it behind
+//! the indexes: nodes sharing a Redis should run one version).
 
 use std::sync::Arc;
 
@@ -61,7 +74,7 @@ pub enum SharedAdmit {
 /// One pool's shared token ledger, as one node calls it.
 pub struct RedisTokens {
     node: Arc<Node>,
-    keys: [String; 2],
+    keys: [String; 4],
     script: Script,
 }
 
@@ -84,6 +97,8 @@ impl RedisTokens {
             keys: [
                 pool_key(&prefix, pool, "tok:charges"),
                 pool_key(&prefix, pool, "tok:meta"),
+                pool_key(&prefix, pool, "tok:order"),
+                pool_key(&prefix, pool, "tok:ends"),
             ],
             script: Script::new(include_str!("lua/tokens.lua")),
         }

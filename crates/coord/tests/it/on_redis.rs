@@ -1052,6 +1052,296 @@ async fn the_shared_ledger_agrees_with_the_pure_budget() {
     }
 }
 
+/// A charge as the ledger's hash stores it: (seq, at, input, output, finishedSeq).
+type StoredCharge = (u64, u64, u64, u64, i64);
+type Fields = std::collections::HashMap<String, String>;
+type Scored = Vec<(String, f64)>;
+
+/// What a full reread of one pool's token ledger gives, beside the sums its script keeps.
+struct LedgerRead {
+    /// The script's clock at its last call (what its last reply was computed at).
+    clock: u64,
+    charges: std::collections::HashMap<String, StoredCharge>,
+    meta: Fields,
+    order: Scored,
+    ends: Scored,
+}
+
+impl Space {
+    fn read_ledger(&self, pool: &str) -> LedgerRead {
+        let key = |name: &str| format!("{}:{{{pool}}}:tok:{name}", self.prefix);
+        let client = ::redis::Client::open(self.url.as_str()).unwrap();
+        let mut c = client.get_connection().unwrap();
+        let (flat, meta, order, ends): (Fields, Fields, Scored, Scored) = ::redis::pipe()
+            .hgetall(key("charges"))
+            .hgetall(key("meta"))
+            .zrange_withscores(key("order"), 0, -1)
+            .zrange_withscores(key("ends"), 0, -1)
+            .query(&mut c)
+            .unwrap();
+        let charges = flat
+            .into_iter()
+            .map(|(id, v)| {
+                let n: Vec<i64> = v.split(':').map(|x| x.parse().unwrap()).collect();
+                let u = |i: usize| u64::try_from(n[i]).unwrap();
+                (id, (u(0), u(1), u(2), u(3), n[4]))
+            })
+            .collect();
+        LedgerRead {
+            clock: meta.get("clock").map_or(0, |c| c.parse().unwrap()),
+            charges,
+            meta,
+            order,
+            ends,
+        }
+    }
+}
+
+impl LedgerRead {
+    fn sum(&self, field: &str) -> Option<u64> {
+        self.meta.get(field).map(|v| v.parse().unwrap())
+    }
+
+    /// The script's running sums and indexes are what rereading every charge gives.
+    fn check(&self, window_ms: u64, step: u64) {
+        let part = |c: &StoredCharge, p: &str| match p {
+            "i" => c.2,
+            "o" => c.3,
+            _ => c.2 + c.3,
+        };
+        let in_window: u64 = self
+            .charges
+            .values()
+            .filter(|c| c.1 + window_ms > self.clock)
+            .map(|c| part(c, "t"))
+            .sum();
+        assert_eq!(
+            self.sum("win_t"),
+            Some(in_window),
+            "step {step}: window sum"
+        );
+        for p in ["t", "i", "o"] {
+            let Some(basis) = self.sum(&format!("{p}_basis")) else {
+                continue;
+            };
+            let after: u64 = self
+                .charges
+                .values()
+                .filter(|c| c.0 > basis)
+                .map(|c| part(c, p))
+                .sum();
+            assert_eq!(
+                self.sum(&format!("{p}_aft")),
+                Some(after),
+                "step {step}: the charges after part {p}'s announcement"
+            );
+        }
+        let mut by_seq: Scored = self
+            .charges
+            .iter()
+            .map(|(id, c)| (id.clone(), c.0 as f64))
+            .collect();
+        by_seq.sort_by(|a, b| a.1.total_cmp(&b.1));
+        assert_eq!(self.order, by_seq, "step {step}: the admission order");
+        let mut ends: Scored = self
+            .charges
+            .iter()
+            .map(|(id, c)| {
+                let score = if c.4 < 0 {
+                    2_251_799_813_685_248.0 + c.1 as f64
+                } else {
+                    c.4 as f64
+                };
+                (id.clone(), score)
+            })
+            .collect();
+        ends.sort_by(|a, b| a.1.total_cmp(&b.1).then_with(|| a.0.cmp(&b.0)));
+        assert_eq!(self.ends, ends, "step {step}: the ends");
+    }
+}
+
+/// As charges leave a short window, the ledger keeps its running sums: after every step they
+/// are what a full reread of its charges gives, and its answers are the pure `TokenBudget`'s
+/// fed the script's own clock (the same verdicts, retry hints and remainders). Sleeps only let
+/// the window roll; nothing asserted depends on how long they took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shared_ledger_keeps_its_sums_as_charges_leave_the_window() {
+    use nthbouncer_coord::redis::{SharedAdmit, TokenView};
+    use nthbouncer_governor::{
+        Priority, TokenAdmit, TokenBudget, TokenCost, TokenPart, TokenSettings, TokenWindow, Usage,
+    };
+    let space = Space::new();
+    let node = space.node();
+    let s = TokenSettings {
+        tpm: 6_000,
+        window_ms: 120,
+        ..TokenSettings::default()
+    };
+    let ledger = node.token_ledger("roll");
+    let mut pure = TokenBudget::new(s);
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    let same = |v: TokenView, pure: &TokenBudget, now: u64, step: u64| {
+        let snap = pure.snapshot(now);
+        assert_eq!(
+            (v.remaining, v.input_remaining, v.output_remaining, v.budget),
+            (
+                snap.remaining,
+                snap.input_remaining,
+                snap.output_remaining,
+                snap.budget
+            ),
+            "step {step}"
+        );
+        assert_eq!(v.admitted_tokens, snap.admitted_tokens, "step {step}");
+    };
+    let mut live: Vec<u128> = Vec::new();
+    let (mut admitted, mut refused, mut left) = (0, 0, 0);
+    for step in 0..400u64 {
+        if next(2) == 0 {
+            tokio::time::sleep(Duration::from_millis(next(25))).await;
+        }
+        let op = next(10);
+        let view = if op < 5 || live.is_empty() {
+            let id = u128::from(step);
+            let cost = TokenCost {
+                input: 1 + next(600),
+                output: next(300),
+            };
+            let r = ledger.admit(&s, id, cost, false).await.unwrap();
+            let now = space.read_ledger("roll").clock;
+            match (pure.try_admit(now, id, cost, Priority::Normal, false), r) {
+                (TokenAdmit::Admitted { .. }, SharedAdmit::Admitted(v)) => {
+                    admitted += 1;
+                    live.push(id);
+                    v
+                }
+                (
+                    TokenAdmit::Refused { retry_after_ms },
+                    SharedAdmit::Refused {
+                        view,
+                        retry_after_ms: shared,
+                    },
+                ) => {
+                    refused += 1;
+                    assert_eq!(shared, retry_after_ms, "step {step}: the retry hint");
+                    view
+                }
+                other => panic!("step {step}: {other:?}"),
+            }
+        } else if op < 8 {
+            let id = live.remove(next(live.len() as u64) as usize);
+            let usage = match next(3) {
+                0 => None,
+                1 => Some(Usage::Total(next(900))),
+                _ => Some(Usage::Split(TokenCost {
+                    input: next(600),
+                    output: next(300),
+                })),
+            };
+            let v = ledger.finish(&s, id, usage).await.unwrap();
+            pure.finish_usage(space.read_ledger("roll").clock, id, usage);
+            v
+        } else if op < 9 {
+            let id = live.remove(next(live.len() as u64) as usize);
+            let v = ledger.refund(&s, id).await.unwrap();
+            pure.refund(id);
+            v
+        } else {
+            let part = [TokenPart::Total, TokenPart::Input, TokenPart::Output][next(3) as usize];
+            let limit = [60_000, 30_000, 12_000][next(3) as usize];
+            let w = TokenWindow {
+                limit: Some(limit),
+                remaining: Some(limit / 2 + next(limit / 2)),
+                reset_ms: Some(1_000_000_000_000),
+            };
+            let id = (next(2) == 0).then(|| live.last().copied()).flatten();
+            let v = ledger.observe(&s, id, part, w).await.unwrap();
+            pure.observe_part(space.read_ledger("roll").clock, id, part, w);
+            v
+        };
+        let read = space.read_ledger("roll");
+        same(view, &pure, read.clock, step);
+        read.check(s.window_ms, step);
+        if read.sum("win_seq").unwrap_or(0) > 1 {
+            left += 1;
+        }
+    }
+    // The run went through each case the sums must follow.
+    assert!(
+        admitted > 50 && refused > 10,
+        "{admitted} admitted, {refused} refused"
+    );
+    assert!(left > 0, "no charge ever left the window");
+    let kept = space.read_ledger("roll").charges.len();
+    assert!(
+        kept < admitted / 2,
+        "{kept} charges kept of {admitted}: settled ones out of the window go"
+    );
+}
+
+/// A ledger written by the earlier script (its charges hash and meta only, no indexes) is
+/// indexed by the first call that finds it: the charges in the window count, one in flight for
+/// longer than a charge may be ends and goes; a charge taken out behind the indexes (as a node
+/// of the earlier version does) is seen at the next call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ledger_of_the_earlier_layout_is_indexed_once() {
+    use nthbouncer_governor::TokenSettings;
+    let space = Space::new();
+    let node = space.node();
+    let s = TokenSettings {
+        tpm: 10_000,
+        window_ms: 60_000,
+        ..TokenSettings::default()
+    };
+    let key = |name: &str| format!("{}:{{old}}:tok:{name}", space.prefix);
+    let time: Vec<String> = space.sync_cmd(&::redis::cmd("TIME"));
+    let now = time[0].parse::<u64>().unwrap() * 1000 + time[1].parse::<u64>().unwrap() / 1000;
+    let stale = format!("1:{}:700:200:-1", now - 700_000);
+    let settled = format!("2:{}:300:100:2", now - 1_000);
+    let flying = format!("3:{}:1000:500:-1", now - 500);
+    let _: () = space.sync_cmd(
+        ::redis::cmd("HSET")
+            .arg(key("charges"))
+            .arg("a")
+            .arg(settled)
+            .arg("b")
+            .arg(stale)
+            .arg("c")
+            .arg(flying),
+    );
+    let _: () = space.sync_cmd(
+        ::redis::cmd("HSET")
+            .arg(key("meta"))
+            .arg("seq")
+            .arg(3)
+            .arg("admitted")
+            .arg(2_800),
+    );
+    let ledger = node.token_ledger("old");
+    let v = ledger.peek(&s).await.unwrap();
+    assert_eq!(v.remaining, Some(10_000 - 400 - 1_500));
+    assert_eq!(v.admitted_tokens, 2_800);
+    let read = space.read_ledger("old");
+    assert_eq!(read.meta.get("v").map(String::as_str), Some("2"));
+    assert!(
+        !read.charges.contains_key("b"),
+        "the stale charge out of the window ended and went"
+    );
+    read.check(s.window_ms, 0);
+
+    // An older node refunds "a" (it knows nothing of the indexes).
+    let _: () = space.sync_cmd(::redis::cmd("HDEL").arg(key("charges")).arg("a"));
+    let v = ledger.peek(&s).await.unwrap();
+    assert_eq!(v.remaining, Some(10_000 - 1_500));
+    space.read_ledger("old").check(s.window_ms, 1);
+}
+
 /// A pair on a free slot, through a node on `server`.
 async fn one_pair(server: &OwnRedis) {
     pair_at(server.url.clone()).await;

@@ -3,15 +3,32 @@
 -- `nthbouncer_governor::TokenBudget` (see its module docs for why each charge counts where it
 -- does) except that waiters stay parked on their own node (it retries `admit` for them) and
 -- one of them at a time may hold the budget (`holder`). Runs atomically; time is the server's
--- (`TIME`), so no node clock decides a window or a refill.
+-- (`TIME`, never taken to run backwards: `clock`), so no node clock decides a window or a
+-- refill.
 --
 -- Split budgets (Anthropic's input and output tokens): a charge's cost is its input and its
 -- output; the origin's announcement of each budget ('t' total, 'i' input, 'o' output) is kept
 -- apart, and a charge fits when its total fits the total and each part fits its own.
 --
+-- A call reads only the charges its answer depends on, never the whole window: the sums the
+-- rules need are kept as running sums by the calls that change them.
+-- - `win_t`: the total of the charges still in the configured window, those from `win_seq` on
+--   (charges enter it in sequence order and leave it in the same order, since `at` never
+--   decreases). A call first walks the charges that left it since the last call.
+-- - per part p, `p_aft`: the part of the charges admitted after the announcement's `p_basis`
+--   (the charges it does not know). Set by `observe` from the few admitted after its basis;
+--   kept by admit, finish and refund.
+-- - `ends` orders the charges by when they ended (their `finishedSeq`); those in flight come
+--   after every ended one, by admission time (OPEN + at): `observe`'s charges in flight then,
+--   and the stale ones, are a range of it.
+-- A ledger written by an earlier version (no `v`), or changed behind the indexes (the charge
+-- count differs), or read with another window, is indexed again from the charges, once.
+--
 -- KEYS: 1 charges (hash id -> "seq:at:input:output:finishedSeq", finishedSeq -1 while in
--- flight), 2 meta (hash: seq, admitted, per part p the announcement p_limit/p_rem/p_at/p_full/
--- p_basis/p_ift, hold_id/hold_until).
+-- flight), 2 meta (hash: seq, admitted, clock, v, win_ms, win_seq, win_t, per part p the
+-- announcement p_limit/p_rem/p_at/p_full/p_basis/p_ift and its running sum p_aft,
+-- hold_id/hold_until), 3 order (sorted set: id by seq), 4 ends (sorted set: id by
+-- finishedSeq, or OPEN + at while in flight).
 -- ARGV: 1 operation, 2 tpm (0 = none configured), 3 window_ms, 4 hold_ttl_ms, 5 charge id
 -- ('' for none), then the operation's own:
 --   admit   6 input, 7 output, 8 holder (0/1: the caller's waiter has waited its hold)
@@ -22,7 +39,7 @@
 -- outputRemaining}; -1 for none; verdict 'admitted' | 'refused' | 'exceeds' | 'ok'; source
 -- 0 none, 1 configured, 2 announced, 3 both; held 1 when another charge holds the budget.
 
-local K_CHARGES, K_META = KEYS[1], KEYS[2]
+local K_CHARGES, K_META, K_ORDER, K_ENDS = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local op = ARGV[1]
 local tpm, window, hold_ttl = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local id = ARGV[5]
@@ -31,48 +48,71 @@ local id = ARGV[5]
 local STALE_MS = 600000
 -- The keys of a pool nobody uses for this long are forgotten.
 local IDLE_MS = 600000
-
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+-- Where charges in flight start in `ends`: above any sequence number, below 2^53 (exact).
+local OPEN = 2251799813685248
+-- Charges read per step of a walk.
+local PAGE = 8
+local VERSION = '2'
 
 local function fmt(n)
   return string.format('%d', n)
 end
 
 local PARTS = { 't', 'i', 'o' }
-local m = redis.call('HMGET', K_META, 'seq', 'admitted', 'hold_id', 'hold_until')
+local ANN = { 'limit', 'rem', 'at', 'full', 'basis', 'ift', 'aft' }
+local fields = { 'seq', 'admitted', 'hold_id', 'hold_until', 'clock', 'v', 'win_ms', 'win_seq',
+  'win_t' }
+local BASE = #fields
+for _, p in ipairs(PARTS) do
+  for _, f in ipairs(ANN) do table.insert(fields, p .. '_' .. f) end
+end
+local m = redis.call('HMGET', K_META, unpack(fields))
+
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+now = math.max(now, tonumber(m[5]) or 0)
+
 local seq = tonumber(m[1]) or 0
 local admitted = tonumber(m[2]) or 0
 local hold_id = m[3]
 if not hold_id or (tonumber(m[4]) or 0) <= now then hold_id = nil end
--- The origin's last announcement of each budget.
+local indexed = m[6] == VERSION and tonumber(m[7]) == window
+local win_seq = tonumber(m[8]) or 1
+local win_t = tonumber(m[9]) or 0
+-- The origin's last announcement of each budget, with its running sum.
 local ann = {}
-for _, p in ipairs(PARTS) do
-  local a = redis.call('HMGET', K_META, p .. '_limit', p .. '_rem', p .. '_at', p .. '_full',
-    p .. '_basis', p .. '_ift')
-  if tonumber(a[3]) then
-    ann[p] = { limit = tonumber(a[1]), rem = tonumber(a[2]), at = tonumber(a[3]),
-      full = tonumber(a[4]), basis = tonumber(a[5]) or 0, ift = tonumber(a[6]) or 0 }
+for k, p in ipairs(PARTS) do
+  local o = BASE + (k - 1) * #ANN
+  if tonumber(m[o + 3]) then
+    ann[p] = { limit = tonumber(m[o + 1]), rem = tonumber(m[o + 2]), at = tonumber(m[o + 3]),
+      full = tonumber(m[o + 4]), basis = tonumber(m[o + 5]) or 0, ift = tonumber(m[o + 6]) or 0,
+      aft = tonumber(m[o + 7]) or 0 }
   end
 end
 
--- The ledger, in admission order.
-local charges, by_id = {}, {}
-local flat = redis.call('HGETALL', K_CHARGES)
-for i = 1, #flat, 2 do
-  local s, at, inp, out, fin = string.match(flat[i + 1], '^(%d+):(%d+):(%d+):(%d+):(-?%d+)$')
-  if s then
-    local c = { id = flat[i], seq = tonumber(s), at = tonumber(at), inp = tonumber(inp),
-      out = tonumber(out), fin = tonumber(fin) }
-    table.insert(charges, c)
-    by_id[c.id] = c
-  end
+local function parse(cid, v)
+  if not v then return nil end
+  local s, at, inp, out, fin = string.match(v, '^(%d+):(%d+):(%d+):(%d+):(-?%d+)$')
+  if not s then return nil end
+  return { id = cid, seq = tonumber(s), at = tonumber(at), inp = tonumber(inp),
+    out = tonumber(out), fin = tonumber(fin) }
 end
-table.sort(charges, function(a, b) return a.seq < b.seq end)
 
-local function save(c)
-  redis.call('HSET', K_CHARGES, c.id, fmt(c.seq) .. ':' .. fmt(c.at) .. ':' .. fmt(c.inp) .. ':'
-    .. fmt(c.out) .. ':' .. fmt(c.fin))
+local function get(cid)
+  return parse(cid, redis.call('HGET', K_CHARGES, cid))
+end
+
+-- The stored values of `ids` (false where none), read in chunks (`unpack`'s stack is small).
+local function values(ids)
+  local vals = {}
+  local i = 1
+  while i <= #ids do
+    local last = math.min(#ids, i + 499)
+    local got = redis.call('HMGET', K_CHARGES, unpack(ids, i, last))
+    for j = 1, #got do vals[i + j - 1] = got[j] end
+    i = last + 1
+  end
+  return vals
 end
 
 -- A charge's (or a cost's) part: 't' its total, 'i' its input, 'o' its output.
@@ -82,57 +122,138 @@ local function part_of(c, p)
   return c.inp + c.out
 end
 
-for _, c in ipairs(charges) do
-  if c.fin < 0 and c.at + STALE_MS <= now then
-    c.fin = seq
-    save(c)
+local function end_score(c)
+  if c.fin < 0 then return OPEN + c.at end
+  return c.fin
+end
+
+local function save(c)
+  redis.call('HSET', K_CHARGES, c.id, fmt(c.seq) .. ':' .. fmt(c.at) .. ':' .. fmt(c.inp) .. ':'
+    .. fmt(c.out) .. ':' .. fmt(c.fin))
+  redis.call('ZADD', K_ENDS, fmt(end_score(c)), c.id)
+end
+
+local function forget(cid)
+  redis.call('HDEL', K_CHARGES, cid)
+  redis.call('ZREM', K_ORDER, cid)
+  redis.call('ZREM', K_ENDS, cid)
+end
+
+-- Moves the running sums by a change of `c`'s cost: `d` (a cost, parts possibly negative).
+local function account(c, d)
+  if c.seq >= win_seq then win_t = math.max(0, win_t + part_of(d, 't')) end
+  for p, a in pairs(ann) do
+    if c.seq > a.basis then a.aft = math.max(0, a.aft + part_of(d, p)) end
   end
 end
 
--- Drops charges neither budget counts any more (as `TokenBudget::prune`).
+-- Indexes the charges again, from the hash alone.
+local function reindex()
+  redis.call('DEL', K_ORDER, K_ENDS)
+  local flat = redis.call('HGETALL', K_CHARGES)
+  local all = {}
+  for i = 1, #flat, 2 do
+    local c = parse(flat[i], flat[i + 1])
+    if c then table.insert(all, c) else redis.call('HDEL', K_CHARGES, flat[i]) end
+  end
+  table.sort(all, function(a, b) return a.seq < b.seq end)
+  win_seq, win_t = seq + 1, 0
+  for p, a in pairs(ann) do a.aft = 0 end
+  local in_window = false
+  for _, c in ipairs(all) do
+    redis.call('ZADD', K_ORDER, fmt(c.seq), c.id)
+    redis.call('ZADD', K_ENDS, fmt(end_score(c)), c.id)
+    if not in_window and c.at + window > now then
+      in_window = true
+      win_seq = c.seq
+    end
+    if in_window then win_t = win_t + part_of(c, 't') end
+    for p, a in pairs(ann) do
+      if c.seq > a.basis then a.aft = a.aft + part_of(c, p) end
+    end
+  end
+end
+
+if not indexed or redis.call('HLEN', K_CHARGES) ~= redis.call('ZCARD', K_ORDER) then
+  reindex()
+end
+
+-- Charges in flight for too long end now (their node went away).
+while true do
+  local stale = redis.call('ZRANGEBYSCORE', K_ENDS, fmt(OPEN), fmt(OPEN + now - STALE_MS),
+    'LIMIT', 0, PAGE)
+  if #stale == 0 then break end
+  local vals = values(stale)
+  for k, cid in ipairs(stale) do
+    local c = parse(cid, vals[k])
+    if c then
+      c.fin = seq
+      save(c)
+    else
+      forget(cid)
+    end
+  end
+end
+
+-- The charges `from` (a `ZRANGEBYSCORE` bound) on in admission order, a page at a time, to
+-- `each(c)` until it returns false. `each` must not remove charges.
+local function walk(from, each)
+  local offset = 0
+  while true do
+    local page = redis.call('ZRANGEBYSCORE', K_ORDER, from, '+inf', 'LIMIT', offset, PAGE)
+    local vals = values(page)
+    for k, cid in ipairs(page) do
+      local c = parse(cid, vals[k])
+      if c and not each(c) then return end
+    end
+    if #page < PAGE then return end
+    offset = offset + PAGE
+  end
+end
+
+-- Charges that left the configured window since the last call.
+do
+  local first = nil
+  walk(fmt(win_seq), function(c)
+    if c.at + window > now then
+      first = c.seq
+      return false
+    end
+    win_t = math.max(0, win_t - part_of(c, 't'))
+    return true
+  end)
+  win_seq = first or (seq + 1)
+  if not first then win_t = 0 end
+end
+
+-- Drops charges neither budget counts any more (as `TokenBudget::prune`): from the oldest,
+-- while out of the window and settled.
 local function prune()
   -- The oldest announcement in force decides: a charge it does not know must stay.
   local basis = nil
   for _, a in pairs(ann) do
     if not basis or a.basis < basis then basis = a.basis end
   end
-  local first = 1
-  while charges[first] do
-    local c = charges[first]
-    local out_of_window = c.at + window <= now
-    local settled = c.fin >= 0 and (not basis or c.fin < basis)
-    if not (out_of_window and settled) then break end
-    redis.call('HDEL', K_CHARGES, c.id)
-    by_id[c.id] = nil
-    first = first + 1
-  end
-  if first > 1 then
-    local rest = {}
-    for i = first, #charges do table.insert(rest, charges[i]) end
-    charges = rest
+  while true do
+    local page = redis.call('ZRANGE', K_ORDER, 0, PAGE - 1)
+    if #page == 0 then return end
+    local vals = values(page)
+    for k, cid in ipairs(page) do
+      local c = parse(cid, vals[k])
+      if c then
+        local out_of_window = c.seq < win_seq and c.at + window <= now
+        local settled = c.fin >= 0 and (not basis or c.fin < basis)
+        if not (out_of_window and settled) then return end
+      end
+      forget(cid)
+    end
   end
 end
 prune()
 
-local function spent_in_window()
-  local s = 0
-  for _, c in ipairs(charges) do
-    if c.at + window > now then s = s + part_of(c, 't') end
-  end
-  return s
-end
-
-local function spent_after(p, basis)
-  local s = 0
-  for _, c in ipairs(charges) do
-    if c.seq > basis then s = s + part_of(c, p) end
-  end
-  return s
-end
-
 local function configured_remaining()
   if tpm <= 0 then return nil end
-  return math.max(0, tpm - spent_in_window())
+  return math.max(0, tpm - win_t)
 end
 
 -- The announced budget's level before the charges it does not know (`announced_level`).
@@ -157,7 +278,7 @@ local function announced_remaining(p)
   if not a then return nil end
   local level = announced_level(a)
   if not level then return nil end
-  return math.max(0, level - spent_after(p, a.basis) - a.ift)
+  return math.max(0, level - a.aft - a.ift)
 end
 
 local function remaining()
@@ -205,7 +326,7 @@ end
 -- (`announced_fits_at`).
 local function announced_fits_at(p, cost)
   local a = ann[p]
-  local need = cost + spent_after(p, a.basis) + a.ift
+  local need = cost + a.aft + a.ift
   local full = a.full or (a.at + window)
   local r, limit = a.rem, a.limit
   if r and limit and limit > r and full > a.at then
@@ -222,14 +343,14 @@ local function fits_at(cost)
   local at = now + 1
   if tpm > 0 then
     if total > tpm then return nil end
-    local spent = spent_in_window()
-    for _, c in ipairs(charges) do
-      if tpm - spent >= total then break end
-      if c.at + window > now then
-        spent = spent - part_of(c, 't')
-        at = math.max(at, c.at + window)
-      end
-    end
+    -- The window's oldest charges, until enough of them have left.
+    local spent = win_t
+    walk(fmt(win_seq), function(c)
+      if tpm - spent >= total then return false end
+      spent = spent - part_of(c, 't')
+      at = math.max(at, c.at + window)
+      return true
+    end)
     if tpm - spent < total then return nil end
   end
   for _, p in ipairs(PARTS) do
@@ -244,11 +365,22 @@ local function fits_at(cost)
 end
 
 local function touch()
-  redis.call('PEXPIRE', K_CHARGES, IDLE_MS + window)
-  redis.call('PEXPIRE', K_META, IDLE_MS + window)
+  for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, IDLE_MS + window) end
+end
+
+-- Writes what the call changed of the meta hash's sums and counters.
+local function flush()
+  local out = { 'seq', fmt(seq), 'admitted', fmt(admitted), 'clock', fmt(now), 'v', VERSION,
+    'win_ms', fmt(window), 'win_seq', fmt(win_seq), 'win_t', fmt(win_t) }
+  for p, a in pairs(ann) do
+    table.insert(out, p .. '_aft')
+    table.insert(out, fmt(a.aft))
+  end
+  redis.call('HSET', K_META, unpack(out))
 end
 
 local function reply(verdict, retry)
+  flush()
   local held = 0
   if hold_id and hold_id ~= id then held = 1 end
   return { verdict, remaining() or -1, budget() or -1, source(), fmt(admitted), retry or -1, held,
@@ -277,15 +409,14 @@ if op == 'admit' then
       return r
     end
   end
-  if by_id[id] then return reply('refused') end
+  if redis.call('HEXISTS', K_CHARGES, id) == 1 then return reply('refused') end
   if (not hold_id or hold_id == id) and fits(cost) then
     seq = seq + 1
     local c = { id = id, seq = seq, at = now, inp = cost.inp, out = cost.out, fin = -1 }
-    table.insert(charges, c)
-    by_id[id] = c
     save(c)
+    redis.call('ZADD', K_ORDER, fmt(seq), id)
+    account(c, c)
     admitted = admitted + part_of(c, 't')
-    redis.call('HSET', K_META, 'seq', fmt(seq), 'admitted', fmt(admitted))
     if hold_id == id then set_hold(nil) end
     touch()
     return reply('admitted')
@@ -297,7 +428,7 @@ if op == 'admit' then
   if at then retry = math.max(1, at - now) end
   return reply('refused', retry)
 elseif op == 'finish' then
-  local c = by_id[id]
+  local c = get(id)
   local actual, inp, out = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
   if c then
     if c.fin < 0 then c.fin = seq end
@@ -308,22 +439,18 @@ elseif op == 'finish' then
         inp = actual - out
       end
       admitted = math.max(0, admitted - part_of(c, 't')) + inp + out
+      account(c, { inp = inp - c.inp, out = out - c.out })
       c.inp, c.out = inp, out
-      redis.call('HSET', K_META, 'admitted', fmt(admitted))
     end
     save(c)
     touch()
   end
 elseif op == 'refund' then
-  local c = by_id[id]
+  local c = get(id)
   if c then
-    redis.call('HDEL', K_CHARGES, id)
-    by_id[id] = nil
-    for i, x in ipairs(charges) do
-      if x.id == id then table.remove(charges, i) break end
-    end
+    forget(id)
+    account(c, { inp = -c.inp, out = -c.out })
     admitted = math.max(0, admitted - part_of(c, 't'))
-    redis.call('HSET', K_META, 'admitted', fmt(admitted))
   end
   if hold_id == id then set_hold(nil) end
 elseif op == 'unhold' then
@@ -335,26 +462,41 @@ elseif op == 'observe' then
   if rem < 0 then rem = nil end
   if reset < 0 then reset = nil end
   local answered = nil
-  if id ~= '' then answered = by_id[id] end
+  if id ~= '' then answered = get(id) end
   local basis = seq
   local settled_before = seq + 1
   if answered then
     basis = answered.seq
     settled_before = answered.seq
   end
-  -- Charges admitted up to it whose answers had not come back when it was admitted may have
-  -- reached the origin after it.
-  local ift = 0
-  for _, c in ipairs(charges) do
-    if c.seq <= basis and c.id ~= id and (c.fin < 0 or c.fin >= settled_before) then
-      ift = ift + part_of(c, p)
-    end
-  end
   if (limit or rem) and not (ann[p] and ann[p].basis > basis) then
+    -- Charges admitted up to it whose answers had not come back when it was admitted may have
+    -- reached the origin after it (`ift`); those admitted after it are not in it (`aft`). Both
+    -- ended at or after `settled_before` (or are in flight): one range of `ends`.
+    local ift, aft = 0, 0
+    local offset = 0
+    while true do
+      local page = redis.call('ZRANGEBYSCORE', K_ENDS, fmt(settled_before), '+inf', 'LIMIT',
+        offset, 256)
+      local vals = values(page)
+      for k, cid in ipairs(page) do
+        local c = parse(cid, vals[k])
+        if c then
+          if c.seq > basis then
+            aft = aft + part_of(c, p)
+          elseif cid ~= id then
+            ift = ift + part_of(c, p)
+          end
+        end
+      end
+      if #page < 256 then break end
+      offset = offset + 256
+    end
     local at = now + 1
     local full = nil
     if reset then full = at + reset end
-    ann[p] = { limit = limit, rem = rem, at = at, full = full, basis = basis, ift = ift }
+    ann[p] = { limit = limit, rem = rem, at = at, full = full, basis = basis, ift = ift,
+      aft = aft }
     redis.call('HSET', K_META, p .. '_limit', limit and fmt(limit) or '', p .. '_rem',
       rem and fmt(rem) or '', p .. '_at', fmt(at), p .. '_full', full and fmt(full) or '',
       p .. '_basis', fmt(basis), p .. '_ift', fmt(ift))
