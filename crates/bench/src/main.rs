@@ -11,6 +11,8 @@
 //!   HAProxy, and compares throughput and latency.
 //! - [`converge`] / [`tokens`]: eager clients against sandboxes with hidden limits (requests
 //!   and concurrency / tokens per minute), learning or token admission on vs off.
+//! - [`ledger`]: Redis's time per call of the shared token ledger's script, this version
+//!   against an earlier one.
 //! - [`upstream`]: the fast local origin the proxy benchmark puts behind every proxy.
 //! - [`hmac`]: admitted proxy requests per second with HMAC request signing on vs off.
 //! - [`cpu`]: CPU time of the server processes, from `/proc`.
@@ -30,6 +32,7 @@ mod converge;
 mod cpu;
 mod hmac;
 mod jobs;
+mod ledger;
 mod lock;
 mod proxy;
 mod scale;
@@ -73,6 +76,8 @@ enum Command {
     /// Token-budget admission against a sandbox with a hidden tokens-per-minute limit: goodput
     /// and origin 429s, on vs off.
     Tokens(tokens::TokensArgs),
+    /// Redis time per call of the shared token ledger's script, two versions side by side.
+    TokenLedger(ledger::LedgerArgs),
     /// Serve a small fixed body on HTTP/1.1 keep-alive (the proxy benchmark's origin).
     Upstream(upstream::UpstreamArgs),
     /// Async jobs accepted and completed per second vs the same requests sent synchronously.
@@ -114,6 +119,7 @@ fn main() -> ExitCode {
             Command::Hmac(args) => hmac::run(args).await,
             Command::Converge(args) => converge::run(args).await,
             Command::Tokens(args) => tokens::run(args).await,
+            Command::TokenLedger(args) => ledger::run(args).await,
             Command::Upstream(args) => upstream::run(args).await,
             Command::Webhooks(args) => webhooks::run(args).await,
             Command::Jobs(args) => jobs::run(args).await,

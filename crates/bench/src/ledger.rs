@@ -1,0 +1,230 @@
+//! `token-ledger`: Redis's own time per call of the shared token ledger's script
+//! (`crates/coord/src/redis/lua/tokens.lua`), for two versions of it side by side (this
+//! checkout's and a baseline's, `bench/token-ledger` extracts it from a git revision), against
+//! a `redis-server` that nobody else uses (its `INFO commandstats` are server-wide).
+//!
+//! Scenarios, each run on a fresh database for each script:
+//! - `admit` with N settled charges in the window (N = 10 … 3,000), the ledger written in the
+//!   charges hash alone, as every version reads it (a first `peek`, not counted, lets a version
+//!   with indexes build them);
+//! - `finish` and `observe` (without the answered charge) with 1,000;
+//! - a stream: one client admitting and finishing as fast as it goes on a 2 s window, the first
+//!   half of the run a warm-up; Redis time per call and requests a second over the second half,
+//!   charges leaving the window on every call.
+//!
+//! Redis time is what the ledger costs every pool coordinated through that Redis; it does not
+//! move with the client's speed as a wall-clock rate does.
+
+use std::time::{Duration, Instant};
+
+use redis::aio::MultiplexedConnection;
+
+use crate::BoxError;
+
+#[derive(clap::Args)]
+pub struct LedgerArgs {
+    /// The Redis to use (its own, database 0 is flushed between runs).
+    #[arg(long)]
+    redis: String,
+    /// `name=file`: a version of the script; give the baseline first.
+    #[arg(long = "script", required = true)]
+    scripts: Vec<String>,
+    /// Calls per scenario (after the first).
+    #[arg(long, default_value_t = 30)]
+    calls: u32,
+    /// Length of the stream scenario (half of it warm-up).
+    #[arg(long, default_value_t = 6)]
+    stream_seconds: u64,
+}
+
+const KEYS: [&str; 4] = ["tok:charges", "tok:meta", "tok:order", "tok:ends"];
+const WINDOW_MS: u64 = 60_000;
+
+async fn call(
+    conn: &mut MultiplexedConnection,
+    sha: &str,
+    args: &[String],
+) -> Result<(), BoxError> {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(sha).arg(KEYS.len());
+    for k in KEYS {
+        cmd.arg(k);
+    }
+    for a in args {
+        cmd.arg(a);
+    }
+    let _: redis::Value = cmd.query_async(conn).await?;
+    Ok(())
+}
+
+fn args(op: &str, window_ms: u64, id: &str, rest: &[&str]) -> Vec<String> {
+    let mut v = vec![
+        op.to_owned(),
+        "1000000000".to_owned(),
+        window_ms.to_string(),
+        "2000".to_owned(),
+        id.to_owned(),
+    ];
+    v.extend(rest.iter().map(|s| (*s).to_owned()));
+    v
+}
+
+/// `EVALSHA` time in µs per call since the last reset, from `INFO commandstats`.
+async fn usec_per_call(conn: &mut MultiplexedConnection) -> Result<f64, BoxError> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await?;
+    let line = info
+        .lines()
+        .find(|l| l.starts_with("cmdstat_evalsha:"))
+        .ok_or("no EVALSHA in INFO commandstats")?;
+    let field = |name: &str| -> Result<f64, BoxError> {
+        let v = line
+            .split([':', ','])
+            .find_map(|kv| kv.strip_prefix(name))
+            .ok_or("a field is missing from cmdstat_evalsha")?;
+        Ok(v.parse()?)
+    };
+    Ok(field("usec=")? / field("calls=")?)
+}
+
+async fn reset(conn: &mut MultiplexedConnection) -> Result<(), BoxError> {
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async(conn)
+        .await?;
+    Ok(())
+}
+
+/// A fresh ledger of `n` settled charges of 400 tokens spread over the window's last 58 s.
+async fn fill(conn: &mut MultiplexedConnection, n: u64) -> Result<(), BoxError> {
+    let _: () = redis::cmd("FLUSHDB").query_async(conn).await?;
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(conn).await?;
+    let now = secs * 1000 + micros / 1000;
+    let mut pipe = redis::pipe();
+    for i in 1..=n {
+        let at = now - 59_000 + i * 58_000 / n.max(1);
+        pipe.hset(KEYS[0], format!("c{i}"), format!("{i}:{at}:300:100:{i}"))
+            .ignore();
+    }
+    pipe.hset_multiple(KEYS[1], &[("seq", n), ("admitted", 400 * n)])
+        .ignore();
+    let _: () = pipe.query_async(conn).await?;
+    Ok(())
+}
+
+async fn scenario(
+    conn: &mut MultiplexedConnection,
+    sha: &str,
+    n: u64,
+    calls: u32,
+    op: &str,
+) -> Result<f64, BoxError> {
+    fill(conn, n).await?;
+    call(conn, sha, &args("peek", WINDOW_MS, "", &[])).await?;
+    reset(conn).await?;
+    for k in 0..calls {
+        let a = match op {
+            "admit" => args("admit", WINDOW_MS, &format!("n{k}"), &["500", "100", "0"]),
+            "finish" => args(
+                "finish",
+                WINDOW_MS,
+                &format!("c{}", n.saturating_sub(u64::from(k))),
+                &["350", "-1", "-1"],
+            ),
+            _ => args("observe", WINDOW_MS, "", &["t", "100000", "50000", "10000"]),
+        };
+        call(conn, sha, &a).await?;
+    }
+    usec_per_call(conn).await
+}
+
+/// Redis µs per call and requests a second of one client admitting and finishing.
+async fn stream(
+    conn: &mut MultiplexedConnection,
+    sha: &str,
+    seconds: u64,
+) -> Result<(f64, f64), BoxError> {
+    let _: () = redis::cmd("FLUSHDB").query_async(conn).await?;
+    let window = 2_000;
+    let start = Instant::now();
+    let half = Duration::from_millis(seconds * 500);
+    let (mut k, mut measured_from) = (0u64, None);
+    while start.elapsed() < half * 2 {
+        if measured_from.is_none() && start.elapsed() >= half {
+            reset(conn).await?;
+            measured_from = Some((k, Instant::now()));
+        }
+        let id = format!("n{k}");
+        call(conn, sha, &args("admit", window, &id, &["500", "100", "0"])).await?;
+        call(
+            conn,
+            sha,
+            &args("finish", window, &id, &["550", "-1", "-1"]),
+        )
+        .await?;
+        k += 1;
+    }
+    let (k0, t0) = measured_from.ok_or("the stream ran too short to measure")?;
+    let rate = (k - k0) as f64 / t0.elapsed().as_secs_f64();
+    Ok((usec_per_call(conn).await?, rate))
+}
+
+pub async fn run(a: LedgerArgs) -> Result<(), BoxError> {
+    let client = redis::Client::open(a.redis.as_str())?;
+    let mut conn = client.get_multiplexed_async_connection().await?;
+    let mut versions = Vec::new();
+    for s in &a.scripts {
+        let (name, file) = s.split_once('=').ok_or("--script takes name=file")?;
+        let body = std::fs::read_to_string(file).map_err(|e| format!("{file}: {e}"))?;
+        let sha: String = redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(body)
+            .query_async(&mut conn)
+            .await?;
+        versions.push((name.to_owned(), sha));
+    }
+    let mut head = format!("{:<28}", "scenario (Redis µs/call)");
+    for (name, _) in &versions {
+        head.push_str(&format!("{name:>14}"));
+    }
+    if versions.len() == 2 {
+        head.push_str(&format!("{:>10}", "old/new"));
+    }
+    println!(
+        "TOKEN LEDGER  Redis's own time per EVALSHA (INFO commandstats), {} calls per row",
+        a.calls
+    );
+    println!("{head}");
+    let mut rows: Vec<(String, u64, &str)> = [10, 100, 300, 1_000, 3_000]
+        .iter()
+        .map(|&n| (format!("admit, {n} in window"), n, "admit"))
+        .collect();
+    rows.push(("finish, 1000 in window".to_owned(), 1_000, "finish"));
+    rows.push(("observe, 1000 in window".to_owned(), 1_000, "observe"));
+    for (label, n, op) in &rows {
+        let mut line = format!("{label:<28}");
+        let mut got = Vec::new();
+        for (_, sha) in &versions {
+            let us = scenario(&mut conn, sha, *n, a.calls, op).await?;
+            line.push_str(&format!("{us:>14.0}"));
+            got.push(us);
+        }
+        if let [old, new] = got[..] {
+            line.push_str(&format!("{:>9.1}×", old / new));
+        }
+        println!("{line}");
+    }
+    let mut line = format!("{:<28}", "stream, 2 s window");
+    let mut rates = format!("{:<28}", "  requests/s, one client");
+    for (_, sha) in &versions {
+        let (us, rate) = stream(&mut conn, sha, a.stream_seconds).await?;
+        line.push_str(&format!("{us:>14.0}"));
+        rates.push_str(&format!("{rate:>14.0}"));
+    }
+    println!("{line}");
+    println!("{rates}");
+    let _: () = redis::cmd("FLUSHDB").query_async(&mut conn).await?;
+    Ok(())
+}
