@@ -7,7 +7,8 @@
 //! - `admit` with N settled charges in the window (N = 10 … 3,000), the ledger written in the
 //!   charges hash alone, as every version reads it (a first `peek`, not counted, lets a version
 //!   with indexes build them);
-//! - `finish` and `observe` (without the answered charge) with 1,000;
+//! - `finish` and `observe` with 1,000: an announcement without its request, and one answered
+//!   by the ledger's oldest charge (all the others admitted after it);
 //! - a stream: one client admitting and finishing as fast as it goes on a 2 s window, the first
 //!   half of the run a warm-up; Redis time per call and requests a second over the second half,
 //!   charges leaving the window on every call.
@@ -37,7 +38,13 @@ pub struct LedgerArgs {
     stream_seconds: u64,
 }
 
-const KEYS: [&str; 4] = ["tok:charges", "tok:meta", "tok:order", "tok:ends"];
+const KEYS: [&str; 5] = [
+    "tok:charges",
+    "tok:meta",
+    "tok:order",
+    "tok:ends",
+    "tok:blocks",
+];
 const WINDOW_MS: u64 = 60_000;
 
 async fn call(
@@ -133,7 +140,14 @@ async fn scenario(
                 &format!("c{}", n.saturating_sub(u64::from(k))),
                 &["350", "-1", "-1"],
             ),
-            _ => args("observe", WINDOW_MS, "", &["t", "100000", "50000", "10000"]),
+            "observe" => args("observe", WINDOW_MS, "", &["t", "100000", "50000", "10000"]),
+            // Answered by the ledger's first charge: every other was admitted after it.
+            _ => args(
+                "observe",
+                WINDOW_MS,
+                "c1",
+                &["t", "100000", "50000", "10000"],
+            ),
         };
         call(conn, sha, &a).await?;
     }
@@ -203,6 +217,11 @@ pub async fn run(a: LedgerArgs) -> Result<(), BoxError> {
         .collect();
     rows.push(("finish, 1000 in window".to_owned(), 1_000, "finish"));
     rows.push(("observe, 1000 in window".to_owned(), 1_000, "observe"));
+    rows.push((
+        "observe, answered 1000 ago".to_owned(),
+        1_000,
+        "observe-old",
+    ));
     for (label, n, op) in &rows {
         let mut line = format!("{label:<28}");
         let mut got = Vec::new();

@@ -13,14 +13,16 @@
 //!   the running sums that spare a call from rereading the window (below).
 //! - `{prefix}:{pool}:tok:order` and `tok:ends`: the charges ordered by admission and by when
 //!   they ended (those in flight last).
+//! - `{prefix}:{pool}:tok:blocks`: the input and output of the charges admitted, and of those
+//!   ended, per block of 32 sequence numbers (what an announcement needs).
 //!
 //! Under the pool's hash tag like the gate's keys; forgotten ten minutes after the pool's last
 //! use.
 //!
 //! # Cost
-//! A call reads the charges that left the window since the last call, the ledger's oldest
-//! (to drop what no budget counts any more), and for an announcement the charges admitted or
-//! ended since the request that carried it; never the whole window. The sums the rules need
+//! A call reads the charges that left the window since the last call and the ledger's oldest
+//! (to drop what no budget counts any more); an announcement also reads one block's charges
+//! and one sum per block since the request that carried it. Never the whole window. The sums the rules need
 //! are kept by the calls that change them. A ledger written by an older version is indexed
 //! again once, by the first call that finds it so (and again if one of them changes it behind
 //! the indexes: nodes sharing a Redis should run one version).
@@ -74,7 +76,7 @@ pub enum SharedAdmit {
 /// One pool's shared token ledger, as one node calls it.
 pub struct RedisTokens {
     node: Arc<Node>,
-    keys: [String; 4],
+    keys: [String; 5],
     script: Script,
 }
 
@@ -99,6 +101,7 @@ impl RedisTokens {
                 pool_key(&prefix, pool, "tok:meta"),
                 pool_key(&prefix, pool, "tok:order"),
                 pool_key(&prefix, pool, "tok:ends"),
+                pool_key(&prefix, pool, "tok:blocks"),
             ],
             script: Script::new(include_str!("lua/tokens.lua")),
         }

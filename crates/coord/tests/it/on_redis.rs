@@ -1065,6 +1065,7 @@ struct LedgerRead {
     meta: Fields,
     order: Scored,
     ends: Scored,
+    blocks: Fields,
 }
 
 impl Space {
@@ -1072,13 +1073,15 @@ impl Space {
         let key = |name: &str| format!("{}:{{{pool}}}:tok:{name}", self.prefix);
         let client = ::redis::Client::open(self.url.as_str()).unwrap();
         let mut c = client.get_connection().unwrap();
-        let (flat, meta, order, ends): (Fields, Fields, Scored, Scored) = ::redis::pipe()
-            .hgetall(key("charges"))
-            .hgetall(key("meta"))
-            .zrange_withscores(key("order"), 0, -1)
-            .zrange_withscores(key("ends"), 0, -1)
-            .query(&mut c)
-            .unwrap();
+        let (flat, meta, order, ends, blocks): (Fields, Fields, Scored, Scored, Fields) =
+            ::redis::pipe()
+                .hgetall(key("charges"))
+                .hgetall(key("meta"))
+                .zrange_withscores(key("order"), 0, -1)
+                .zrange_withscores(key("ends"), 0, -1)
+                .hgetall(key("blocks"))
+                .query(&mut c)
+                .unwrap();
         let charges = flat
             .into_iter()
             .map(|(id, v)| {
@@ -1093,6 +1096,7 @@ impl Space {
             meta,
             order,
             ends,
+            blocks,
         }
     }
 }
@@ -1157,6 +1161,38 @@ impl LedgerRead {
             .collect();
         ends.sort_by(|a, b| a.1.total_cmp(&b.1).then_with(|| a.0.cmp(&b.0)));
         assert_eq!(self.ends, ends, "step {step}: the ends");
+        // Per block of 32 sequence numbers and of 1,024, by admission and by end; the rest in
+        // flight.
+        let mut blocks: std::collections::HashMap<String, i64> = Default::default();
+        let mut flying = (0, 0);
+        for c in self.charges.values() {
+            let mut add = |kind: &str, key: u64| {
+                for (level, span) in [(1, 32), (2, 1_024)] {
+                    for (part, v) in [("i", c.2), ("o", c.3)] {
+                        *blocks
+                            .entry(format!("{kind}{level}:{}:{part}", key / span))
+                            .or_default() += i64::try_from(v).unwrap();
+                    }
+                }
+            };
+            add("s", c.0);
+            match u64::try_from(c.4) {
+                Ok(fin) => add("f", fin),
+                Err(_) => flying = (flying.0 + c.2, flying.1 + c.3),
+            }
+        }
+        blocks.retain(|_, v| *v != 0);
+        let stored: std::collections::HashMap<String, i64> = self
+            .blocks
+            .iter()
+            .map(|(k, v)| (k.clone(), v.parse().unwrap()))
+            .collect();
+        assert_eq!(stored, blocks, "step {step}: the block sums");
+        assert_eq!(
+            (self.sum("fl_i"), self.sum("fl_o")),
+            (Some(flying.0), Some(flying.1)),
+            "step {step}: the charges in flight"
+        );
     }
 }
 
@@ -1260,7 +1296,12 @@ async fn the_shared_ledger_keeps_its_sums_as_charges_leave_the_window() {
                 remaining: Some(limit / 2 + next(limit / 2)),
                 reset_ms: Some(1_000_000_000_000),
             };
-            let id = (next(2) == 0).then(|| live.last().copied()).flatten();
+            // None, the latest charge, or any other: in flight, ended, or gone.
+            let id = match next(4) {
+                0 => None,
+                1 => live.last().copied(),
+                _ => Some(u128::from(next(step + 1))),
+            };
             let v = ledger.observe(&s, id, part, w).await.unwrap();
             pure.observe_part(space.read_ledger("roll").clock, id, part, w);
             v
@@ -1283,6 +1324,98 @@ async fn the_shared_ledger_keeps_its_sums_as_charges_leave_the_window() {
         kept < admitted / 2,
         "{kept} charges kept of {admitted}: settled ones out of the window go"
     );
+}
+
+/// An announcement answered by a charge admitted long ago reads sums per block, not the charges
+/// since: across both levels of blocks (32 and 1,024 sequence numbers) and at their edges, what
+/// it takes off (the charges after its request, and those out when its request was admitted) is
+/// what a reread of every charge gives, and the pure `TokenBudget` agrees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_announcement_from_long_ago_reads_block_sums() {
+    use nthbouncer_governor::{
+        Priority, TokenAdmit, TokenBudget, TokenCost, TokenPart, TokenSettings, TokenWindow, Usage,
+    };
+    let space = Space::new();
+    let node = space.node();
+    let s = TokenSettings {
+        tpm: 0,
+        window_ms: 3_600_000,
+        ..TokenSettings::default()
+    };
+    let ledger = node.token_ledger("deep");
+    let mut pure = TokenBudget::new(s);
+    let mut seed: u64 = 0x1234_5678_9abc_def1;
+    let mut next = |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    // Charge `id` is admitted with sequence number id + 1; about half end (at a later one).
+    let mut live: Vec<u128> = Vec::new();
+    for id in 0..2_100u128 {
+        let cost = TokenCost {
+            input: 1 + next(50),
+            output: next(20),
+        };
+        assert!(matches!(
+            pure.try_admit(0, id, cost, Priority::Normal, false),
+            TokenAdmit::Admitted { .. }
+        ));
+        ledger.admit(&s, id, cost, false).await.unwrap();
+        live.push(id);
+        if next(2) == 0 {
+            let done = live.remove(next(live.len() as u64) as usize);
+            let usage = Some(Usage::Total(next(80)));
+            pure.finish_usage(0, done, usage);
+            ledger.finish(&s, done, usage).await.unwrap();
+        }
+    }
+    let field = |id: u128| format!("{id:032x}");
+    for (k, answered) in [
+        0u128, 4, 30, 31, 32, 33, 1_022, 1_023, 1_024, 1_100, 2_046, 2_099,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let part = [TokenPart::Total, TokenPart::Input, TokenPart::Output][k % 3];
+        let w = TokenWindow {
+            limit: Some(1_000_000),
+            remaining: Some(900_000),
+            reset_ms: Some(1_000_000_000_000),
+        };
+        let v = ledger.observe(&s, Some(answered), part, w).await.unwrap();
+        pure.observe_part(0, Some(answered), part, w);
+        let snap = pure.snapshot(0);
+        assert_eq!(
+            (v.remaining, v.input_remaining, v.output_remaining),
+            (snap.remaining, snap.input_remaining, snap.output_remaining),
+            "answered by {answered}"
+        );
+        let read = space.read_ledger("deep");
+        read.check(s.window_ms, k as u64);
+        let p = ["t", "i", "o"][k % 3];
+        let of = |c: &StoredCharge| match p {
+            "i" => c.2,
+            "o" => c.3,
+            _ => c.2 + c.3,
+        };
+        let basis = read.charges[&field(answered)].0;
+        let out_then: u64 = read
+            .charges
+            .iter()
+            .filter(|(id, c)| {
+                c.0 < basis && **id != field(answered) && (c.4 < 0 || c.4 >= basis as i64)
+            })
+            .map(|(_, c)| of(c))
+            .sum();
+        assert_eq!(read.sum(&format!("{p}_basis")), Some(basis));
+        assert_eq!(
+            read.sum(&format!("{p}_ift")),
+            Some(out_then),
+            "answered by {answered}: the charges out when it was admitted"
+        );
+    }
 }
 
 /// A ledger written by the earlier script (its charges hash and meta only, no indexes) is
@@ -1328,7 +1461,7 @@ async fn a_ledger_of_the_earlier_layout_is_indexed_once() {
     assert_eq!(v.remaining, Some(10_000 - 400 - 1_500));
     assert_eq!(v.admitted_tokens, 2_800);
     let read = space.read_ledger("old");
-    assert_eq!(read.meta.get("v").map(String::as_str), Some("2"));
+    assert_eq!(read.meta.get("v").map(String::as_str), Some("3"));
     assert!(
         !read.charges.contains_key("b"),
         "the stale charge out of the window ended and went"

@@ -16,19 +16,26 @@
 --   (charges enter it in sequence order and leave it in the same order, since `at` never
 --   decreases). A call first walks the charges that left it since the last call.
 -- - per part p, `p_aft`: the part of the charges admitted after the announcement's `p_basis`
---   (the charges it does not know). Set by `observe` from the few admitted after its basis;
+--   (the charges it does not know). Set by `observe` (from `blocks`, below);
 --   kept by admit, finish and refund.
 -- - `ends` orders the charges by when they ended (their `finishedSeq`); those in flight come
---   after every ended one, by admission time (OPEN + at): `observe`'s charges in flight then,
---   and the stale ones, are a range of it.
+--   after every ended one, by admission time (OPEN + at): the stale ones are a range of it.
+-- - An announcement needs the charges admitted after its request (`aft`) and those admitted
+--   before it whose answers came back after it was admitted (`ift`). Both are sums over the
+--   charges admitted at or after a sequence number, or ended at or after one, less the
+--   running sum of those in flight (`fl_i`, `fl_o`): `blocks` keeps such sums per block of
+--   BLOCK sequence numbers and per block of BLOCK blocks, by admission and by end, so `observe`
+--   reads the charges of one block and a few dozen sums, not every charge since its request.
 -- A ledger written by an earlier version (no `v`), or changed behind the indexes (the charge
 -- count differs), or read with another window, is indexed again from the charges, once.
 --
 -- KEYS: 1 charges (hash id -> "seq:at:input:output:finishedSeq", finishedSeq -1 while in
--- flight), 2 meta (hash: seq, admitted, clock, v, win_ms, win_seq, win_t, per part p the
--- announcement p_limit/p_rem/p_at/p_full/p_basis/p_ift and its running sum p_aft,
+-- flight), 2 meta (hash: seq, admitted, clock, v, win_ms, win_seq, win_t, fl_i, fl_o, per part
+-- p the announcement p_limit/p_rem/p_at/p_full/p_basis/p_ift and its running sum p_aft,
 -- hold_id/hold_until), 3 order (sorted set: id by seq), 4 ends (sorted set: id by
--- finishedSeq, or OPEN + at while in flight).
+-- finishedSeq, or OPEN + at while in flight), 5 blocks (hash: 's1:k:i', 's1:k:o' the input
+-- and output of the charges admitted with seq in block k, 'f1:k:i', 'f1:k:o' of those ended
+-- there; 's2:k:…', 'f2:k:…' the same per block of BLOCK blocks).
 -- ARGV: 1 operation, 2 tpm (0 = none configured), 3 window_ms, 4 hold_ttl_ms, 5 charge id
 -- ('' for none), then the operation's own:
 --   admit   6 input, 7 output, 8 holder (0/1: the caller's waiter has waited its hold)
@@ -39,7 +46,7 @@
 -- outputRemaining}; -1 for none; verdict 'admitted' | 'refused' | 'exceeds' | 'ok'; source
 -- 0 none, 1 configured, 2 announced, 3 both; held 1 when another charge holds the budget.
 
-local K_CHARGES, K_META, K_ORDER, K_ENDS = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local K_CHARGES, K_META, K_ORDER, K_ENDS, K_BLOCKS = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local op = ARGV[1]
 local tpm, window, hold_ttl = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local id = ARGV[5]
@@ -50,22 +57,27 @@ local STALE_MS = 600000
 local IDLE_MS = 600000
 -- Where charges in flight start in `ends`: above any sequence number, below 2^53 (exact).
 local OPEN = 2251799813685248
--- Charges read per step of a walk.
+-- Charges read per step of a walk after its first (which reads one: most calls stop there).
 local PAGE = 8
-local VERSION = '2'
+-- Sequence numbers per block of `blocks` (and blocks per block of the second level): an
+-- announcement reads fewer charges than this, and fewer sums than twice this plus one per
+-- BLOCK * BLOCK admissions since its request.
+local BLOCK = 32
+local VERSION = '3'
 
 local function fmt(n)
   return string.format('%d', n)
 end
 
 local PARTS = { 't', 'i', 'o' }
-local ANN = { 'limit', 'rem', 'at', 'full', 'basis', 'ift', 'aft' }
+-- The meta fields every call reads: its counters and sums, then each part's announcement
+-- (ANN_FIELDS of them, in this order), spelled out (building them is a tenth of a short call).
 local fields = { 'seq', 'admitted', 'hold_id', 'hold_until', 'clock', 'v', 'win_ms', 'win_seq',
-  'win_t' }
-local BASE = #fields
-for _, p in ipairs(PARTS) do
-  for _, f in ipairs(ANN) do table.insert(fields, p .. '_' .. f) end
-end
+  'win_t', 'fl_i', 'fl_o',
+  't_limit', 't_rem', 't_at', 't_full', 't_basis', 't_ift', 't_aft',
+  'i_limit', 'i_rem', 'i_at', 'i_full', 'i_basis', 'i_ift', 'i_aft',
+  'o_limit', 'o_rem', 'o_at', 'o_full', 'o_basis', 'o_ift', 'o_aft' }
+local BASE, ANN_FIELDS = 11, 7
 local m = redis.call('HMGET', K_META, unpack(fields))
 
 local clock = redis.call('TIME')
@@ -79,10 +91,12 @@ if not hold_id or (tonumber(m[4]) or 0) <= now then hold_id = nil end
 local indexed = m[6] == VERSION and tonumber(m[7]) == window
 local win_seq = tonumber(m[8]) or 1
 local win_t = tonumber(m[9]) or 0
+-- The input and output of the charges in flight.
+local flying = { inp = tonumber(m[10]) or 0, out = tonumber(m[11]) or 0 }
 -- The origin's last announcement of each budget, with its running sum.
 local ann = {}
 for k, p in ipairs(PARTS) do
-  local o = BASE + (k - 1) * #ANN
+  local o = BASE + (k - 1) * ANN_FIELDS
   if tonumber(m[o + 3]) then
     ann[p] = { limit = tonumber(m[o + 1]), rem = tonumber(m[o + 2]), at = tonumber(m[o + 3]),
       full = tonumber(m[o + 4]), basis = tonumber(m[o + 5]) or 0, ift = tonumber(m[o + 6]) or 0,
@@ -147,9 +161,38 @@ local function account(c, d)
   end
 end
 
+-- What this call moved in `blocks`, written by `flush`.
+local moved = {}
+local SPANS = { BLOCK, BLOCK * BLOCK }
+local function block_field(kind, level, key, part)
+  return kind .. level .. ':' .. fmt(math.floor(key / SPANS[level])) .. ':' .. part
+end
+
+-- Counts `c` (sign 1) in, or takes it (sign -1) out of, the sums by admission and by end (or in
+-- flight). A change of a charge is its old self out, then its new self in.
+local function index(c, sign)
+  for _, part in ipairs({ 'i', 'o' }) do
+    local v = sign * part_of(c, part)
+    for level = 1, 2 do
+      local f = block_field('s', level, c.seq, part)
+      moved[f] = (moved[f] or 0) + v
+      if c.fin >= 0 then
+        f = block_field('f', level, c.fin, part)
+        moved[f] = (moved[f] or 0) + v
+      end
+    end
+    if c.fin < 0 and part == 'i' then
+      flying.inp = flying.inp + v
+    elseif c.fin < 0 then
+      flying.out = flying.out + v
+    end
+  end
+end
+
 -- Indexes the charges again, from the hash alone.
 local function reindex()
-  redis.call('DEL', K_ORDER, K_ENDS)
+  redis.call('DEL', K_ORDER, K_ENDS, K_BLOCKS)
+  moved, flying = {}, { inp = 0, out = 0 }
   local flat = redis.call('HGETALL', K_CHARGES)
   local all = {}
   for i = 1, #flat, 2 do
@@ -163,6 +206,7 @@ local function reindex()
   for _, c in ipairs(all) do
     redis.call('ZADD', K_ORDER, fmt(c.seq), c.id)
     redis.call('ZADD', K_ENDS, fmt(end_score(c)), c.id)
+    index(c, 1)
     if not in_window and c.at + window > now then
       in_window = true
       win_seq = c.seq
@@ -187,7 +231,9 @@ while true do
   for k, cid in ipairs(stale) do
     local c = parse(cid, vals[k])
     if c then
+      index(c, -1)
       c.fin = seq
+      index(c, 1)
       save(c)
     else
       forget(cid)
@@ -198,16 +244,16 @@ end
 -- The charges `from` (a `ZRANGEBYSCORE` bound) on in admission order, a page at a time, to
 -- `each(c)` until it returns false. `each` must not remove charges.
 local function walk(from, each)
-  local offset = 0
+  local offset, size = 0, 1
   while true do
-    local page = redis.call('ZRANGEBYSCORE', K_ORDER, from, '+inf', 'LIMIT', offset, PAGE)
+    local page = redis.call('ZRANGEBYSCORE', K_ORDER, from, '+inf', 'LIMIT', offset, size)
     local vals = values(page)
     for k, cid in ipairs(page) do
       local c = parse(cid, vals[k])
       if c and not each(c) then return end
     end
-    if #page < PAGE then return end
-    offset = offset + PAGE
+    if #page < size then return end
+    offset, size = offset + size, PAGE
   end
 end
 
@@ -234,9 +280,11 @@ local function prune()
   for _, a in pairs(ann) do
     if not basis or a.basis < basis then basis = a.basis end
   end
+  local size = 1
   while true do
-    local page = redis.call('ZRANGE', K_ORDER, 0, PAGE - 1)
+    local page = redis.call('ZRANGE', K_ORDER, 0, size - 1)
     if #page == 0 then return end
+    size = PAGE
     local vals = values(page)
     for k, cid in ipairs(page) do
       local c = parse(cid, vals[k])
@@ -244,6 +292,7 @@ local function prune()
         local out_of_window = c.seq < win_seq and c.at + window <= now
         local settled = c.fin >= 0 and (not basis or c.fin < basis)
         if not (out_of_window and settled) then return end
+        index(c, -1)
       end
       forget(cid)
     end
@@ -370,8 +419,34 @@ end
 
 -- Writes what the call changed of the meta hash's sums and counters.
 local function flush()
+  -- One read and one write for every sum moved (a finish moves up to eight).
+  local names = {}
+  for f, d in pairs(moved) do
+    if d ~= 0 then table.insert(names, f) end
+  end
+  local i = 1
+  while i <= #names do
+    local upto = math.min(#names, i + 499)
+    local got = redis.call('HMGET', K_BLOCKS, unpack(names, i, upto))
+    local set, gone = {}, {}
+    for j = 1, #got do
+      local f = names[i + j - 1]
+      local v = (tonumber(got[j]) or 0) + moved[f]
+      if v == 0 then
+        table.insert(gone, f)
+      else
+        table.insert(set, f)
+        table.insert(set, fmt(v))
+      end
+    end
+    if #set > 0 then redis.call('HSET', K_BLOCKS, unpack(set)) end
+    if #gone > 0 then redis.call('HDEL', K_BLOCKS, unpack(gone)) end
+    i = upto + 1
+  end
+  moved = {}
   local out = { 'seq', fmt(seq), 'admitted', fmt(admitted), 'clock', fmt(now), 'v', VERSION,
-    'win_ms', fmt(window), 'win_seq', fmt(win_seq), 'win_t', fmt(win_t) }
+    'win_ms', fmt(window), 'win_seq', fmt(win_seq), 'win_t', fmt(win_t), 'fl_i',
+    fmt(flying.inp), 'fl_o', fmt(flying.out) }
   for p, a in pairs(ann) do
     table.insert(out, p .. '_aft')
     table.insert(out, fmt(a.aft))
@@ -396,6 +471,53 @@ local function set_hold(h)
   end
 end
 
+-- The input and output of the charges admitted (kind 's') or ended ('f') at sequence `x` or
+-- later: the rest of `x`'s block from the charges themselves, the rest of its second-level
+-- block from the first level's sums, the later ones from the second level's.
+local function suffix(kind, x)
+  local sum = { inp = 0, out = 0 }
+  local last = (math.floor(x / BLOCK) + 1) * BLOCK - 1
+  local ids
+  if kind == 's' then
+    ids = redis.call('ZRANGEBYSCORE', K_ORDER, fmt(x), fmt(last))
+  else
+    ids = redis.call('ZRANGEBYSCORE', K_ENDS, fmt(x), fmt(last))
+  end
+  local vals = values(ids)
+  for k, cid in ipairs(ids) do
+    local c = parse(cid, vals[k])
+    if c then
+      sum.inp = sum.inp + c.inp
+      sum.out = sum.out + c.out
+    end
+  end
+  local names = {}
+  local function blocks(level, from, to)
+    for b = from, to do
+      local name = kind .. level .. ':' .. fmt(b) .. ':'
+      table.insert(names, name .. 'i')
+      table.insert(names, name .. 'o')
+    end
+  end
+  local first = math.floor(x / BLOCK) + 1
+  local top = math.floor(x / SPANS[2])
+  blocks(1, first, math.min((top + 1) * BLOCK - 1, math.floor(seq / BLOCK)))
+  blocks(2, top + 1, math.floor(seq / SPANS[2]))
+  -- In chunks, as `values` (pairs of fields: a chunk's length is even).
+  local i = 1
+  while i <= #names do
+    local upto = math.min(#names, i + 499)
+    local got = redis.call('HMGET', K_BLOCKS, unpack(names, i, upto))
+    for j = 1, #got, 2 do
+      local f = i + j - 1
+      sum.inp = sum.inp + (tonumber(got[j]) or 0) + (moved[names[f]] or 0)
+      sum.out = sum.out + (tonumber(got[j + 1]) or 0) + (moved[names[f + 1]] or 0)
+    end
+    i = upto + 1
+  end
+  return sum
+end
+
 if op == 'admit' then
   local cost = { inp = tonumber(ARGV[6]), out = tonumber(ARGV[7]) }
   local holder = ARGV[8] == '1'
@@ -415,6 +537,7 @@ if op == 'admit' then
     local c = { id = id, seq = seq, at = now, inp = cost.inp, out = cost.out, fin = -1 }
     save(c)
     redis.call('ZADD', K_ORDER, fmt(seq), id)
+    index(c, 1)
     account(c, c)
     admitted = admitted + part_of(c, 't')
     if hold_id == id then set_hold(nil) end
@@ -431,6 +554,7 @@ elseif op == 'finish' then
   local c = get(id)
   local actual, inp, out = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
   if c then
+    index(c, -1)
     if c.fin < 0 then c.fin = seq end
     if actual >= 0 then
       if inp < 0 or out < 0 then
@@ -442,6 +566,7 @@ elseif op == 'finish' then
       account(c, { inp = inp - c.inp, out = out - c.out })
       c.inp, c.out = inp, out
     end
+    index(c, 1)
     save(c)
     touch()
   end
@@ -449,6 +574,7 @@ elseif op == 'refund' then
   local c = get(id)
   if c then
     forget(id)
+    index(c, -1)
     account(c, { inp = -c.inp, out = -c.out })
     admitted = math.max(0, admitted - part_of(c, 't'))
   end
@@ -471,26 +597,14 @@ elseif op == 'observe' then
   end
   if (limit or rem) and not (ann[p] and ann[p].basis > basis) then
     -- Charges admitted up to it whose answers had not come back when it was admitted may have
-    -- reached the origin after it (`ift`); those admitted after it are not in it (`aft`). Both
-    -- ended at or after `settled_before` (or are in flight): one range of `ends`.
-    local ift, aft = 0, 0
-    local offset = 0
-    while true do
-      local page = redis.call('ZRANGEBYSCORE', K_ENDS, fmt(settled_before), '+inf', 'LIMIT',
-        offset, 256)
-      local vals = values(page)
-      for k, cid in ipairs(page) do
-        local c = parse(cid, vals[k])
-        if c then
-          if c.seq > basis then
-            aft = aft + part_of(c, p)
-          elseif cid ~= id then
-            ift = ift + part_of(c, p)
-          end
-        end
-      end
-      if #page < 256 then break end
-      offset = offset + 256
+    -- reached the origin after it (`ift`); those admitted after it are not in it (`aft`).
+    local ift, aft = part_of(flying, p), 0
+    if answered then
+      -- Admitted from it on, less itself; those in flight now admitted before it, and those
+      -- ended since it was admitted, were all admitted before it or from it on.
+      local from = suffix('s', basis)
+      aft = part_of(from, p) - part_of(answered, p)
+      ift = ift - part_of(from, p) + part_of(suffix('f', basis), p)
     end
     local at = now + 1
     local full = nil
