@@ -13,6 +13,9 @@
 //!   half of the run a warm-up; Redis time per call and requests a second over the second half,
 //!   charges leaving the window on every call.
 //!
+//! - reports (this version only): a finish and an announcement per request, one per call and
+//!   64 per call (`batch`, as a node's reporter sends what it has at hand).
+//!
 //! Redis time is what the ledger costs every pool coordinated through that Redis; it does not
 //! move with the client's speed as a wall-clock rate does.
 
@@ -154,6 +157,59 @@ async fn scenario(
     usec_per_call(conn).await
 }
 
+/// Redis µs per report (a finish and an announcement per request, 640 requests), sent one per
+/// call or `at_once` per call (`batch`, which only this version has).
+async fn reports(
+    conn: &mut MultiplexedConnection,
+    sha: &str,
+    at_once: usize,
+) -> Result<f64, BoxError> {
+    let _: () = redis::cmd("FLUSHDB").query_async(conn).await?;
+    let n = 640;
+    for k in 0..n {
+        call(
+            conn,
+            sha,
+            &args("admit", WINDOW_MS, &format!("r{k}"), &["300", "100", "0"]),
+        )
+        .await?;
+    }
+    let mut all = Vec::new();
+    for k in 0..n {
+        let id = format!("r{k}");
+        all.push([
+            "finish".to_owned(),
+            id.clone(),
+            "380".into(),
+            "-1".into(),
+            "-1".into(),
+            "-1".into(),
+        ]);
+        all.push([
+            "observe".to_owned(),
+            id,
+            "t".into(),
+            "1000000".into(),
+            "900000".into(),
+            "60000".into(),
+        ]);
+    }
+    reset(conn).await?;
+    for chunk in all.chunks(at_once) {
+        if let [one] = chunk {
+            let mut a = args(&one[0], WINDOW_MS, &one[1], &[]);
+            a.extend(one[2..].iter().cloned());
+            call(conn, sha, &a).await?;
+        } else {
+            let mut a = args("batch", WINDOW_MS, "", &[]);
+            a.extend(chunk.iter().flatten().cloned());
+            call(conn, sha, &a).await?;
+        }
+    }
+    let per_call = usec_per_call(conn).await?;
+    Ok(per_call * all.chunks(at_once).len() as f64 / all.len() as f64)
+}
+
 /// Redis µs per call and requests a second of one client admitting and finishing.
 async fn stream(
     conn: &mut MultiplexedConnection,
@@ -244,6 +300,15 @@ pub async fn run(a: LedgerArgs) -> Result<(), BoxError> {
     }
     println!("{line}");
     println!("{rates}");
+    if let Some((name, sha)) = versions.last() {
+        let one = reports(&mut conn, sha, 1).await?;
+        let many = reports(&mut conn, sha, 64).await?;
+        println!(
+            "reports ({name}): finish + announcement per request, Redis µs per report: \
+             {one:.0} one per call, {many:.0} 64 per call ({:.1}× less)",
+            one / many
+        );
+    }
     let _: () = redis::cmd("FLUSHDB").query_async(&mut conn).await?;
     Ok(())
 }

@@ -65,7 +65,7 @@ use parking_lot::Mutex;
 pub use gate::RedisGate;
 pub use nonces::RedisNonces;
 pub use script::CallError;
-pub use tokens::{RedisTokens, SharedAdmit, TokenView, HOLD_RENEW_MS, HOLD_TTL_MS};
+pub use tokens::{RedisTokens, SharedAdmit, TokenReport, TokenView, HOLD_RENEW_MS, HOLD_TTL_MS};
 
 use crate::{Clock, Coordination, NonceStore, PoolGate, PoolSettings, SystemClock};
 

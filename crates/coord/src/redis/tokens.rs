@@ -73,6 +73,56 @@ pub enum SharedAdmit {
     },
 }
 
+/// What a node tells the shared ledger after an admission. [`RedisTokens::report`] sends
+/// several in one call, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenReport {
+    /// The request of a charge ended; the usage its answer reported, if any.
+    Finish(u128, Option<Usage>),
+    /// A charge taken back whole (its request never reached the origin).
+    Refund(u128),
+    /// A charge's waiter no longer waits.
+    Unhold(u128),
+    /// The origin's word on its budget (or one part of it), from the answer to a charge.
+    Observe(Option<u128>, TokenPart, TokenWindow),
+}
+
+impl TokenReport {
+    /// The script's operation, its charge, and its four arguments (unused ones `-1`).
+    fn encode(&self) -> (&'static str, Option<u128>, [String; 4]) {
+        let none = || num(None);
+        match *self {
+            TokenReport::Finish(id, actual) => {
+                let [t, i, o] = match actual {
+                    None => [None, None, None],
+                    Some(Usage::Total(t)) => [Some(t), None, None],
+                    Some(Usage::Split(c)) => [Some(c.total()), Some(c.input), Some(c.output)],
+                };
+                ("finish", Some(id), [num(t), num(i), num(o), none()])
+            }
+            TokenReport::Refund(id) => ("refund", Some(id), [none(), none(), none(), none()]),
+            TokenReport::Unhold(id) => ("unhold", Some(id), [none(), none(), none(), none()]),
+            TokenReport::Observe(id, part, window) => {
+                let part = match part {
+                    TokenPart::Total => "t",
+                    TokenPart::Input => "i",
+                    TokenPart::Output => "o",
+                };
+                (
+                    "observe",
+                    id,
+                    [
+                        part.to_owned(),
+                        num(window.limit),
+                        num(window.remaining),
+                        num(window.reset_ms),
+                    ],
+                )
+            }
+        }
+    }
+}
+
 /// One pool's shared token ledger, as one node calls it.
 pub struct RedisTokens {
     node: Arc<Node>,
@@ -211,16 +261,8 @@ impl RedisTokens {
         id: u128,
         actual: Option<Usage>,
     ) -> Result<TokenView, CallError> {
-        let extra = match actual {
-            None => [num(None), num(None), num(None)],
-            Some(Usage::Total(t)) => [num(Some(t)), num(None), num(None)],
-            Some(Usage::Split(c)) => [
-                num(Some(c.total())),
-                num(Some(c.input)),
-                num(Some(c.output)),
-            ],
-        };
-        Ok(self.call("finish", settings, Some(id), &extra).await?.1)
+        self.report(settings, &[TokenReport::Finish(id, actual)])
+            .await
     }
 
     /// Which of `ids` the ledger holds charges for, in order (one `HMGET` for all of them). For
@@ -254,12 +296,12 @@ impl RedisTokens {
 
     /// Takes a charge back whole (its request never reached the origin).
     pub async fn refund(&self, settings: &TokenSettings, id: u128) -> Result<TokenView, CallError> {
-        Ok(self.call("refund", settings, Some(id), &[]).await?.1)
+        self.report(settings, &[TokenReport::Refund(id)]).await
     }
 
     /// `id`'s waiter no longer waits: the budget is not held for it any more.
     pub async fn unhold(&self, settings: &TokenSettings, id: u128) -> Result<TokenView, CallError> {
-        Ok(self.call("unhold", settings, Some(id), &[]).await?.1)
+        self.report(settings, &[TokenReport::Unhold(id)]).await
     }
 
     /// The origin's word on its token budget (or on one `part` of a split one), from the
@@ -271,18 +313,30 @@ impl RedisTokens {
         part: TokenPart,
         window: TokenWindow,
     ) -> Result<TokenView, CallError> {
-        let part = match part {
-            TokenPart::Total => "t",
-            TokenPart::Input => "i",
-            TokenPart::Output => "o",
-        };
-        let extra = [
-            part.to_owned(),
-            num(window.limit),
-            num(window.remaining),
-            num(window.reset_ms),
-        ];
-        Ok(self.call("observe", settings, id, &extra).await?.1)
+        self.report(settings, &[TokenReport::Observe(id, part, window)])
+            .await
+    }
+
+    /// Sends `reports` in order in one call (one alone as its own operation); the budget as it
+    /// stands after them. They share the call's reading of the ledger and its writing back, the
+    /// larger part of a short call.
+    pub async fn report(
+        &self,
+        settings: &TokenSettings,
+        reports: &[TokenReport],
+    ) -> Result<TokenView, CallError> {
+        if let [one] = reports {
+            let (op, id, args) = one.encode();
+            return Ok(self.call(op, settings, id, &args).await?.1);
+        }
+        let mut extra = Vec::with_capacity(reports.len() * 6);
+        for r in reports {
+            let (op, id, args) = r.encode();
+            extra.push(op.to_owned());
+            extra.push(id.map(charge_field).unwrap_or_default());
+            extra.extend(args);
+        }
+        Ok(self.call("batch", settings, None, &extra).await?.1)
     }
 
     /// The budget as it stands.

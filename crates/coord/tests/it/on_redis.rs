@@ -1418,6 +1418,81 @@ async fn an_announcement_from_long_ago_reads_block_sums() {
     }
 }
 
+/// Reports sent together (the node's reporter sends all it has at hand in one call) leave the
+/// ledger as the same reports sent one by one: the same view, sums and charges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reports_sent_together_count_as_sent_one_by_one() {
+    use nthbouncer_coord::redis::TokenReport;
+    use nthbouncer_governor::{TokenCost, TokenPart, TokenSettings, TokenWindow, Usage};
+    let space = Space::new();
+    let node = space.node();
+    let s = TokenSettings {
+        tpm: 50_000,
+        window_ms: 3_600_000,
+        ..TokenSettings::default()
+    };
+    let (apart, together) = (node.token_ledger("apart"), node.token_ledger("together"));
+    for id in 0..40u128 {
+        let cost = TokenCost {
+            input: 100 + 7 * (id as u64),
+            output: 50,
+        };
+        for l in [&apart, &together] {
+            assert!(matches!(
+                l.admit(&s, id, cost, false).await.unwrap(),
+                nthbouncer_coord::redis::SharedAdmit::Admitted(_)
+            ));
+        }
+    }
+    let w = |remaining| TokenWindow {
+        limit: Some(40_000),
+        remaining: Some(remaining),
+        reset_ms: Some(1_000_000_000_000),
+    };
+    let reports = [
+        TokenReport::Finish(3, Some(Usage::Total(90))),
+        TokenReport::Observe(Some(3), TokenPart::Total, w(30_000)),
+        TokenReport::Refund(7),
+        TokenReport::Finish(
+            12,
+            Some(Usage::Split(TokenCost {
+                input: 300,
+                output: 20,
+            })),
+        ),
+        TokenReport::Finish(99, None),
+        TokenReport::Unhold(5),
+        TokenReport::Finish(20, None),
+        TokenReport::Observe(Some(20), TokenPart::Input, w(25_000)),
+        TokenReport::Observe(None, TokenPart::Output, w(39_000)),
+        TokenReport::Finish(39, Some(Usage::Total(1_000))),
+    ];
+    let mut one_by_one = None;
+    for r in &reports {
+        one_by_one = Some(apart.report(&s, std::slice::from_ref(r)).await.unwrap());
+    }
+    let batched = together.report(&s, &reports).await.unwrap();
+    assert_eq!(Some(batched), one_by_one);
+    let (a, t) = (space.read_ledger("apart"), space.read_ledger("together"));
+    a.check(s.window_ms, 0);
+    t.check(s.window_ms, 1);
+    assert_eq!(a.charges.len(), t.charges.len());
+    for (id, c) in &a.charges {
+        let other = t.charges[id];
+        // Admitted and ended at the same sequence numbers, for the same tokens.
+        assert_eq!(
+            (c.0, c.2, c.3, c.4),
+            (other.0, other.2, other.3, other.4),
+            "{id}"
+        );
+    }
+    for f in [
+        "t_aft", "t_ift", "i_aft", "i_ift", "o_aft", "o_ift", "fl_i", "fl_o", "win_t",
+    ] {
+        assert_eq!(a.meta.get(f), t.meta.get(f), "{f}");
+    }
+}
+
 /// A ledger written by the earlier script (its charges hash and meta only, no indexes) is
 /// indexed by the first call that finds it: the charges in the window count, one in flight for
 /// longer than a charge may be ends and goes; a charge taken out behind the indexes (as a node

@@ -15,7 +15,7 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
-use nthbouncer_coord::redis::{RedisTokens, SharedAdmit, TokenView, HOLD_RENEW_MS};
+use nthbouncer_coord::redis::{RedisTokens, SharedAdmit, TokenReport, TokenView, HOLD_RENEW_MS};
 use nthbouncer_coord::Priority;
 use nthbouncer_governor::{TokenAdmit, TokenCost, TokenPart, TokenSettings, TokenWindow, Usage};
 use parking_lot::Mutex;
@@ -35,21 +35,13 @@ struct Waiter {
     tx: oneshot::Sender<Answer>,
 }
 
-/// What this node tells the shared ledger after admission, in order.
-enum Report {
-    Finish(u128, Option<Usage>),
-    Refund(u128),
-    Unhold(u128),
-    Observe(Option<u128>, TokenPart, TokenWindow),
-}
-
 pub(super) struct Shared {
     ledger: Arc<RedisTokens>,
     settings: Mutex<TokenSettings>,
     view: Mutex<TokenView>,
     queue: Mutex<Vec<Waiter>>,
     seq: AtomicU64,
-    reports: mpsc::UnboundedSender<Report>,
+    reports: mpsc::UnboundedSender<TokenReport>,
     /// Fail open: until this monotonic ms, admission skips Redis (it just failed).
     down_until: AtomicU64,
     /// Fail open: charges admitted by this node's own budget (ended there, not in Redis).
@@ -146,15 +138,15 @@ impl Shared {
     }
 
     pub(super) fn finish(&self, id: u128, usage: Option<Usage>) {
-        let _ = self.reports.send(Report::Finish(id, usage));
+        let _ = self.reports.send(TokenReport::Finish(id, usage));
     }
 
     pub(super) fn refund(&self, id: u128) {
-        let _ = self.reports.send(Report::Refund(id));
+        let _ = self.reports.send(TokenReport::Refund(id));
     }
 
     pub(super) fn observe(&self, id: Option<u128>, part: TokenPart, window: TokenWindow) {
-        let _ = self.reports.send(Report::Observe(id, part, window));
+        let _ = self.reports.send(TokenReport::Observe(id, part, window));
     }
 
     /// The budget as Redis has it now (the last view if it does not answer).
@@ -321,7 +313,7 @@ impl Parked<'_> {
         let left = q.len() != before;
         drop(q);
         if left {
-            let _ = self.sh.reports.send(Report::Unhold(self.id));
+            let _ = self.sh.reports.send(TokenReport::Unhold(self.id));
         }
         left
     }
@@ -426,9 +418,10 @@ fn deliver(sh: &Shared, id: u128, answer: Answer) {
 /// The most reports taken from the queue at once.
 const REPORTS_AT_ONCE: usize = 64;
 
-/// Sends this node's reports to the ledger one at a time, in order. A report Redis does not
-/// take is dropped (a charge never ended there is taken as ended after a while).
-async fn reporter(sh: Weak<Shared>, mut rx: mpsc::UnboundedReceiver<Report>) {
+/// Sends this node's reports to the ledger in order, all those at hand in one call. Reports
+/// Redis does not take are dropped (a charge never ended there is taken as ended after a
+/// while).
+async fn reporter(sh: Weak<Shared>, mut rx: mpsc::UnboundedReceiver<TokenReport>) {
     let mut reports = Vec::with_capacity(REPORTS_AT_ONCE);
     while rx.recv_many(&mut reports, REPORTS_AT_ONCE).await > 0 {
         let Some(sh) = sh.upgrade() else { return };
@@ -443,19 +436,34 @@ async fn reporter(sh: Weak<Shared>, mut rx: mpsc::UnboundedReceiver<Report>) {
         } else {
             None
         };
-        for report in reports.drain(..) {
-            report_one(&sh, &settings, report, charged.as_ref()).await;
+        reports.retain(|r| match r {
+            TokenReport::Finish(id, _) => charged.as_ref().is_none_or(|c| c.contains(id)),
+            TokenReport::Observe(..) => settings.learn,
+            TokenReport::Refund(_) | TokenReport::Unhold(_) => true,
+        });
+        if !reports.is_empty() {
+            match sh.ledger.report(&settings, &reports).await {
+                Ok(view) => {
+                    sh.seen(view);
+                    // Room may have come back for this node's waiters.
+                    sh.wake.notify_one();
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, reports = reports.len(), "token reports to redis dropped");
+                }
+            }
         }
+        reports.clear();
     }
 }
 
 /// Which of the finishes among `reports` the ledger holds charges for (`None`: all of them,
 /// when asking failed, so that none is lost).
-async fn charged_among(sh: &Shared, reports: &[Report]) -> Option<HashSet<u128>> {
+async fn charged_among(sh: &Shared, reports: &[TokenReport]) -> Option<HashSet<u128>> {
     let ids: Vec<u128> = reports
         .iter()
         .filter_map(|r| match r {
-            Report::Finish(id, _) => Some(*id),
+            TokenReport::Finish(id, _) => Some(*id),
             _ => None,
         })
         .collect();
@@ -470,33 +478,5 @@ async fn charged_among(sh: &Shared, reports: &[Report]) -> Option<HashSet<u128>>
             tracing::debug!(error = %e, "could not ask redis which calls were charged");
             None
         }
-    }
-}
-
-/// Sends one report. `charged`: the finishes known to have a charge, when that was asked.
-async fn report_one(
-    sh: &Shared,
-    settings: &TokenSettings,
-    report: Report,
-    charged: Option<&HashSet<u128>>,
-) {
-    let l = &sh.ledger;
-    let done = match report {
-        Report::Finish(id, _) if charged.is_some_and(|c| !c.contains(&id)) => Ok(None),
-        Report::Finish(id, usage) => l.finish(settings, id, usage).await.map(Some),
-        Report::Refund(id) => l.refund(settings, id).await.map(Some),
-        Report::Unhold(id) => l.unhold(settings, id).await.map(Some),
-        Report::Observe(..) if !settings.learn => return,
-        Report::Observe(id, part, window) => l.observe(settings, id, part, window).await.map(Some),
-    };
-    match done {
-        // Nothing to finish: the ledger has no such charge.
-        Ok(None) => {}
-        Ok(Some(view)) => {
-            sh.seen(view);
-            // Room may have come back for this node's waiters.
-            sh.wake.notify_one();
-        }
-        Err(e) => tracing::debug!(error = %e, "token report to redis dropped"),
     }
 }

@@ -42,6 +42,8 @@
 --   finish  6 actual total (-1: not reported), 7 its input and 8 its output (-1: not apart)
 --   observe 6 part ('t', 'i', 'o'), 7 limit, 8 remaining, 9 reset_ms (-1: not said)
 --   refund, unhold, peek: none
+--   batch   from 6 on, per report: its operation (finish, refund, unhold, observe), its charge
+--           id, and its arguments padded to four
 -- Reply: {verdict, remaining, budget, source, admittedTokens, retryMs, held, inputRemaining,
 -- outputRemaining}; -1 for none; verdict 'admitted' | 'refused' | 'exceeds' | 'ok'; source
 -- 0 none, 1 configured, 2 announced, 3 both; held 1 when another charge holds the budget.
@@ -164,8 +166,10 @@ end
 -- What this call moved in `blocks`, written by `flush`.
 local moved = {}
 local SPANS = { BLOCK, BLOCK * BLOCK }
+-- A block's field. Block numbers are integers well below 1e14, which Lua's `..` writes in
+-- full (as `suffix` does when it reads them).
 local function block_field(kind, level, key, part)
-  return kind .. level .. ':' .. fmt(math.floor(key / SPANS[level])) .. ':' .. part
+  return kind .. level .. ':' .. math.floor(key / SPANS[level]) .. ':' .. part
 end
 
 -- Counts `c` (sign 1) in, or takes it (sign -1) out of, the sums by admission and by end (or in
@@ -413,8 +417,11 @@ local function fits_at(cost)
   return at
 end
 
+-- The pool's keys are used: they expire IDLE_MS after the last use (set once per call, by
+-- `flush`).
+local touched = false
 local function touch()
-  for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, IDLE_MS + window) end
+  touched = true
 end
 
 -- Writes what the call changed of the meta hash's sums and counters.
@@ -452,6 +459,10 @@ local function flush()
     table.insert(out, fmt(a.aft))
   end
   redis.call('HSET', K_META, unpack(out))
+  if touched then
+    for _, key in ipairs(KEYS) do redis.call('PEXPIRE', key, IDLE_MS + window) end
+    touched = false
+  end
 end
 
 local function reply(verdict, retry)
@@ -484,19 +495,20 @@ local function suffix(kind, x)
     ids = redis.call('ZRANGEBYSCORE', K_ENDS, fmt(x), fmt(last))
   end
   local vals = values(ids)
-  for k, cid in ipairs(ids) do
-    local c = parse(cid, vals[k])
-    if c then
-      sum.inp = sum.inp + c.inp
-      sum.out = sum.out + c.out
+  for k = 1, #ids do
+    -- Only the input and output of each.
+    local inp, out = string.match(vals[k] or '', '^%d+:%d+:(%d+):(%d+):')
+    if inp then
+      sum.inp = sum.inp + tonumber(inp)
+      sum.out = sum.out + tonumber(out)
     end
   end
   local names = {}
   local function blocks(level, from, to)
+    local pre = kind .. level .. ':'
     for b = from, to do
-      local name = kind .. level .. ':' .. fmt(b) .. ':'
-      table.insert(names, name .. 'i')
-      table.insert(names, name .. 'o')
+      names[#names + 1] = pre .. b .. ':i'
+      names[#names + 1] = pre .. b .. ':o'
     end
   end
   local first = math.floor(x / BLOCK) + 1
@@ -518,104 +530,125 @@ local function suffix(kind, x)
   return sum
 end
 
-if op == 'admit' then
-  local cost = { inp = tonumber(ARGV[6]), out = tonumber(ARGV[7]) }
-  local holder = ARGV[8] == '1'
-  -- Larger than a whole budget: {'exceeds', estimate, budget}.
-  local whole = { { part_of(cost, 't'), budget() }, { cost.inp, announced_limit('i') },
-    { cost.out, announced_limit('o') } }
-  for _, w in ipairs(whole) do
-    if w[2] and w[1] > w[2] then
-      local r = reply('exceeds')
-      r[2], r[3] = w[1], w[2]
-      return r
-    end
-  end
-  if redis.call('HEXISTS', K_CHARGES, id) == 1 then return reply('refused') end
-  if (not hold_id or hold_id == id) and fits(cost) then
-    seq = seq + 1
-    local c = { id = id, seq = seq, at = now, inp = cost.inp, out = cost.out, fin = -1 }
-    save(c)
-    redis.call('ZADD', K_ORDER, fmt(seq), id)
-    index(c, 1)
-    account(c, c)
-    admitted = admitted + part_of(c, 't')
-    if hold_id == id then set_hold(nil) end
-    touch()
-    return reply('admitted')
-  end
-  if holder and (not hold_id or hold_id == id) then set_hold(id) end
-  touch()
-  local at = fits_at(cost)
-  local retry = nil
-  if at then retry = math.max(1, at - now) end
-  return reply('refused', retry)
-elseif op == 'finish' then
-  local c = get(id)
-  local actual, inp, out = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
-  if c then
-    index(c, -1)
-    if c.fin < 0 then c.fin = seq end
-    if actual >= 0 then
-      if inp < 0 or out < 0 then
-        -- Not apart: the output estimate stands as far as the total allows.
-        out = math.min(c.out, actual)
-        inp = actual - out
+-- One operation on charge `id` (the file's head says each one's arguments, `a`). Returns the
+-- reply of an admission; the others reply with the view after them.
+local function apply(op, a)
+  if op == 'admit' then
+    local cost = { inp = tonumber(a[1]), out = tonumber(a[2]) }
+    local holder = a[3] == '1'
+    -- Larger than a whole budget: {'exceeds', estimate, budget}.
+    local whole = { { part_of(cost, 't'), budget() }, { cost.inp, announced_limit('i') },
+      { cost.out, announced_limit('o') } }
+    for _, w in ipairs(whole) do
+      if w[2] and w[1] > w[2] then
+        local r = reply('exceeds')
+        r[2], r[3] = w[1], w[2]
+        return r
       end
-      admitted = math.max(0, admitted - part_of(c, 't')) + inp + out
-      account(c, { inp = inp - c.inp, out = out - c.out })
-      c.inp, c.out = inp, out
     end
-    index(c, 1)
-    save(c)
+    if redis.call('HEXISTS', K_CHARGES, id) == 1 then return reply('refused') end
+    if (not hold_id or hold_id == id) and fits(cost) then
+      seq = seq + 1
+      local c = { id = id, seq = seq, at = now, inp = cost.inp, out = cost.out, fin = -1 }
+      save(c)
+      redis.call('ZADD', K_ORDER, fmt(seq), id)
+      index(c, 1)
+      account(c, c)
+      admitted = admitted + part_of(c, 't')
+      if hold_id == id then set_hold(nil) end
+      touch()
+      return reply('admitted')
+    end
+    if holder and (not hold_id or hold_id == id) then set_hold(id) end
     touch()
-  end
-elseif op == 'refund' then
-  local c = get(id)
-  if c then
-    forget(id)
-    index(c, -1)
-    account(c, { inp = -c.inp, out = -c.out })
-    admitted = math.max(0, admitted - part_of(c, 't'))
-  end
-  if hold_id == id then set_hold(nil) end
-elseif op == 'unhold' then
-  if hold_id == id then set_hold(nil) end
-elseif op == 'observe' then
-  local p = ARGV[6]
-  local limit, rem, reset = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
-  if limit < 0 then limit = nil end
-  if rem < 0 then rem = nil end
-  if reset < 0 then reset = nil end
-  local answered = nil
-  if id ~= '' then answered = get(id) end
-  local basis = seq
-  local settled_before = seq + 1
-  if answered then
-    basis = answered.seq
-    settled_before = answered.seq
-  end
-  if (limit or rem) and not (ann[p] and ann[p].basis > basis) then
-    -- Charges admitted up to it whose answers had not come back when it was admitted may have
-    -- reached the origin after it (`ift`); those admitted after it are not in it (`aft`).
-    local ift, aft = part_of(flying, p), 0
+    local at = fits_at(cost)
+    local retry = nil
+    if at then retry = math.max(1, at - now) end
+    return reply('refused', retry)
+  elseif op == 'finish' then
+    local c = get(id)
+    local actual, inp, out = tonumber(a[1]), tonumber(a[2]), tonumber(a[3])
+    if c then
+      index(c, -1)
+      if c.fin < 0 then c.fin = seq end
+      if actual >= 0 then
+        if inp < 0 or out < 0 then
+          -- Not apart: the output estimate stands as far as the total allows.
+          out = math.min(c.out, actual)
+          inp = actual - out
+        end
+        admitted = math.max(0, admitted - part_of(c, 't')) + inp + out
+        account(c, { inp = inp - c.inp, out = out - c.out })
+        c.inp, c.out = inp, out
+      end
+      index(c, 1)
+      save(c)
+      touch()
+    end
+  elseif op == 'refund' then
+    local c = get(id)
+    if c then
+      forget(id)
+      index(c, -1)
+      account(c, { inp = -c.inp, out = -c.out })
+      admitted = math.max(0, admitted - part_of(c, 't'))
+    end
+    if hold_id == id then set_hold(nil) end
+  elseif op == 'unhold' then
+    if hold_id == id then set_hold(nil) end
+  elseif op == 'observe' then
+    local p = a[1]
+    local limit, rem, reset = tonumber(a[2]), tonumber(a[3]), tonumber(a[4])
+    if limit < 0 then limit = nil end
+    if rem < 0 then rem = nil end
+    if reset < 0 then reset = nil end
+    local answered = nil
+    if id ~= '' then answered = get(id) end
+    local basis = seq
+    local settled_before = seq + 1
     if answered then
-      -- Admitted from it on, less itself; those in flight now admitted before it, and those
-      -- ended since it was admitted, were all admitted before it or from it on.
-      local from = suffix('s', basis)
-      aft = part_of(from, p) - part_of(answered, p)
-      ift = ift - part_of(from, p) + part_of(suffix('f', basis), p)
+      basis = answered.seq
+      settled_before = answered.seq
     end
-    local at = now + 1
-    local full = nil
-    if reset then full = at + reset end
-    ann[p] = { limit = limit, rem = rem, at = at, full = full, basis = basis, ift = ift,
-      aft = aft }
-    redis.call('HSET', K_META, p .. '_limit', limit and fmt(limit) or '', p .. '_rem',
-      rem and fmt(rem) or '', p .. '_at', fmt(at), p .. '_full', full and fmt(full) or '',
-      p .. '_basis', fmt(basis), p .. '_ift', fmt(ift))
-    prune()
-    touch()
+    if (limit or rem) and not (ann[p] and ann[p].basis > basis) then
+      -- Charges admitted up to it whose answers had not come back when it was admitted may have
+      -- reached the origin after it (`ift`); those admitted after it are not in it (`aft`).
+      local ift, aft = part_of(flying, p), 0
+      if answered then
+        -- Admitted from it on, less itself; those in flight now admitted before it, and those
+        -- ended since it was admitted, were all admitted before it or from it on.
+        local from = suffix('s', basis)
+        aft = part_of(from, p) - part_of(answered, p)
+        ift = ift - part_of(from, p) + part_of(suffix('f', basis), p)
+      end
+      local at = now + 1
+      local full = nil
+      if reset then full = at + reset end
+      ann[p] = { limit = limit, rem = rem, at = at, full = full, basis = basis, ift = ift,
+        aft = aft }
+      redis.call('HSET', K_META, p .. '_limit', limit and fmt(limit) or '', p .. '_rem',
+        rem and fmt(rem) or '', p .. '_at', fmt(at), p .. '_full', full and fmt(full) or '',
+        p .. '_basis', fmt(basis), p .. '_ift', fmt(ift))
+      prune()
+      touch()
+    end
   end
 end
-return reply('ok')
+
+-- Reports (`batch`): finish, refund, unhold and observe, each of a charge, in order, as one
+-- call; ARGV from 6 on: op, charge id, then its arguments padded to four, for each.
+if op == 'batch' then
+  for n = 6, #ARGV, 6 do
+    local o = ARGV[n]
+    if o ~= 'finish' and o ~= 'refund' and o ~= 'unhold' and o ~= 'observe' then
+      return redis.error_reply('a token batch takes reports only, not ' .. tostring(o))
+    end
+  end
+  for n = 6, #ARGV, 6 do
+    id = ARGV[n + 1]
+    apply(ARGV[n], { ARGV[n + 2], ARGV[n + 3], ARGV[n + 4], ARGV[n + 5] })
+  end
+  id = ''
+  return reply('ok')
+end
+return apply(op, { ARGV[6], ARGV[7], ARGV[8], ARGV[9] }) or reply('ok')
