@@ -235,6 +235,32 @@ impl RedisCoordination {
         Ok(())
     }
 
+    /// `Some((maxmemory, policy))` when this Redis may evict keys to stay under a memory
+    /// limit. Every key the coordination keeps there expires, so the `volatile-*` policies
+    /// evict them as surely as the `allkeys-*` ones: a lost lease set or ledger index
+    /// undercounts until it is rebuilt. Exact limits need `maxmemory-policy noeviction` (Redis
+    /// then refuses writes when full, and calls fail as when Redis is away) or no `maxmemory`.
+    pub async fn eviction_risk(&self) -> Result<Option<(u64, String)>, CallError> {
+        let mut conn = self.node.conn.clone();
+        let timeout = self.node.options.command_timeout;
+        let mut cmd = ::redis::cmd("INFO");
+        cmd.arg("memory");
+        let info = cmd.query_async::<String>(&mut conn);
+        let info = on_home(&self.node.runtime, tokio::time::timeout(timeout, info))
+            .await
+            .map_err(|_| CallError::Timeout(timeout))??;
+        let field = |name: &str| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                .map(str::trim)
+        };
+        let limit = field("maxmemory")
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+        let policy = field("maxmemory_policy").unwrap_or("noeviction");
+        Ok((limit > 0 && policy != "noeviction").then(|| (limit, policy.to_owned())))
+    }
+
     /// Whether this node admits its share on its own while Redis is away (`fail_open`).
     pub fn fails_open(&self) -> bool {
         self.node.options.fail_open.is_some()

@@ -1181,6 +1181,7 @@ impl LedgerRead {
                 Err(_) => flying = (flying.0 + c.2, flying.1 + c.3),
             }
         }
+        blocks.insert("n".to_owned(), self.charges.len() as i64);
         blocks.retain(|_, v| *v != 0);
         let stored: std::collections::HashMap<String, i64> = self
             .blocks
@@ -1496,7 +1497,9 @@ async fn reports_sent_together_count_as_sent_one_by_one() {
 /// A ledger written by the earlier script (its charges hash and meta only, no indexes) is
 /// indexed by the first call that finds it: the charges in the window count, one in flight for
 /// longer than a charge may be ends and goes; a charge taken out behind the indexes (as a node
-/// of the earlier version does) is seen at the next call.
+/// of the earlier version does) is seen at the next call; so is any one of the ledger's keys
+/// lost (as Redis evicts keys when it runs out of memory with an evicting policy), the meta
+/// included: sequence numbers go on after the charges'.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ledger_of_the_earlier_layout_is_indexed_once() {
     use nthbouncer_governor::TokenSettings;
@@ -1548,6 +1551,30 @@ async fn a_ledger_of_the_earlier_layout_is_indexed_once() {
     let v = ledger.peek(&s).await.unwrap();
     assert_eq!(v.remaining, Some(10_000 - 1_500));
     space.read_ledger("old").check(s.window_ms, 1);
+
+    for (step, lost) in ["blocks", "ends", "order", "meta"].into_iter().enumerate() {
+        let _: () = space.sync_cmd(::redis::cmd("DEL").arg(key(lost)));
+        let v = ledger.peek(&s).await.unwrap();
+        assert_eq!(v.remaining, Some(10_000 - 1_500), "{lost} lost");
+        space.read_ledger("old").check(s.window_ms, 2 + step as u64);
+    }
+    use nthbouncer_coord::redis::SharedAdmit;
+    use nthbouncer_governor::TokenCost;
+    let cost = TokenCost {
+        input: 100,
+        output: 0,
+    };
+    assert!(matches!(
+        ledger.admit(&s, 7, cost, false).await.unwrap(),
+        SharedAdmit::Admitted(_)
+    ));
+    let read = space.read_ledger("old");
+    read.check(s.window_ms, 9);
+    assert_eq!(
+        read.charges[&format!("{:032x}", 7)].0,
+        4,
+        "after the meta was lost, the next charge's sequence number follows the charges'"
+    );
 }
 
 /// A pair on a free slot, through a node on `server`.
@@ -1640,4 +1667,28 @@ async fn a_nodes_thread_ends_when_the_node_is_dropped() {
         async move { probe.await.is_err_and(|e| e.is_cancelled()) }
     })
     .await;
+}
+
+/// A Redis that may evict keys to stay under a memory limit is told apart from one that may not
+/// (the server warns at start): every coordination key expires, so `volatile-*` policies count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_may_evict_keys_is_told_apart() {
+    let own = OwnRedis::start(true);
+    let node = Space::on(own.url.clone()).node();
+    assert_eq!(node.eviction_risk().await.unwrap(), None, "no maxmemory");
+    let set = |key: &str, value: &str| {
+        let _: () = own
+            .cmd(::redis::cmd("CONFIG").arg("SET").arg(key).arg(value))
+            .unwrap();
+    };
+    set("maxmemory", "100mb");
+    set("maxmemory-policy", "noeviction");
+    assert_eq!(node.eviction_risk().await.unwrap(), None, "noeviction");
+    for policy in ["volatile-lru", "allkeys-lru", "volatile-ttl"] {
+        set("maxmemory-policy", policy);
+        assert_eq!(
+            node.eviction_risk().await.unwrap(),
+            Some((100 * 1024 * 1024, policy.to_owned()))
+        );
+    }
 }

@@ -415,7 +415,19 @@ async fn open_coordination(
     let redis = RedisCoordination::new(options, clock)
         .map_err(|e| StartError::Coordination(format!("server.coordination: {e}")))?;
     match redis.ping().await {
-        Ok(()) => tracing::info!(node = redis.node_id(), "coordinating through Redis"),
+        Ok(()) => {
+            tracing::info!(node = redis.node_id(), "coordinating through Redis");
+            if let Ok(Some((maxmemory, policy))) = redis.eviction_risk().await {
+                tracing::warn!(
+                    maxmemory,
+                    policy = %policy,
+                    "Redis (server.coordination) may evict keys when it reaches maxmemory, and \
+                     every key nthbouncer keeps there expires, so volatile-* policies evict them \
+                     too: a lost key undercounts slots or tokens until it is rebuilt. Set \
+                     maxmemory-policy noeviction (or no maxmemory) for exact limits"
+                );
+            }
+        }
         Err(e) if spec.fail_open.is_some() => tracing::warn!(
             error = %e,
             "Redis (server.coordination) does not answer; admitting this node's share of each \

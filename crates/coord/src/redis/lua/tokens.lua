@@ -35,7 +35,7 @@
 -- hold_id/hold_until), 3 order (sorted set: id by seq), 4 ends (sorted set: id by
 -- finishedSeq, or OPEN + at while in flight), 5 blocks (hash: 's1:k:i', 's1:k:o' the input
 -- and output of the charges admitted with seq in block k, 'f1:k:i', 'f1:k:o' of those ended
--- there; 's2:k:…', 'f2:k:…' the same per block of BLOCK blocks).
+-- there; 's2:k:…', 'f2:k:…' the same per block of BLOCK blocks; 'n' the number of charges).
 -- ARGV: 1 operation, 2 tpm (0 = none configured), 3 window_ms, 4 hold_ttl_ms, 5 charge id
 -- ('' for none), then the operation's own:
 --   admit   6 input, 7 output, 8 holder (0/1: the caller's waiter has waited its hold)
@@ -149,8 +149,12 @@ local function save(c)
   redis.call('ZADD', K_ENDS, fmt(end_score(c)), c.id)
 end
 
+-- What this call moved in `blocks`, written by `flush`; 'n' is the number of charges, by
+-- which a call sees that `blocks` is not there any more.
+local moved = {}
+
 local function forget(cid)
-  redis.call('HDEL', K_CHARGES, cid)
+  if redis.call('HDEL', K_CHARGES, cid) == 1 then moved.n = (moved.n or 0) - 1 end
   redis.call('ZREM', K_ORDER, cid)
   redis.call('ZREM', K_ENDS, cid)
 end
@@ -163,8 +167,6 @@ local function account(c, d)
   end
 end
 
--- What this call moved in `blocks`, written by `flush`.
-local moved = {}
 local SPANS = { BLOCK, BLOCK * BLOCK }
 -- A block's field. Block numbers are integers well below 1e14, which Lua's `..` writes in
 -- full (as `suffix` does when it reads them).
@@ -204,6 +206,9 @@ local function reindex()
     if c then table.insert(all, c) else redis.call('HDEL', K_CHARGES, flat[i]) end
   end
   table.sort(all, function(a, b) return a.seq < b.seq end)
+  moved.n = #all
+  -- Were the meta lost, sequence numbers go on after the charges'.
+  if #all > 0 then seq = math.max(seq, all[#all].seq) end
   win_seq, win_t = seq + 1, 0
   for p, a in pairs(ann) do a.aft = 0 end
   local in_window = false
@@ -222,7 +227,12 @@ local function reindex()
   end
 end
 
-if not indexed or redis.call('HLEN', K_CHARGES) ~= redis.call('ZCARD', K_ORDER) then
+-- Indexed by this version with this window, and none of the indexes lost (Redis may evict any
+-- one key of a pool when it runs out of memory with an evicting policy).
+local n_charges = redis.call('HLEN', K_CHARGES)
+if not indexed or n_charges ~= redis.call('ZCARD', K_ORDER)
+    or n_charges ~= redis.call('ZCARD', K_ENDS)
+    or n_charges ~= (tonumber(redis.call('HGET', K_BLOCKS, 'n')) or 0) then
   reindex()
 end
 
@@ -552,6 +562,7 @@ local function apply(op, a)
       local c = { id = id, seq = seq, at = now, inp = cost.inp, out = cost.out, fin = -1 }
       save(c)
       redis.call('ZADD', K_ORDER, fmt(seq), id)
+      moved.n = (moved.n or 0) + 1
       index(c, 1)
       account(c, c)
       admitted = admitted + part_of(c, 't')
