@@ -26,8 +26,9 @@
 --   running sum of those in flight (`fl_i`, `fl_o`): `blocks` keeps such sums per block of
 --   BLOCK sequence numbers and per block of BLOCK blocks, by admission and by end, so `observe`
 --   reads the charges of one block and a few dozen sums, not every charge since its request.
--- A ledger written by an earlier version (no `v`), or changed behind the indexes (the charge
--- count differs), or read with another window, is indexed again from the charges, once.
+-- A ledger written by an earlier version (no `v`), read with another window (nodes should
+-- share one), or with an index changed behind it or lost (a count differs from the charges'),
+-- is indexed again from the charges: one call reads them all, as every call once did.
 --
 -- KEYS: 1 charges (hash id -> "seq:at:input:output:finishedSeq", finishedSeq -1 while in
 -- flight), 2 meta (hash: seq, admitted, clock, v, win_ms, win_seq, win_t, fl_i, fl_o, per part
@@ -616,18 +617,16 @@ local function apply(op, a)
     local answered = nil
     if id ~= '' then answered = get(id) end
     local basis = seq
-    local settled_before = seq + 1
-    if answered then
-      basis = answered.seq
-      settled_before = answered.seq
-    end
+    if answered then basis = answered.seq end
     if (limit or rem) and not (ann[p] and ann[p].basis > basis) then
-      -- Charges admitted up to it whose answers had not come back when it was admitted may have
-      -- reached the origin after it (`ift`); those admitted after it are not in it (`aft`).
+      -- Charges admitted before it whose answers had not come back when it was admitted may
+      -- have reached the origin after it (`ift`); those admitted after it are not in it (`aft`).
+      -- Without it: every charge in flight now, and none after.
       local ift, aft = part_of(flying, p), 0
       if answered then
-        -- Admitted from it on, less itself; those in flight now admitted before it, and those
-        -- ended since it was admitted, were all admitted before it or from it on.
+        -- `ift`: in flight now, less those admitted from it on, plus those ended since it was
+        -- admitted (the ones of these admitted from it on cancel out). `aft`: admitted from it
+        -- on, less itself.
         local from = suffix('s', basis)
         aft = part_of(from, p) - part_of(answered, p)
         ift = ift - part_of(from, p) + part_of(suffix('f', basis), p)
