@@ -983,13 +983,7 @@ async fn the_shared_ledger_agrees_with_the_pure_budget() {
     };
     let ledger = node.token_ledger("diff");
     let mut pure = TokenBudget::new(s);
-    let mut seed: u64 = 0x2545_f491_4f6c_dd1d;
-    let mut next = |n: u64| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed % n
-    };
+    let mut next = xorshift(0x2545_f491_4f6c_dd1d);
     let mut live: Vec<u128> = Vec::new();
     for step in 0..300u128 {
         let op = next(10);
@@ -1056,6 +1050,16 @@ async fn the_shared_ledger_agrees_with_the_pure_budget() {
 type StoredCharge = (u64, u64, u64, u64, i64);
 type Fields = std::collections::HashMap<String, String>;
 type Scored = Vec<(String, f64)>;
+
+/// A repeatable stream of numbers below `n` (xorshift), for the randomized ledger tests.
+fn xorshift(mut seed: u64) -> impl FnMut(u64) -> u64 {
+    move |n| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    }
+}
 
 /// What a full reread of one pool's token ledger gives, beside the sums its script keeps.
 struct LedgerRead {
@@ -1216,13 +1220,7 @@ async fn the_shared_ledger_keeps_its_sums_as_charges_leave_the_window() {
     };
     let ledger = node.token_ledger("roll");
     let mut pure = TokenBudget::new(s);
-    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
-    let mut next = |n: u64| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed % n
-    };
+    let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
     let same = |v: TokenView, pure: &TokenBudget, now: u64, step: u64| {
         let snap = pure.snapshot(now);
         assert_eq!(
@@ -1345,13 +1343,7 @@ async fn an_announcement_from_long_ago_reads_block_sums() {
     };
     let ledger = node.token_ledger("deep");
     let mut pure = TokenBudget::new(s);
-    let mut seed: u64 = 0x1234_5678_9abc_def1;
-    let mut next = |n: u64| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed % n
-    };
+    let mut next = xorshift(0x1234_5678_9abc_def1);
     // Charge `id` is admitted with sequence number id + 1; about half end (at a later one).
     let mut live: Vec<u128> = Vec::new();
     for id in 0..2_100u128 {
