@@ -49,6 +49,7 @@
 
 mod batch;
 mod gate;
+pub mod measure;
 mod nonces;
 mod script;
 mod tokens;

@@ -31,6 +31,18 @@ pub enum CallError {
     Stopped,
 }
 
+impl CallError {
+    /// The failure's kind, as the metrics label it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            CallError::Timeout(_) => "timeout",
+            CallError::Redis(_) => "redis",
+            CallError::Reply(_) => "reply",
+            CallError::Stopped => "stopped",
+        }
+    }
+}
+
 const PRELUDE: &str = include_str!("lua/prelude.lua");
 /// The operations a batch runs, as functions (see `lua/ops.lua`).
 const OPS: &str = include_str!("lua/ops.lua");
@@ -52,6 +64,8 @@ const OPERATIONS: [(&str, &str); 8] = [
 
 /// One gate operation: a function of the library, and the same code as a script.
 pub(crate) struct GateScript {
+    /// The operation's name (`tick`, `batch`, ...), as the metrics label it.
+    name: &'static str,
     function: String,
     script: Script,
 }
@@ -76,9 +90,10 @@ pub(crate) struct Scripts {
 /// The operation `name` with `body`, as the function of a library whose name is `library`, and
 /// as a script (the prelude shadows `KEYS` and `ARGV` with the call's, so a script hands its
 /// own to `begin` before that).
-fn operation(library: &str, name: &str, body: &str) -> GateScript {
+fn operation(library: &str, name: &'static str, body: &str) -> GateScript {
     let ops = if name == "batch" { OPS } else { "" };
     GateScript {
+        name,
         function: format!("{library}_{name}"),
         script: Script::new(&format!(
             "local CALL_KEYS, CALL_ARGV = KEYS, ARGV\n{PRELUDE}\n{ops}\n\
@@ -121,7 +136,7 @@ impl Scripts {
         // hash is of the code under a placeholder name.
         let hash = Script::new(&library_code("nbgate")).get_hash().to_owned();
         let library = format!("nbgate_{}", hash.get(..16).unwrap_or(&hash));
-        let op = |name: &str| {
+        let op = |name: &'static str| {
             let body = OPERATIONS
                 .iter()
                 .find(|(n, _)| *n == name)
@@ -191,9 +206,31 @@ fn says(e: &::redis::RedisError, what: &str) -> bool {
 }
 
 /// Runs `which` for one pool with the shared arguments, then `extra`, within `timeout` (each
-/// command sent), polled on `home` (the node's runtime, see `on_home`).
+/// command sent), polled on `home` (the node's runtime, see `on_home`); timed and, failing,
+/// counted (`measure`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn call(
+    conn: &ConnectionManager,
+    home: &tokio::runtime::Handle,
+    scripts: &Scripts,
+    which: &GateScript,
+    keys: &[String],
+    settings: &PoolSettings,
+    caller: &Caller<'_>,
+    extra: &[String],
+    timeout: Duration,
+) -> Result<Reply, CallError> {
+    let started = super::measure::start();
+    let result = call_unmeasured(
+        conn, home, scripts, which, keys, settings, caller, extra, timeout,
+    )
+    .await;
+    super::measure::record("gate", which.name, started, &result);
+    result
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn call_unmeasured(
     conn: &ConnectionManager,
     home: &tokio::runtime::Handle,
     scripts: &Scripts,

@@ -173,9 +173,23 @@ impl RedisTokens {
         self.node.options.fail_open
     }
 
+    /// One call of the script's operation `op`; timed and, failing, counted (`measure`).
     async fn call(
         &self,
-        op: &str,
+        op: &'static str,
+        settings: &TokenSettings,
+        id: Option<u128>,
+        extra: &[String],
+    ) -> Result<(String, TokenView, Option<u64>), CallError> {
+        let started = super::measure::start();
+        let result = self.call_unmeasured(op, settings, id, extra).await;
+        super::measure::record("tokens", op, started, &result);
+        result
+    }
+
+    async fn call_unmeasured(
+        &self,
+        op: &'static str,
         settings: &TokenSettings,
         id: Option<u128>,
         extra: &[String],

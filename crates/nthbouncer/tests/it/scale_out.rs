@@ -215,6 +215,41 @@ async fn a_lock_taken_on_one_node_renews_and_releases_on_the_others() {
 
     let (status, c) = lock(&nodes[2], "l", "acquire", json!({})).await;
     assert_eq!(status, 200, "the released slot is free on every node: {c}");
+
+    // Each node's calls to Redis are timed, by script and operation, in sub-millisecond
+    // buckets.
+    let text = metrics_text(&nodes[0]).await;
+    let gate_calls = redis_calls(&text, "gate");
+    assert!(gate_calls >= 3.0, "{gate_calls} gate calls timed:\n{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("nthbouncer_redis_call_seconds_bucket{")
+                && l.contains("script=\"gate\"")
+                && l.contains("le=\"0.0001\"")),
+        "no 100 µs bucket:\n{text}"
+    );
+}
+
+/// A node's `/metrics` text.
+pub(crate) async fn metrics_text(node: &Server) -> String {
+    node.client
+        .get(node.url("/metrics"))
+        .header("host", "api.localhost")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// How many calls of `script` (`gate`, `tokens`) to Redis a node's `/metrics` counts.
+pub(crate) fn redis_calls(text: &str, script: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with("nthbouncer_redis_call_seconds_count{"))
+        .filter(|l| l.contains(&format!("script=\"{script}\"")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 /// A node `kill -9`ed while its proxied call holds the pool's only slot: with a 1 s term the slot

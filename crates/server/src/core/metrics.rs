@@ -11,6 +11,10 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 ];
+/// Seconds, for calls to Redis (mostly well under a millisecond): from 100 µs to 5 s.
+const REDIS_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0,
+];
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
@@ -18,8 +22,15 @@ static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 pub fn handle() -> &'static PrometheusHandle {
     HANDLE.get_or_init(|| {
         let builder = || {
+            // A full name's buckets take precedence over a suffix's.
             PrometheusBuilder::new()
                 .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full(nthbouncer_coord::redis::measure::CALL_SECONDS.into()),
+                        REDIS_BUCKETS,
+                    )
+                })
                 .unwrap_or_else(|_| PrometheusBuilder::new())
         };
         match builder().install_recorder() {
