@@ -286,6 +286,17 @@ impl Server {
             .header("x-nthpool-key", KEY)
     }
 
+    /// The server's `/metrics` text.
+    pub async fn metrics_text(&self) -> String {
+        self.api(reqwest::Method::GET, "/metrics")
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
     /// GET `path` on the admin API, as JSON (whatever the status).
     pub async fn admin_json(&self, path: &str) -> Value {
         self.client

@@ -221,90 +221,75 @@ pub(crate) async fn call(
     timeout: Duration,
 ) -> Result<Reply, CallError> {
     let started = super::measure::start();
-    let result = call_unmeasured(
-        conn, home, scripts, which, keys, settings, caller, extra, timeout,
-    )
+    let result: Result<Reply, CallError> = async {
+        let shared = (
+            settings.limit,
+            settings.queue_size,
+            settings.rpm,
+            settings.request_timeout_ms,
+            settings.lease_term_ms,
+            settings.min_limit,
+            u8::from(settings.fair_share),
+            caller.node,
+            caller.node_ttl_ms,
+            caller.wake_prefix,
+            caller.pool,
+            caller.generation,
+        );
+        // The manager is a cheap handle onto one multiplexed connection; each call gets its own.
+        let mut conn = conn.clone();
+        let value = if scripts.as_functions() {
+            let mut fcall = ::redis::cmd("FCALL");
+            fcall.arg(&which.function).arg(keys.len()).arg(keys);
+            fcall.arg(shared).arg(extra);
+            match send(&mut conn, home, &fcall, timeout).await {
+                Err(CallError::Redis(e)) if says(&e, "function not found") => {
+                    load_library(&mut conn, home, scripts, timeout).await?;
+                    Some(send(&mut conn, home, &fcall, timeout).await)
+                }
+                // Redis 6, or a user whose ACL does not allow `FCALL`.
+                Err(CallError::Redis(e))
+                    if says(&e, "unknown command") || e.code() == Some("NOPERM") =>
+                {
+                    tracing::info!(
+                        error = %e,
+                        "no Redis functions here (they need Redis 7, and an ACL that allows FCALL): \
+                         the gate's operations go as scripts"
+                    );
+                    scripts.functions.store(false, Ordering::Relaxed);
+                    None
+                }
+                other => Some(other),
+            }
+        } else {
+            None
+        };
+        let value = match value {
+            Some(value) => value?,
+            None => {
+                let mut inv = which.script.prepare_invoke();
+                for k in keys {
+                    inv.key(k);
+                }
+                inv.arg(shared).arg(extra);
+                let call = inv.invoke_async(&mut conn);
+                super::on_home(home, tokio::time::timeout(timeout, call))
+                    .await
+                    .map_err(|_| CallError::Timeout(timeout))??
+            }
+        };
+        let Value::Array(mut items) = value else {
+            return Err(CallError::Reply("not an array"));
+        };
+        let generation = match items.pop() {
+            Some(Value::BulkString(b)) => String::from_utf8_lossy(&b).into_owned(),
+            _ => return Err(CallError::Reply("no generation")),
+        };
+        Ok(Reply(items, generation))
+    }
     .await;
     super::measure::record("gate", which.name, started, &result);
     result
-}
-
-#[allow(clippy::too_many_arguments)]
-async fn call_unmeasured(
-    conn: &ConnectionManager,
-    home: &tokio::runtime::Handle,
-    scripts: &Scripts,
-    which: &GateScript,
-    keys: &[String],
-    settings: &PoolSettings,
-    caller: &Caller<'_>,
-    extra: &[String],
-    timeout: Duration,
-) -> Result<Reply, CallError> {
-    let shared = (
-        settings.limit,
-        settings.queue_size,
-        settings.rpm,
-        settings.request_timeout_ms,
-        settings.lease_term_ms,
-        settings.min_limit,
-        u8::from(settings.fair_share),
-        caller.node,
-        caller.node_ttl_ms,
-        caller.wake_prefix,
-        caller.pool,
-        caller.generation,
-    );
-    // The manager is a cheap handle onto one multiplexed connection; each call gets its own.
-    let mut conn = conn.clone();
-    let value = if scripts.as_functions() {
-        let mut fcall = ::redis::cmd("FCALL");
-        fcall.arg(&which.function).arg(keys.len()).arg(keys);
-        fcall.arg(shared).arg(extra);
-        match send(&mut conn, home, &fcall, timeout).await {
-            Err(CallError::Redis(e)) if says(&e, "function not found") => {
-                load_library(&mut conn, home, scripts, timeout).await?;
-                Some(send(&mut conn, home, &fcall, timeout).await)
-            }
-            // Redis 6, or a user whose ACL does not allow `FCALL`.
-            Err(CallError::Redis(e))
-                if says(&e, "unknown command") || e.code() == Some("NOPERM") =>
-            {
-                tracing::info!(
-                    error = %e,
-                    "no Redis functions here (they need Redis 7, and an ACL that allows FCALL): \
-                     the gate's operations go as scripts"
-                );
-                scripts.functions.store(false, Ordering::Relaxed);
-                None
-            }
-            other => Some(other),
-        }
-    } else {
-        None
-    };
-    let value = match value {
-        Some(value) => value?,
-        None => {
-            let mut inv = which.script.prepare_invoke();
-            for k in keys {
-                inv.key(k);
-            }
-            inv.arg(shared).arg(extra);
-            let call = inv.invoke_async(&mut conn);
-            super::on_home(home, tokio::time::timeout(timeout, call))
-                .await
-                .map_err(|_| CallError::Timeout(timeout))??
-        }
-    };
-    let Value::Array(mut items) = value else {
-        return Err(CallError::Reply("not an array"));
-    };
-    let generation = match items.pop() {
-        Some(Value::BulkString(b)) => String::from_utf8_lossy(&b).into_owned(),
-        _ => return Err(CallError::Reply("no generation")),
-    };
-    Ok(Reply(items, generation))
 }
 
 /// A script's reply: a flat array of integers and strings, and the pool's generation.

@@ -182,60 +182,53 @@ impl RedisTokens {
         extra: &[String],
     ) -> Result<(String, TokenView, Option<u64>), CallError> {
         let started = super::measure::start();
-        let result = self.call_unmeasured(op, settings, id, extra).await;
+        let result: Result<(String, TokenView, Option<u64>), CallError> = async {
+            let mut inv = self.script.prepare_invoke();
+            for k in &self.keys {
+                inv.key(k);
+            }
+            inv.arg(op)
+                .arg(settings.tpm)
+                .arg(settings.window_ms.max(1))
+                .arg(HOLD_TTL_MS)
+                .arg(id.map(charge_field).unwrap_or_default());
+            for a in extra {
+                inv.arg(a);
+            }
+            let mut conn = self.node.conn.clone();
+            let timeout = self.node.options.command_timeout;
+            let call = inv.invoke_async(&mut conn);
+            let value: ::redis::Value =
+                super::on_home(&self.node.runtime, tokio::time::timeout(timeout, call))
+                    .await
+                    .map_err(|_| CallError::Timeout(timeout))??;
+            let ::redis::Value::Array(items) = value else {
+                return Err(CallError::Reply("not an array"));
+            };
+            let r = Reply(items, String::new());
+            if r.len() < 9 {
+                return Err(CallError::Reply("short token reply"));
+            }
+            let source = match r.int(3)? {
+                1 => Some(BudgetSource::Configured),
+                2 => Some(BudgetSource::Announced),
+                3 => Some(BudgetSource::Both),
+                _ => None,
+            };
+            let view = TokenView {
+                remaining: r.opt(1)?,
+                budget: r.opt(2)?,
+                source,
+                admitted_tokens: r.u64(4)?,
+                held: r.int(6)? == 1,
+                input_remaining: r.opt(7)?,
+                output_remaining: r.opt(8)?,
+            };
+            Ok((r.str(0)?, view, r.opt(5)?))
+        }
+        .await;
         super::measure::record("tokens", op, started, &result);
         result
-    }
-
-    async fn call_unmeasured(
-        &self,
-        op: &'static str,
-        settings: &TokenSettings,
-        id: Option<u128>,
-        extra: &[String],
-    ) -> Result<(String, TokenView, Option<u64>), CallError> {
-        let mut inv = self.script.prepare_invoke();
-        for k in &self.keys {
-            inv.key(k);
-        }
-        inv.arg(op)
-            .arg(settings.tpm)
-            .arg(settings.window_ms.max(1))
-            .arg(HOLD_TTL_MS)
-            .arg(id.map(charge_field).unwrap_or_default());
-        for a in extra {
-            inv.arg(a);
-        }
-        let mut conn = self.node.conn.clone();
-        let timeout = self.node.options.command_timeout;
-        let call = inv.invoke_async(&mut conn);
-        let value: ::redis::Value =
-            super::on_home(&self.node.runtime, tokio::time::timeout(timeout, call))
-                .await
-                .map_err(|_| CallError::Timeout(timeout))??;
-        let ::redis::Value::Array(items) = value else {
-            return Err(CallError::Reply("not an array"));
-        };
-        let r = Reply(items, String::new());
-        if r.len() < 9 {
-            return Err(CallError::Reply("short token reply"));
-        }
-        let source = match r.int(3)? {
-            1 => Some(BudgetSource::Configured),
-            2 => Some(BudgetSource::Announced),
-            3 => Some(BudgetSource::Both),
-            _ => None,
-        };
-        let view = TokenView {
-            remaining: r.opt(1)?,
-            budget: r.opt(2)?,
-            source,
-            admitted_tokens: r.u64(4)?,
-            held: r.int(6)? == 1,
-            input_remaining: r.opt(7)?,
-            output_remaining: r.opt(8)?,
-        };
-        Ok((r.str(0)?, view, r.opt(5)?))
     }
 
     /// Charges `cost` for `id` if it fits and nobody else holds the budget. `holder`: the

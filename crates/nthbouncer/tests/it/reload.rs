@@ -45,16 +45,7 @@ async fn wait_upstream_in_flight(up: &Upstream, n: i64) {
 
 /// The value of the unlabelled metric `name` in `/metrics`.
 async fn metric(server: &Server, name: &str) -> Option<f64> {
-    let text = server
-        .client
-        .get(server.url("/metrics"))
-        .header("host", "api.localhost")
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = server.metrics_text().await;
     text.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }

@@ -218,7 +218,7 @@ async fn a_lock_taken_on_one_node_renews_and_releases_on_the_others() {
 
     // Each node's calls to Redis are timed, by script and operation, in sub-millisecond
     // buckets.
-    let text = metrics_text(&nodes[0]).await;
+    let text = nodes[0].metrics_text().await;
     let gate_calls = redis_calls(&text, "gate");
     assert!(gate_calls >= 3.0, "{gate_calls} gate calls timed:\n{text}");
     assert!(
@@ -228,19 +228,6 @@ async fn a_lock_taken_on_one_node_renews_and_releases_on_the_others() {
                 && l.contains("le=\"0.0001\"")),
         "no 100 µs bucket:\n{text}"
     );
-}
-
-/// A node's `/metrics` text.
-pub(crate) async fn metrics_text(node: &Server) -> String {
-    node.client
-        .get(node.url("/metrics"))
-        .header("host", "api.localhost")
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
 }
 
 /// How many calls of `script` (`gate`, `tokens`) to Redis a node's `/metrics` counts.

@@ -11,7 +11,7 @@ use reqwest::Method;
 use serde_json::{json, Value};
 use tokio::task::JoinSet;
 
-use crate::scale_out::{metrics_text, nodes, redis_calls, redis_url, state, Space, SERIAL};
+use crate::scale_out::{nodes, redis_calls, redis_url, state, Space, SERIAL};
 
 /// A sandbox whose only limit is a hidden token budget of `tpm` refilling over `window_ms`.
 async fn sandbox(tpm: u64, window_ms: u64) -> (Arc<Sandbox>, String) {
@@ -127,7 +127,7 @@ async fn three_nodes_admit_one_token_budget() {
         let admitted = s["tokens"]["admittedTokens"].as_u64().unwrap();
         assert!(admitted <= 3_000, "admitted {admitted} tokens of 3000: {s}");
         // Its calls to the shared ledger are timed with the gate's.
-        let text = metrics_text(node).await;
+        let text = node.metrics_text().await;
         assert!(redis_calls(&text, "tokens") >= 1.0, "{text}");
     }
 }
