@@ -418,9 +418,13 @@ fn deliver(sh: &Shared, id: u128, answer: Answer) {
 /// The most reports taken from the queue at once.
 const REPORTS_AT_ONCE: usize = 64;
 
-/// Sends this node's reports to the ledger in order, all those at hand in one call. Reports
-/// Redis does not take are dropped (a charge never ended there is taken as ended after a
-/// while).
+/// Sends this node's reports to the ledger in order, all those at hand in one call. A call
+/// that fails drops them, and is not tried again: each loss errs on the safe side (a finish
+/// lost leaves its charge at its estimate and in flight until it is taken as ended after a
+/// while, a refund lost leaves the estimate charged, an unhold lost lapses, an announcement
+/// lost is replaced by the next), while a batch that did reach Redis, sent again, would not
+/// count the same (an announcement without its request, replayed after the batch's later
+/// finishes, would take them as known to it).
 async fn reporter(sh: Weak<Shared>, mut rx: mpsc::UnboundedReceiver<TokenReport>) {
     let mut reports = Vec::with_capacity(REPORTS_AT_ONCE);
     while rx.recv_many(&mut reports, REPORTS_AT_ONCE).await > 0 {
