@@ -9,7 +9,8 @@
 //! the idle one. So each connection keeps its own [`Activity`]: requests in flight (counted by
 //! the service and by the response body, so a long poll or a long stream is not idle) and one
 //! deadline, which a [`Watchdog`] polled beside the connection enforces. Per request this costs
-//! two atomic counts; no lock, no task, no timer.
+//! two atomic counts and two clock readings; no lock, no task, no timer, and no wake-up of the
+//! connection's task (its timer fires at most once per header timeout to look at the deadline).
 
 use std::future::Future;
 use std::io;
@@ -147,6 +148,10 @@ pub(super) struct Activity {
     /// `header_read_ms` from then. Not HTTP/2, where an idle connection reads pings and
     /// window updates.
     heads_on_read: AtomicBool,
+    /// Milliseconds after `epoch` at which the [`Watchdog`]'s timer is set to fire (0 before it
+    /// is first set). A deadline set at or after it needs no wake-up: the timer fires first
+    /// and the watchdog looks again. Only a deadline moved before it wakes the watchdog.
+    armed_ms: AtomicU64,
     watchdog: AtomicWaker,
 }
 
@@ -161,6 +166,7 @@ impl Activity {
             deadline_ms: AtomicU64::new(timeouts.header_read_ms),
             outright: AtomicBool::new(true),
             heads_on_read: AtomicBool::new(true),
+            armed_ms: AtomicU64::new(0),
             watchdog: AtomicWaker::new(),
         })
     }
@@ -170,14 +176,22 @@ impl Activity {
         u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
     }
 
-    fn deadline(&self) -> Instant {
-        self.epoch + Duration::from_millis(self.deadline_ms.load(Ordering::Acquire))
+    /// The instant `ms` milliseconds after the epoch.
+    fn instant(&self, ms: u64) -> Instant {
+        self.epoch + Duration::from_millis(ms)
     }
 
+    /// Moves the deadline to `ms` from now. The watchdog is woken only when its timer would
+    /// fire too late for it: every request moves the deadline twice (its head arriving, its
+    /// answer done), and a wake-up would poll the whole connection again for nothing.
     fn set_deadline_in(&self, ms: u64) {
-        self.deadline_ms
-            .store(self.now_ms().saturating_add(ms), Ordering::Release);
-        self.watchdog.wake();
+        let at = self.now_ms().saturating_add(ms);
+        // SeqCst with the watchdog's `armed_ms` store and deadline load: either it reads this
+        // deadline after setting its timer, or this reads the timer it set.
+        self.deadline_ms.store(at, Ordering::SeqCst);
+        if at < self.armed_ms.load(Ordering::SeqCst) {
+            self.watchdog.wake();
+        }
     }
 
     /// A request's head has arrived; it is in flight until its response body is dropped.
@@ -236,36 +250,79 @@ pub(super) enum Expired {
 /// when its deadline moves.
 pub(super) struct Watchdog {
     activity: Arc<Activity>,
+    /// When `sleep` fires, in milliseconds after the activity's epoch (mirrored in
+    /// `Activity::armed_ms` for the deadline's setters).
+    armed_ms: u64,
     sleep: Pin<Box<Sleep>>,
 }
 
 impl Watchdog {
     pub(super) fn new(activity: Arc<Activity>) -> Self {
-        let sleep = Box::pin(tokio::time::sleep_until(activity.deadline()));
-        Watchdog { activity, sleep }
+        let at = activity.deadline_ms.load(Ordering::SeqCst);
+        activity.armed_ms.store(at, Ordering::SeqCst);
+        let sleep = Box::pin(tokio::time::sleep_until(activity.instant(at)));
+        Watchdog {
+            activity,
+            armed_ms: at,
+            sleep,
+        }
     }
 
+    /// Ready once the deadline has passed with nothing in flight. The timer is set to the
+    /// deadline or to one period from now (the shorter of the two timeouts), whichever comes
+    /// first, and while requests are in flight to one period from now: so the deadline each
+    /// request moves twice moves past the timer, which needs no wake-up, only a look when the
+    /// timer fires, at most once per period per connection.
     pub(super) fn poll_expired(&mut self, cx: &mut Context<'_>) -> Poll<Expired> {
-        let activity = &self.activity;
-        // Registered first, so a request ending after the checks below wakes us.
+        let activity = &*self.activity;
+        // Registered first, so a deadline moved earlier after the checks below wakes us.
         activity.watchdog.register(cx.waker());
+        // Neither a head arriving (header timeout) nor a request ending (idle timeout) can
+        // move the deadline before a timer set this far ahead. A refused connection's idle
+        // timeout (0) is left out: it closes as soon as its answer is out.
+        let Timeouts {
+            header_read_ms,
+            idle_ms,
+        } = activity.timeouts;
+        let period = match idle_ms {
+            0 => header_read_ms,
+            idle => header_read_ms.min(idle),
+        }
+        .max(1);
         loop {
-            if activity.in_flight.load(Ordering::Acquire) > 0 {
-                return Poll::Pending;
-            }
-            let at = activity.deadline();
-            if self.sleep.deadline() != at {
-                self.sleep.as_mut().reset(at);
+            let idle = activity.in_flight.load(Ordering::SeqCst) == 0;
+            let deadline = activity.deadline_ms.load(Ordering::SeqCst);
+            let now = activity.now_ms();
+            let target = if self.armed_ms <= now {
+                // The timer is due: a look at the deadline, then the next one.
+                if idle && deadline <= now {
+                    return Poll::Ready(if activity.outright.load(Ordering::Acquire) {
+                        Expired::Overdue
+                    } else {
+                        Expired::Idle
+                    });
+                }
+                let next = now.saturating_add(period);
+                if idle {
+                    deadline.min(next)
+                } else {
+                    next
+                }
+            } else if idle && deadline < self.armed_ms {
+                deadline
+            } else {
+                self.armed_ms
+            };
+            if target != self.armed_ms {
+                self.armed_ms = target;
+                activity.armed_ms.store(target, Ordering::SeqCst);
+                self.sleep.as_mut().reset(activity.instant(target));
+                // A deadline set before that store may not have seen the new timer.
+                if activity.deadline_ms.load(Ordering::SeqCst) != deadline {
+                    continue;
+                }
             }
             ready!(self.sleep.as_mut().poll(cx));
-            // A request may have begun, or the deadline moved, while the timer ran out.
-            if activity.in_flight.load(Ordering::Acquire) == 0 && activity.deadline() <= at {
-                return Poll::Ready(if activity.outright.load(Ordering::Acquire) {
-                    Expired::Overdue
-                } else {
-                    Expired::Idle
-                });
-            }
         }
     }
 }
@@ -374,6 +431,138 @@ impl http_body::Body for TrackedBody {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    /// Counts its wake-ups: each one would poll the whole connection again.
+    struct CountingWaker(AtomicUsize);
+
+    impl std::task::Wake for CountingWaker {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    struct Polled {
+        watchdog: Watchdog,
+        wakes: Arc<CountingWaker>,
+    }
+
+    impl Polled {
+        fn new(timeouts: Timeouts) -> (Arc<Activity>, Polled) {
+            let activity = Activity::new(timeouts);
+            let watchdog = Watchdog::new(activity.clone());
+            let wakes = Arc::new(CountingWaker(AtomicUsize::new(0)));
+            (activity, Polled { watchdog, wakes })
+        }
+
+        fn poll(&mut self) -> Poll<Expired> {
+            let waker = std::task::Waker::from(self.wakes.clone());
+            self.watchdog.poll_expired(&mut Context::from_waker(&waker))
+        }
+
+        fn wakes(&self) -> usize {
+            self.wakes.0.load(Ordering::SeqCst)
+        }
+    }
+
+    /// One keep-alive request: its first bytes, its head, its answer done.
+    fn request(activity: &Arc<Activity>) {
+        activity.on_read();
+        drop(activity.begin(http::Version::HTTP_11));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn requests_move_the_deadline_without_waking_the_connection() {
+        let timeouts = Timeouts {
+            header_read_ms: 10_000,
+            idle_ms: 60_000,
+        };
+        let (activity, mut polled) = Polled::new(timeouts);
+        assert!(polled.poll().is_pending());
+        for _ in 0..100 {
+            request(&activity);
+            tokio::time::advance(Duration::from_millis(7)).await;
+        }
+        assert_eq!(polled.wakes(), 0, "no request woke the watchdog");
+        // Its timer fires once per header timeout to look; the idle deadline still holds.
+        let mut looks = 0;
+        let mut waited_ms = 0;
+        while polled.poll().is_pending() {
+            tokio::time::advance(Duration::from_millis(1_000)).await;
+            waited_ms += 1_000;
+            looks = polled.wakes();
+            assert!(waited_ms <= 61_000, "idle past its deadline");
+        }
+        assert!(
+            waited_ms >= 59_000,
+            "closed {waited_ms} ms after the last request"
+        );
+        assert!(
+            (5..=8).contains(&looks),
+            "{looks} timer wake-ups over a minute, one per header timeout expected"
+        );
+        assert!(matches!(polled.poll(), Poll::Ready(Expired::Idle)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_deadline_moved_before_the_timer_wakes_the_watchdog() {
+        // A refused connection: its idle timeout (0) closes it once its answer is out.
+        let (activity, mut polled) = Polled::new(Timeouts {
+            header_read_ms: 10_000,
+            idle_ms: 0,
+        });
+        let in_flight = activity.begin(http::Version::HTTP_11);
+        assert!(polled.poll().is_pending());
+        tokio::time::advance(Duration::from_millis(5)).await;
+        assert_eq!(polled.wakes(), 0);
+        drop(in_flight);
+        assert_eq!(polled.wakes(), 1, "the earlier deadline woke the watchdog");
+        assert!(matches!(polled.poll(), Poll::Ready(Expired::Idle)));
+
+        // A shutdown's deadline (the header timeout from now) comes after the idle one's
+        // timer here, which fires first and is set again to it.
+        let (activity, mut polled) = Polled::new(Timeouts {
+            header_read_ms: 300,
+            idle_ms: 60_000,
+        });
+        request(&activity);
+        assert!(polled.poll().is_pending());
+        activity.closing();
+        let mut waited_ms = 0;
+        let why = loop {
+            if let Poll::Ready(why) = polled.poll() {
+                break why;
+            }
+            tokio::time::advance(Duration::from_millis(50)).await;
+            waited_ms += 50;
+            assert!(waited_ms <= 400, "a shutdown past its header timeout");
+        };
+        assert_eq!(why, Expired::Overdue);
+        assert!(waited_ms >= 300, "closed after {waited_ms} ms");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_head_begun_on_an_idle_connection_is_due_within_the_header_timeout() {
+        let (activity, mut polled) = Polled::new(Timeouts {
+            header_read_ms: 300,
+            idle_ms: 60_000,
+        });
+        request(&activity);
+        assert!(polled.poll().is_pending());
+        tokio::time::advance(Duration::from_millis(1_000)).await;
+        // Bytes of a head, and no more: overdue one header timeout later, not at the idle one.
+        activity.on_read();
+        let mut waited_ms = 0;
+        let why = loop {
+            if let Poll::Ready(why) = polled.poll() {
+                break why;
+            }
+            tokio::time::advance(Duration::from_millis(50)).await;
+            waited_ms += 50;
+            assert!(waited_ms <= 400, "a late head past its header timeout");
+        };
+        assert_eq!(why, Expired::Overdue);
+        assert!(waited_ms >= 250, "closed after {waited_ms} ms");
+    }
 
     #[test]
     fn every_connection_counted_is_uncounted_when_dropped() {
