@@ -292,9 +292,12 @@ impl Watchdog {
         loop {
             let idle = activity.in_flight.load(Ordering::SeqCst) == 0;
             let deadline = activity.deadline_ms.load(Ordering::SeqCst);
-            let now = activity.now_ms();
-            let target = if self.armed_ms <= now {
+            // The watchdog is polled with its connection, twice per request: the clock is
+            // read only when the timer has fired.
+            let target = if self.sleep.is_elapsed() {
                 // The timer is due: a look at the deadline, then the next one.
+                // Not before the time it fired for: the next timer is then always a later one.
+                let now = activity.now_ms().max(self.armed_ms);
                 if idle && deadline <= now {
                     return Poll::Ready(if activity.outright.load(Ordering::Acquire) {
                         Expired::Overdue
