@@ -465,6 +465,20 @@ mod tests {
         fn wakes(&self) -> usize {
             self.wakes.0.load(Ordering::SeqCst)
         }
+
+        /// Polls every 50 ms of the (paused) clock until the watchdog is ready: why, and after
+        /// how long. Not past `at_most_ms`.
+        async fn expiry(&mut self, at_most_ms: u64) -> (Expired, u64) {
+            let mut waited_ms = 0;
+            loop {
+                if let Poll::Ready(why) = self.poll() {
+                    return (why, waited_ms);
+                }
+                tokio::time::advance(Duration::from_millis(50)).await;
+                waited_ms += 50;
+                assert!(waited_ms <= at_most_ms, "not closed within {at_most_ms} ms");
+            }
+        }
     }
 
     /// One keep-alive request: its first bytes, its head, its answer done.
@@ -530,15 +544,7 @@ mod tests {
         request(&activity);
         assert!(polled.poll().is_pending());
         activity.closing();
-        let mut waited_ms = 0;
-        let why = loop {
-            if let Poll::Ready(why) = polled.poll() {
-                break why;
-            }
-            tokio::time::advance(Duration::from_millis(50)).await;
-            waited_ms += 50;
-            assert!(waited_ms <= 400, "a shutdown past its header timeout");
-        };
+        let (why, waited_ms) = polled.expiry(400).await;
         assert_eq!(why, Expired::Overdue);
         assert!(waited_ms >= 300, "closed after {waited_ms} ms");
     }
@@ -554,15 +560,7 @@ mod tests {
         tokio::time::advance(Duration::from_millis(1_000)).await;
         // Bytes of a head, and no more: overdue one header timeout later, not at the idle one.
         activity.on_read();
-        let mut waited_ms = 0;
-        let why = loop {
-            if let Poll::Ready(why) = polled.poll() {
-                break why;
-            }
-            tokio::time::advance(Duration::from_millis(50)).await;
-            waited_ms += 50;
-            assert!(waited_ms <= 400, "a late head past its header timeout");
-        };
+        let (why, waited_ms) = polled.expiry(400).await;
         assert_eq!(why, Expired::Overdue);
         assert!(waited_ms >= 250, "closed after {waited_ms} ms");
     }
