@@ -10,7 +10,8 @@
 //! the service and by the response body, so a long poll or a long stream is not idle) and one
 //! deadline, which a [`Watchdog`] polled beside the connection enforces. Per request this costs
 //! two atomic counts and two clock readings; no lock, no task, no timer, and no wake-up of the
-//! connection's task (its timer fires at most once per header timeout to look at the deadline).
+//! connection's task (its timer fires at most once per period, the shorter of the two timeouts,
+//! to look at the deadline).
 
 use std::future::Future;
 use std::io;
