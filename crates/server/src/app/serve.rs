@@ -393,6 +393,7 @@ impl Serving {
         // Each request is in flight, for the watchdog, until its response body is done.
         let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
             let in_flight = requests.begin(req.version());
+            let h2 = req.version() == http::Version::HTTP_2;
             if let Some(tls) = &tls {
                 req.extensions_mut().insert(tls.clone());
             }
@@ -409,6 +410,10 @@ impl Serving {
                 } else {
                     d.dispatch(req, client, &route).await
                 };
+                let mut resp = resp;
+                if h2 {
+                    keep_date_out_of_hpack(resp.headers_mut());
+                }
                 Ok::<_, Infallible>(resp.map(|body| TrackedBody::new(body, in_flight)))
             })
         });
@@ -475,6 +480,18 @@ fn overloaded(version: http::Version) -> Response<Body> {
         );
     }
     resp
+}
+
+/// An HTTP/2 answer's `date` (an origin's, passed through) goes as a never-indexed literal
+/// (`core::never_indexed`): a new value every second, each of which HPACK would insert into
+/// the connection's table, and the `h2` crate's encoder compares a value with every entry of
+/// its name, oldest first. On a connection a minute old that was some sixty comparisons per
+/// answer, growing with the connection's age until the table evicts them (bench/RESULTS.md).
+/// A `date` hyper adds itself (answers without one) is not ours to mark.
+fn keep_date_out_of_hpack(headers: &mut http::HeaderMap) {
+    if let Some(date) = headers.get_mut(http::header::DATE) {
+        date.set_sensitive(true);
+    }
 }
 
 /// How a connection's task ended.

@@ -331,3 +331,110 @@ async fn shutdown_answers_requests_in_flight_and_closes_the_rest() {
     closes("the held connection to close", held_conn).await;
     closes("the shutdown", shutdown).await;
 }
+
+/// A client socket that keeps a copy of every byte it reads: what the server wrote.
+struct Recorded {
+    stream: TcpStream,
+    read: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+}
+
+impl tokio::io::AsyncRead for Recorded {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = std::pin::Pin::new(&mut self.stream).poll_read(cx, buf);
+        let new = buf.filled()[before..].to_vec();
+        self.read.lock().unwrap().extend_from_slice(&new);
+        polled
+    }
+}
+
+impl tokio::io::AsyncWrite for Recorded {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+/// The header blocks of the HEADERS frames (type 1) on request streams in `bytes`, as an
+/// HTTP/2 server wrote them (its frames follow each other from the first byte).
+fn header_blocks(bytes: &[u8]) -> Vec<Vec<u8>> {
+    let mut blocks = Vec::new();
+    let mut at = 0;
+    while at + 9 <= bytes.len() {
+        let len = usize::from(bytes[at]) << 16
+            | usize::from(bytes[at + 1]) << 8
+            | usize::from(bytes[at + 2]);
+        let (kind, flags) = (bytes[at + 3], bytes[at + 4]);
+        let stream =
+            u32::from_be_bytes([bytes[at + 5], bytes[at + 6], bytes[at + 7], bytes[at + 8]])
+                & 0x7fff_ffff;
+        let Some(payload) = bytes.get(at + 9..at + 9 + len) else {
+            break;
+        };
+        // Neither padded (0x8) nor with a priority (0x20): the block is the whole payload.
+        if kind == 1 && stream != 0 {
+            assert_eq!(flags & 0x28, 0, "a HEADERS frame padded or with a priority");
+            blocks.push(payload.to_vec());
+        }
+        at += 9 + len;
+    }
+    blocks
+}
+
+/// An origin's `date` changes every second; indexed by HPACK, every new value would join the
+/// connection's table, and h2's encoder compares each answer's with all of them (issue #20,
+/// bench/RESULTS.md). Proxied HTTP/2 answers carry it as a literal never indexed, with the
+/// static table's name (RFC 7541 §6.2.3: `0001` and index 33 = 15 + 18, the bytes 0x1f 0x12),
+/// on a connection's first answer and on the later ones.
+#[tokio::test]
+async fn an_origins_date_is_never_indexed_over_http2() {
+    let (_up, gw) = gateway_with_server("").await;
+    let stream = TcpStream::connect(gw.running.addr).await.unwrap();
+    let read = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let io = Recorded {
+        stream,
+        read: read.clone(),
+    };
+    let (mut s, conn) = http2::handshake(TokioExecutor::new(), TokioIo::new(io))
+        .await
+        .unwrap();
+    let conn = tokio::spawn(async move { drop(conn.await) });
+    for _ in 0..3 {
+        let r = h2_get(&mut s, "p.localhost", "/").await;
+        assert_eq!(r.status(), StatusCode::OK);
+        assert!(r.headers().contains_key(http::header::DATE), "{r:?}");
+    }
+    drop(s);
+    closes("the client connection to end", conn).await;
+    let bytes = read.lock().unwrap().clone();
+    // The server's preface (its SETTINGS) comes first; frames follow one another.
+    let blocks = header_blocks(&bytes);
+    assert_eq!(blocks.len(), 3, "one HEADERS frame per answer");
+    for block in &blocks {
+        assert!(
+            block.windows(2).any(|w| w == [0x1f, 0x12]),
+            "no never-indexed date in {block:02x?}"
+        );
+    }
+}
