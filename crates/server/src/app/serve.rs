@@ -404,13 +404,12 @@ impl Serving {
             // whole routed state machine, every feature's future inlined) several times on
             // the way into the task; a box moves as a pointer.
             Box::pin(async move {
-                let resp = if refused {
+                let mut resp = if refused {
                     let id = RequestId::assign(req.headers());
                     request_id::stamp(&id, overloaded(req.version())).await
                 } else {
                     d.dispatch(req, client, &route).await
                 };
-                let mut resp = resp;
                 if h2 {
                     keep_date_out_of_hpack(resp.headers_mut());
                 }
