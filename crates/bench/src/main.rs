@@ -14,6 +14,8 @@
 //! - [`ledger`]: Redis's time per call of the shared token ledger's script, this version
 //!   against an earlier one.
 //! - [`upstream`]: the fast local origin the proxy benchmark puts behind every proxy.
+//! - [`floor`]: a reverse proxy of nthbouncer's parts (hyper, rustls, its threading) with none
+//!   of its features, the proxy benchmarks' peer that tells the stack's cost from the features'.
 //! - [`hmac`]: admitted proxy requests per second with HMAC request signing on vs off.
 //! - [`cpu`]: CPU time of the server processes, from `/proc`.
 //! - [`webhooks`]: webhook deliveries per second from a full outbox (runs the server in-process).
@@ -30,6 +32,7 @@
 
 mod converge;
 mod cpu;
+mod floor;
 mod hmac;
 mod jobs;
 mod ledger;
@@ -80,6 +83,8 @@ enum Command {
     TokenLedger(ledger::LedgerArgs),
     /// Serve a small fixed body on HTTP/1.1 keep-alive (the proxy benchmark's origin).
     Upstream(upstream::UpstreamArgs),
+    /// Reverse-proxy to a plain-HTTP origin with nthbouncer's parts and none of its features.
+    Floor(floor::FloorArgs),
     /// Async jobs accepted and completed per second vs the same requests sent synchronously.
     Jobs(jobs::JobsArgs),
     /// Webhook deliveries per second from a full outbox to a local receiver (in-process server).
@@ -121,6 +126,7 @@ fn main() -> ExitCode {
             Command::Tokens(args) => tokens::run(args).await,
             Command::TokenLedger(args) => ledger::run(args).await,
             Command::Upstream(args) => upstream::run(args).await,
+            Command::Floor(args) => floor::run(args).await,
             Command::Webhooks(args) => webhooks::run(args).await,
             Command::Jobs(args) => jobs::run(args).await,
             Command::Scale(args) => scale::run(args).await,

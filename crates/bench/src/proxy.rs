@@ -56,6 +56,10 @@ pub struct ProxyArgs {
     /// The target compared against every other proxy.
     #[arg(long, default_value = "nthbouncer")]
     subject: String,
+    /// A target whose ratios against every other proxy are printed as well (`bench/run`: the
+    /// floor proxy, nthbouncer's parts without its features).
+    #[arg(long)]
+    floor: Option<String>,
     /// Pool key, sent to every target alike (the others ignore it).
     #[arg(long)]
     key: String,
@@ -340,30 +344,12 @@ pub async fn run(args: ProxyArgs) -> Result<(), BoxError> {
         )
     );
     println!();
-    let subject = args
-        .targets
-        .iter()
-        .position(|t| t.name == args.subject)
-        .and_then(|i| totals.get(i));
     println!("ratios:");
-    for (i, (t, total)) in args.targets.iter().zip(&totals).enumerate() {
-        if i == 0 || t.name == args.subject {
-            continue;
-        }
-        if let Some(s) = subject {
-            let cpu = match (s.cpu_per_request(), total.cpu_per_request()) {
-                (Some(a), Some(b)) => {
-                    format!("; CPU per request = {:.2}", a / b.max(f64::EPSILON))
-                }
-                _ => String::new(),
-            };
-            println!(
-                "  {}/{}: req/s = {:.2}{cpu}",
-                args.subject,
-                t.name,
-                s.rate() / total.rate().max(f64::EPSILON)
-            );
-        }
+    print_ratios(&args, &totals, &args.subject);
+    // The floor (nthbouncer's parts without its features) against the same peers: the share of
+    // the gap the stack itself leaves.
+    if let Some(floor) = &args.floor {
+        print_ratios(&args, &totals, floor);
     }
     for m in &args.missing {
         println!("  {}/{} = not measured ({})", args.subject, m.name, m.value);
@@ -373,4 +359,30 @@ pub async fn run(args: ProxyArgs) -> Result<(), BoxError> {
         println!("WARNING: {errors} requests failed (see the errors column); their paths' numbers are suspect");
     }
     Ok(())
+}
+
+/// `name`'s req/s (and CPU per request) against every other target but the baseline.
+fn print_ratios(args: &ProxyArgs, totals: &[Totals], name: &str) {
+    let Some(subject) = args
+        .targets
+        .iter()
+        .position(|t| t.name == name)
+        .and_then(|i| totals.get(i))
+    else {
+        return;
+    };
+    for (i, (t, total)) in args.targets.iter().zip(totals).enumerate() {
+        if i == 0 || t.name == name {
+            continue;
+        }
+        let cpu = match (subject.cpu_per_request(), total.cpu_per_request()) {
+            (Some(a), Some(b)) => format!("; CPU per request = {:.2}", a / b.max(f64::EPSILON)),
+            _ => String::new(),
+        };
+        println!(
+            "  {name}/{}: req/s = {:.2}{cpu}",
+            t.name,
+            subject.rate() / total.rate().max(f64::EPSILON)
+        );
+    }
 }
