@@ -183,6 +183,12 @@ use fields::{Budget, Field, Fields};
 use number::parse_scaled_ceil;
 use report::tightest;
 
+/// Whether [`parse`] reads a header of this name (any ASCII case): a caller holding values
+/// that still need converting to text can skip the headers it would drop.
+pub fn reads_header(name: &str) -> bool {
+    fields::field_of(name).is_some()
+}
+
 /// Reads one upstream response's rate-limit headers.
 ///
 /// - `status`: the response status; `0` when unknown (for example an outcome reported without

@@ -288,9 +288,7 @@ pub fn split_windows(
     headers: &http::HeaderMap,
     now_ms: u64,
 ) -> Vec<(TokenPart, TokenWindow)> {
-    let pairs = headers
-        .iter()
-        .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?)));
+    let pairs = crate::upstream::outcome::rate_header_pairs(headers);
     let report = nthbouncer_ratelimit::parse(status, pairs, now_ms);
     [
         (TokenPart::Input, report.input_tokens),

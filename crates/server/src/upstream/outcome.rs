@@ -17,14 +17,20 @@ const PER_MINUTE_MS: u64 = 60_000;
 
 /// The outcome of an upstream response observed by the proxy.
 pub fn from_response(status: u16, headers: &HeaderMap, now_ms: u64) -> Outcome {
-    let pairs = headers
-        .iter()
-        .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?)));
-    let report = nthbouncer_ratelimit::parse(status, pairs, now_ms);
+    let report = nthbouncer_ratelimit::parse(status, rate_header_pairs(headers), now_ms);
     Outcome {
         via: Some(VIA_PROXY),
         ..from_report(Some(status), u32::from(status == 429), &report)
     }
+}
+
+/// An answer's headers as `nthbouncer_ratelimit::parse` takes them: only the names it reads,
+/// so only their values are checked for text.
+pub fn rate_header_pairs(headers: &HeaderMap) -> impl Iterator<Item = (&str, &str)> {
+    headers
+        .iter()
+        .filter(|(k, _)| nthbouncer_ratelimit::reads_header(k.as_str()))
+        .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?)))
 }
 
 /// Builds an outcome from a parsed report.
