@@ -324,13 +324,15 @@ fn admit<'a>(
 ) -> impl std::future::Future<Output = Response<Body>> + 'a {
     async move {
         let mut body = body;
-        let charge = if plan.asked_async {
+        // Asked here, not in `tokens::admit`: most pools have no budget, and its boxed future
+        // (an allocation and a 2 KB copy) would be made for nothing on every request.
+        let charge = if plan.asked_async || !call.pool.tokens.active() {
             None
         } else {
             // The body is read in place (for an estimate), not moved through: one copy of it
             // in the state of a waiting call.
             match Box::pin(tokens::admit(&call, &mut body, &plan)).await {
-                Ok(charge) => charge,
+                Ok(charge) => Some(charge),
                 Err(e) => {
                     let gate = call.pool.tokens.clone();
                     let mut resp = call.log.refuse(Some(&call.caller.key_id), e);

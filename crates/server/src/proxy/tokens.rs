@@ -21,17 +21,15 @@ use crate::core::error::ApiError;
 pub(super) use crate::tokens::Charge;
 use crate::tokens::{self, Estimate, ReadBody, TokenGate, UsageTap};
 
-/// Estimates the request and waits for the budget. `Ok(None)` when the pool has no token
-/// budget in force (its body untouched). The body is replaced by what was read of it.
+/// Estimates the request and waits for the budget, for a pool whose token budget is in force
+/// (`TokenGate::active`, which the caller asks first). The body is replaced by what was read
+/// of it.
 pub(super) async fn admit(
     call: &Call<'_>,
     body: &mut CallBody,
     plan: &Plan,
-) -> Result<Option<Charge>, ApiError> {
+) -> Result<Charge, ApiError> {
     let gate = &call.pool.tokens;
-    if !gate.active() {
-        return Ok(None);
-    }
     // An empty stand-in while the body is read; put back (as read) below.
     let taken = std::mem::replace(body, CallBody::Whole(Bytes::new()));
     let spec = call.pool.spec.tokens.as_ref();
@@ -75,7 +73,7 @@ pub(super) async fn admit(
                 .metrics
                 .admitted_tokens
                 .increment(estimate.total());
-            Ok(Some(charge))
+            Ok(charge)
         }
         Err(refusal) => Err(tokens::refusal_error(&estimate, refusal)),
     }

@@ -137,8 +137,8 @@ pub fn caller_headers(headers: &mut HeaderMap, consumed: &Consumed<'_>, forwarde
         remove_hop_by_hop(headers);
     }
     if ours {
-        let names: Vec<HeaderName> = headers.keys().filter(|k| is_nthpool(k)).cloned().collect();
-        for name in names {
+        // Usually one (the pool key): each removed as found, without a list allocated for them.
+        while let Some(name) = headers.keys().find(|k| is_nthpool(k)).cloned() {
             headers.remove(name);
         }
     }
