@@ -6,6 +6,7 @@
 mod conn;
 mod threads;
 
+use std::borrow::Cow;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -47,8 +48,9 @@ pub(super) struct Dispatcher {
     pub(super) api: Router,
 }
 
-/// The host a request names: `Host` (or the HTTP/2 authority), port dropped, case folded.
-fn request_host(req: &Request<Incoming>) -> Option<String> {
+/// The host a request names: `Host` (or the HTTP/2 authority), port dropped, case folded
+/// (copied only when it has upper case: clients send it lower case).
+fn request_host(req: &Request<Incoming>) -> Option<Cow<'_, str>> {
     let raw = match req.headers().get(http::header::HOST) {
         Some(h) => h.to_str().ok()?,
         None => req.uri().authority()?.as_str(),
@@ -64,7 +66,12 @@ fn request_host(req: &Request<Incoming>) -> Option<String> {
             }
         })
     };
-    Some(host.trim_end_matches('.').to_ascii_lowercase())
+    let host = host.trim_end_matches('.');
+    Some(if host.bytes().any(|b| b.is_ascii_uppercase()) {
+        Cow::Owned(host.to_ascii_lowercase())
+    } else {
+        Cow::Borrowed(host)
+    })
 }
 
 /// A request on a TLS connection opened for another name (SNI) than its `Host`, for a pool
