@@ -345,11 +345,11 @@ pub async fn run(args: ProxyArgs) -> Result<(), BoxError> {
     );
     println!();
     println!("ratios:");
-    print_ratios(&args, &totals, &args.subject);
+    print_ratios(&args, &totals, &args.subject, None);
     // The floor (nthbouncer's parts without its features) against the same peers: the share of
-    // the gap the stack itself leaves.
+    // the gap the stack itself leaves (against the subject it is the line above, inverted).
     if let Some(floor) = &args.floor {
-        print_ratios(&args, &totals, floor);
+        print_ratios(&args, &totals, floor, Some(&args.subject));
     }
     for m in &args.missing {
         println!("  {}/{} = not measured ({})", args.subject, m.name, m.value);
@@ -361,8 +361,9 @@ pub async fn run(args: ProxyArgs) -> Result<(), BoxError> {
     Ok(())
 }
 
-/// `name`'s req/s (and CPU per request) against every other target but the baseline.
-fn print_ratios(args: &ProxyArgs, totals: &[Totals], name: &str) {
+/// `name`'s req/s (and CPU per request) against every other target but the baseline and
+/// `except`.
+fn print_ratios(args: &ProxyArgs, totals: &[Totals], name: &str, except: Option<&str>) {
     let Some(subject) = args
         .targets
         .iter()
@@ -372,7 +373,7 @@ fn print_ratios(args: &ProxyArgs, totals: &[Totals], name: &str) {
         return;
     };
     for (i, (t, total)) in args.targets.iter().zip(totals).enumerate() {
-        if i == 0 || t.name == name {
+        if i == 0 || t.name == name || except == Some(t.name.as_str()) {
             continue;
         }
         let cpu = match (subject.cpu_per_request(), total.cpu_per_request()) {
