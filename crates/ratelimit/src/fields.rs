@@ -130,11 +130,18 @@ pub(crate) const KNOWN: [(&str, Field); 30] = [
 /// list is searched, which every proxied answer would otherwise pay for (about 1,000
 /// instructions for three such headers, bench/RESULTS.md).
 pub(crate) fn field_of(name: &str) -> Option<Field> {
+    let known_start = |b: &u8| matches!(b, b'x' | b'X' | b'a' | b'A' | b'r' | b'R');
+    // Decided before trimming (which tests every end character for Unicode whitespace) when
+    // the first byte is plain ASCII that no trim removes.
+    match name.as_bytes().first() {
+        Some(b) if b.is_ascii() && !char::from(*b).is_whitespace() && !known_start(b) => {
+            return None
+        }
+        None => return None,
+        _ => {}
+    }
     let name = name.trim();
-    if !matches!(
-        name.as_bytes().first(),
-        Some(b'x' | b'X' | b'a' | b'A' | b'r' | b'R')
-    ) {
+    if !name.as_bytes().first().is_some_and(known_start) {
         return None;
     }
     KNOWN
@@ -196,6 +203,8 @@ mod tests {
             assert_eq!(field_of(name), Some(field), "{name}");
             assert_eq!(field_of(&name.to_ascii_uppercase()), Some(field), "{name}");
             assert_eq!(field_of(&format!(" {name} ")), Some(field), "{name}");
+            assert_eq!(field_of(&format!("\u{a0}{name}\t")), Some(field), "{name}");
+            assert_eq!(field_of(&format!("\u{b}{name}")), Some(field), "{name}");
         }
         for other in [
             "date",
