@@ -213,6 +213,8 @@ mod tests {
             "x-request-id",
             "",
             " ",
+            " date",
+            "\u{a0}content-type",
         ] {
             assert_eq!(field_of(other), None, "{other}");
         }
